@@ -1,0 +1,5 @@
+import sys
+
+from mirrorspec.cli import main
+
+sys.exit(main())

@@ -1,0 +1,7 @@
+"""Drafting strategies behind one interface; adding a strategy is adding one class."""
+
+from mirrorspec.drafting.base import Drafter, Proposal
+from mirrorspec.drafting.draft_model import DraftModelDrafter
+from mirrorspec.drafting.ngram import NgramDrafter
+
+__all__ = ["DraftModelDrafter", "Drafter", "NgramDrafter", "Proposal"]

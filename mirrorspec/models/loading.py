@@ -1,0 +1,95 @@
+"""Loading causal LMs and tokenizers with the normal ``from_pretrained``, offline.
+
+One entry point for hub ids, local checkpoints, GGUF files and the ``demo-target`` alias, so
+every service and the CLI resolve models the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from mirrorspec.config import InvalidRequest
+
+DEMO_TARGET = "demo-target"
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase | None
+    source: str
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """EOS ids from the generation config and the tokenizer, for default stop conditions."""
+        ids: set[int] = set()
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """float32 on CPU (bf16 matmuls are slow there and coarse), bfloat16 on CUDA."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    except KeyError:
+        raise InvalidRequest(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}", field="dtype")
+
+
+def load_causal_lm(source: str, *, dtype: str = "auto", device: str = "auto", tokenizer: bool = True) -> LoadedModel:
+    """Load a model for inference from a hub id, a local path, a ``.gguf`` file or ``demo-target``."""
+    if source == DEMO_TARGET:
+        from mirrorspec.models.demo_target import ensure_demo_target
+
+        source = str(ensure_demo_target())
+    dev = resolve_device(device)
+    kwargs: dict = {"dtype": resolve_dtype(dtype, dev)}
+    path = Path(source)
+    if source.endswith(".gguf"):
+        if not path.is_file():
+            raise InvalidRequest(f"GGUF file {source} does not exist", field="model")
+        location, kwargs["gguf_file"] = str(path.parent), path.name
+    else:
+        location = source
+        if source.startswith((".", "/", "~")) and not path.exists():
+            raise InvalidRequest(f"model directory {source} does not exist", field="model")
+    model = AutoModelForCausalLM.from_pretrained(location, **kwargs).to(dev).eval()
+    tok = None
+    if tokenizer:
+        tok_kwargs = {"gguf_file": kwargs["gguf_file"]} if "gguf_file" in kwargs else {}
+        tok = AutoTokenizer.from_pretrained(location, **tok_kwargs)
+    return LoadedModel(model=model, tokenizer=tok, source=source)
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, *, chat: bool = True,
+                  system: str | None = None) -> list[int]:
+    """Token ids for a user prompt; instruct models get their chat template and the assistant cue."""
+    if not prompt:
+        raise InvalidRequest("the prompt is empty; pass some text to continue or a question to answer",
+                             field="prompt")
+    if chat and getattr(tokenizer, "chat_template", None):
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        return encode_chat(tokenizer, messages)
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -1,0 +1,80 @@
+"""A KV-cache session over one sequence: the only way the engine touches a model.
+
+The session is *context-addressed*: callers say which context they want logits for, and the
+session works out which prefix of its cache is still valid, rolls back the rest, and feeds only
+the new tokens. That single operation covers prefill, append, scoring K draft tokens in one pass
+and roll-back after a rejection, and it makes "commit verified tokens, then draft" calls natural
+for remote drafters: nothing but new tokens ever has to be resent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+from transformers import DynamicCache
+
+
+class LogitSession(Protocol):
+    """Anything that returns next-token logits for the last positions of a context.
+
+    The HF-backed ``KVSession`` is the real one; the tensor-parallel target will be another.
+    """
+
+    vocab_size: int
+
+    def logits_for(self, context: Sequence[int], num_positions: int) -> torch.Tensor: ...
+
+    def rollback(self, length: int) -> None: ...
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class KVSession:
+    """Holds one DynamicCache and the token ids it covers."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.vocab_size = int(model.config.vocab_size)
+        self.device = next(model.parameters()).device
+        self.tokens: list[int] = []
+        self._cache = DynamicCache()
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @torch.inference_mode()
+    def logits_for(self, context: Sequence[int], num_positions: int) -> torch.Tensor:
+        """Next-token logits after each of the last ``num_positions`` tokens of ``context``.
+
+        # -> [num_positions, vocab] float32, row i predicts context[len - num_positions + i + 1]
+        """
+        if not 1 <= num_positions <= len(context):
+            raise ValueError(f"num_positions must be in [1, {len(context)}], got {num_positions}")
+        keep = min(common_prefix_length(self.tokens, context), len(context) - num_positions)
+        self.rollback(keep)
+        new = torch.tensor([list(context[keep:])], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=new, past_key_values=self._cache, use_cache=True)
+        self.tokens = list(context)
+        return out.logits[0, -num_positions:].float()
+
+    def rollback(self, length: int) -> None:
+        """Forget every cached position from ``length`` on."""
+        drop = len(self.tokens) - length
+        if drop <= 0:
+            return
+        if length == 0:
+            self._cache = DynamicCache()
+        else:
+            self._cache.crop(-drop)
+        del self.tokens[length:]
+
+    def reset(self) -> None:
+        self.rollback(0)

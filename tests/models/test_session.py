@@ -1,0 +1,48 @@
+"""KV-cache roll-back correctness: the cached session must agree with full uncached forwards."""
+
+import random
+
+import torch
+
+from mirrorspec.models import KVSession, common_prefix_length
+from support import MemoSession
+
+
+def test_common_prefix_length():
+    assert common_prefix_length([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix_length([], [1]) == 0
+    assert common_prefix_length([1, 2], [1, 2]) == 2
+
+
+def test_random_append_score_and_rollback_match_full_forwards(tiny_dir):
+    import support
+
+    model = support.load(tiny_dir["target16"])
+    session, reference = KVSession(model), MemoSession(model)
+    rng = random.Random(0)
+    context = [0, 5, 9]
+    for _ in range(60):
+        op = rng.choice(["append", "score", "rollback", "diverge"])
+        if op == "rollback" and len(context) > 2:
+            context = context[: rng.randint(1, len(context) - 1)]
+        elif op == "diverge" and len(context) > 3:
+            cut = rng.randint(1, len(context) - 1)
+            context = context[:cut] + [rng.randrange(16) for _ in range(rng.randint(1, 4))]
+        else:
+            context = context + [rng.randrange(16) for _ in range(rng.randint(1, 5))]
+        n = rng.randint(1, min(len(context), 6))
+        got = session.logits_for(context, n)
+        want = reference.logits_for(context, n)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        assert session.tokens == context and len(session) == len(context)
+
+
+def test_explicit_rollback_then_rescoring_is_consistent(tiny_target):
+    session = KVSession(tiny_target)
+    full = session.logits_for([0, 1, 2, 3, 4, 5], 3)
+    session.rollback(3)
+    assert session.tokens == [0, 1, 2]
+    torch.testing.assert_close(session.logits_for([0, 1, 2, 3, 4, 5], 3), full)
+    session.rollback(0)
+    assert session.tokens == []
+    torch.testing.assert_close(session.logits_for([0, 1, 2, 3, 4, 5], 3), full)

@@ -1,0 +1,50 @@
+import numpy as np
+import pytest
+import torch
+
+from mirrorspec import InvalidRequest, SamplingParams
+from mirrorspec.sampling import target_probs
+from support import reference_probs
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [
+    (1.0, 0, 1.0), (0.7, 0, 1.0), (1.5, 0, 1.0), (1.0, 3, 1.0), (1.0, 0, 0.8), (0.7, 5, 0.9), (2.0, 1, 1.0),
+])
+def test_matches_independent_reference(temperature, top_k, top_p):
+    logits = torch.randn(20, 32, generator=torch.Generator().manual_seed(0)) * 3  # [rows, vocab]
+    p = target_probs(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
+    assert p.dtype == torch.float32
+    for row, probs in zip(logits, p):
+        np.testing.assert_allclose(probs.numpy(), reference_probs(row.numpy(), temperature, top_k, top_p), atol=1e-6)
+
+
+def test_top_p_can_keep_a_single_token():
+    logits = torch.tensor([[5.0, 1.0, 0.0, -1.0]])
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_p=0.5))
+    assert p.tolist() == [[1.0, 0.0, 0.0, 0.0]]
+
+
+def test_top_k_with_ties_keeps_exactly_k():
+    p = target_probs(torch.zeros(1, 6), SamplingParams(temperature=1.0, top_k=2))
+    assert int((p > 0).sum()) == 2
+    assert torch.allclose(p.sum(), torch.tensor(1.0))
+
+
+def test_greedy_is_one_hot_argmax_even_from_bf16():
+    logits = torch.tensor([[0.1, 3.0, 2.9, -1.0]], dtype=torch.bfloat16)
+    assert target_probs(logits, SamplingParams()).tolist() == [[0.0, 1.0, 0.0, 0.0]]
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+])
+def test_bad_parameters_name_the_field(kwargs, field):
+    with pytest.raises(InvalidRequest) as err:
+        SamplingParams(**kwargs)
+    assert err.value.field == field
+    assert field in str(err.value)

@@ -1,0 +1,125 @@
+"""Shared test helpers: tiny real Llama models, exact enumerated distributions, chi-square.
+
+The reference distribution code here is written independently of ``mirrorspec.sampling``
+(numpy, float64, explicit loops) so that a bug in the library's top-k/top-p cannot hide itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from scipy import stats
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+
+def save_tiny_llama(path: Path, seed: int, vocab: int = 8, hidden: int = 16, layers: int = 1,
+                    logit_scale: float = 3.0) -> Path:
+    """A random Llama with a tiny vocabulary, saved as an ordinary checkpoint.
+
+    The LM head is scaled so next-token distributions are far from uniform (default init gives
+    nearly flat ones, which would make every test weak).
+    """
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2,
+                         max_position_embeddings=128, tie_word_embeddings=False,
+                         bos_token_id=0, eos_token_id=vocab - 1, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale / model.lm_head.weight.std())
+    model.save_pretrained(path)
+    return path
+
+
+def load(path: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+class MemoSession:
+    """A ``LogitSession`` that runs full (uncached) forwards of a real model, memoised by context.
+
+    Statistical tests draw tens of thousands of samples from the same few contexts; memoising the
+    real model's logits keeps them fast while the engine and sampling code run unchanged.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.vocab_size = int(model.config.vocab_size)
+        self._memo: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def next_logits(self, context: Sequence[int]) -> torch.Tensor:
+        key = tuple(context)
+        if key not in self._memo:
+            with torch.inference_mode():
+                self._memo[key] = self.model(torch.tensor([key])).logits[0, -1].float()
+        return self._memo[key]
+
+    def logits_for(self, context: Sequence[int], num_positions: int) -> torch.Tensor:
+        n = len(context)
+        return torch.stack([self.next_logits(context[: n - num_positions + i + 1]) for i in range(num_positions)])
+
+    def rollback(self, length: int) -> None:
+        pass
+
+
+def reference_probs(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+    """Plain-sampling distribution, the textbook way: temperature, top-k, then nucleus."""
+    z = np.asarray(logits, dtype=np.float64) / temperature
+    order = list(np.argsort(-z, kind="stable"))
+    kept = order[:top_k] if top_k else order
+    w = np.exp(z[kept] - z[kept].max())
+    w /= w.sum()
+    if top_p < 1.0:
+        total, cut = 0.0, len(kept)
+        for i, wi in enumerate(w):
+            total += wi
+            if total >= top_p:
+                cut = i + 1
+                break
+        kept, w = kept[:cut], w[:cut] / w[:cut].sum()
+    out = np.zeros_like(z)
+    out[kept] = w
+    return out
+
+
+def exact_joint(session: MemoSession, prompt: Sequence[int], depth: int, temperature: float,
+                top_k: int = 0, top_p: float = 1.0) -> dict[tuple[int, ...], float]:
+    """P(t_1..t_depth | prompt) for every sequence, by enumeration."""
+    vocab = session.vocab_size
+    joint: dict[tuple[int, ...], float] = {}
+    for seq in itertools.product(range(vocab), repeat=depth):
+        prob = 1.0
+        for i in range(depth):
+            prob *= reference_probs(session.next_logits(list(prompt) + list(seq[:i])).numpy(),
+                                    temperature, top_k, top_p)[seq[i]]
+            if prob == 0.0:
+                break
+        joint[seq] = prob
+    return joint
+
+
+def chi_square_pvalue(samples: Sequence[tuple[int, ...]], expected: dict[tuple[int, ...], float],
+                      min_expected: float = 5.0) -> float:
+    """Goodness of fit of sampled outcomes to an exact distribution.
+
+    Outcomes with expected count < ``min_expected`` are pooled into one cell. An outcome of
+    probability zero that was sampled makes the p-value 0 outright.
+    """
+    counts = Counter(samples)
+    n = len(samples)
+    if any(expected.get(outcome, 0.0) == 0.0 for outcome in counts):
+        return 0.0
+    big = [o for o, p in expected.items() if p * n >= min_expected]
+    observed = [counts.get(o, 0) for o in big]
+    wanted = [expected[o] * n for o in big]
+    rest_expected = n - sum(wanted)
+    if rest_expected > 1e-9:
+        observed.append(n - sum(observed))
+        wanted.append(rest_expected)
+    wanted = np.array(wanted) * (sum(observed) / np.sum(wanted))  # guard float drift
+    return float(stats.chisquare(observed, wanted).pvalue)

@@ -1,0 +1,126 @@
+"""The in-process engine: greedy identity, stop/length handling, seeding, statistics, bad input."""
+
+import random
+
+import pytest
+import torch
+
+from mirrorspec import InvalidRequest, OutOfRange, SamplingParams, generate
+from mirrorspec.drafting import DraftModelDrafter, NgramDrafter
+from mirrorspec.models import encode_prompt
+
+
+def hf_greedy(model, prompt, n):
+    """HF's own greedy decoding, stopping at the model's EOS like ours does."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def random_prompts(count, vocab, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(1, 12))] for _ in range(count)]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+def test_greedy_is_token_identical_to_target_only_and_to_hf(tiny_target, tiny_draft, k):
+    for prompt in random_prompts(8, vocab=8, seed=k):
+        params = SamplingParams(max_new_tokens=20, stop_token_ids=(7,))  # 7 is the tiny models' EOS
+        baseline = generate(tiny_target, None, prompt, params).token_ids
+        assert baseline == hf_greedy(tiny_target, prompt, 20)
+        for draft in (tiny_draft, "ngram", DraftModelDrafter(tiny_draft, proposal_top_k=2)):
+            assert generate(tiny_target, draft, prompt, params, num_speculative_tokens=k).token_ids == baseline
+
+
+def test_stop_token_inside_a_window_truncates_there(tiny_target):
+    prompt = [0, 3, 5, 2]
+    full = generate(tiny_target, None, prompt, SamplingParams(max_new_tokens=30)).token_ids
+    stop = full[5]
+    params = SamplingParams(max_new_tokens=30, stop_token_ids=(stop,))
+    # the target itself as draft: every window is fully accepted, so the stop token lands mid-window
+    result = generate(tiny_target, DraftModelDrafter(tiny_target), prompt, params, num_speculative_tokens=8)
+    assert result.token_ids == full[: full.index(stop) + 1]
+    assert result.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 5, 13])
+def test_exactly_max_new_tokens_for_any_k(tiny_target, tiny_draft, max_new):
+    for k in (1, 3, 6):
+        result = generate(tiny_target, tiny_draft, [0, 1], SamplingParams(temperature=1.0, max_new_tokens=max_new),
+                          num_speculative_tokens=k, seed=3)
+        assert len(result.token_ids) == max_new and result.finish_reason == "length"
+
+
+def test_seeded_runs_reproduce_and_k0_equals_target_only(tiny_target, tiny_draft):
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=24)
+    a = generate(tiny_target, tiny_draft, [0, 4], params, num_speculative_tokens=3, seed=42)
+    b = generate(tiny_target, tiny_draft, [0, 4], params, num_speculative_tokens=3, seed=42)
+    assert a.token_ids == b.token_ids and a.seed == 42
+    outputs = {tuple(generate(tiny_target, tiny_draft, [0, 4], params, seed=s).token_ids) for s in range(8)}
+    assert len(outputs) > 1
+    # a window with no drafts is plain target sampling with the same counter-based draws
+    assert (generate(tiny_target, tiny_draft, [0, 4], params, num_speculative_tokens=0, seed=7).token_ids
+            == generate(tiny_target, None, [0, 4], params, seed=7).token_ids)
+
+
+def test_statistics_add_up(tiny_target, tiny_draft):
+    result = generate(tiny_target, tiny_draft, [0, 2, 6], SamplingParams(temperature=0.8, max_new_tokens=40),
+                      num_speculative_tokens=4, seed=1)
+    s = result.stats
+    assert 0 <= s.accepted <= s.drafted
+    assert sum(s.drafted_per_position) == s.drafted and sum(s.accepted_per_position) == s.accepted
+    assert s.accepted + s.windows >= len(result.token_ids)  # truncation at the end may drop a few
+    assert s.mean_accepted_length == pytest.approx((s.accepted + s.windows) / s.windows)
+    assert s.per_position_acceptance == sorted(s.per_position_acceptance, reverse=True)  # prefix acceptance
+    assert s.draft_time_s > 0 and s.verify_time_s > 0
+
+
+def test_n_gram_accepts_on_repetitive_text(tiny_target):
+    # tiny random models loop; prompt lookup should catch the loop and get accepted
+    result = generate(tiny_target, NgramDrafter(), [0, 3], SamplingParams(max_new_tokens=60), num_speculative_tokens=4)
+    assert result.stats.accepted > 0
+
+
+@pytest.mark.parametrize("prompt,params,k,error,field", [
+    ([], SamplingParams(), 4, InvalidRequest, "input_ids"),
+    ([0, 99], SamplingParams(), 4, InvalidRequest, "input_ids"),
+    ([0, 1], SamplingParams(max_new_tokens=500), 4, OutOfRange, "max_new_tokens"),
+    ([0, 1], SamplingParams(), 99, OutOfRange, "num_speculative_tokens"),
+    ([0, 1], SamplingParams(), -1, OutOfRange, "num_speculative_tokens"),
+])
+def test_bad_input_is_a_clear_error(tiny_target, prompt, params, k, error, field):
+    with pytest.raises(error) as err:
+        generate(tiny_target, "ngram", prompt, params, num_speculative_tokens=k)
+    assert err.value.field == field
+
+
+@pytest.fixture(scope="module")
+def quick_draft(demo_target):
+    """A quickly made same-tokenizer draft: the target's first 2 layers, its own norm and head.
+
+    Only greedy identity is tested with it, where the draft's quality does not matter.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from mirrorspec.models.demo_target import CHECKPOINT_NAME, cache_root
+
+    return AutoModelForCausalLM.from_pretrained(cache_root() / CHECKPOINT_NAME, num_hidden_layers=2,
+                                                dtype=torch.float32).eval()
+
+
+PROMPTS = [
+    "Write a Python function that checks whether a number is prime.",
+    "Explain the difference between a list and a tuple.",
+    "Give me three tips for writing clear emails.",
+    "What is the capital of France? Answer in one sentence.",
+    "def fibonacci(n):",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_identity_on_the_real_demo_target(demo_target, quick_draft, prompt):
+    ids = encode_prompt(demo_target.tokenizer, prompt)
+    params = SamplingParams(max_new_tokens=48, stop_token_ids=demo_target.stop_token_ids())
+    baseline = generate(demo_target.model, None, ids, params).token_ids
+    for draft, k in ((quick_draft, 3), ("ngram", 4), (DraftModelDrafter(quick_draft, proposal_top_k=8), 5)):
+        assert generate(demo_target.model, draft, ids, params, num_speculative_tokens=k).token_ids == baseline
