@@ -51,7 +51,10 @@ CASES = [
     Case("t1.0-k5-sparse", 1.0, 5, proposal_top_k=2, bug="residual_is_p"),
     Case("t1.5-k1-sparse", 1.5, 1, proposal_top_k=4),
     Case("t1.0-topk3-k3-dense", 1.0, 3, top_k=3),
-    Case("t1.0-topp0.9-k5-sparse", 1.0, 5, top_p=0.9, proposal_top_k=3),
+    # Here the nucleus is so tight that drafts almost never land in p's support: they are
+    # rejected whatever q says, so a lying q changes nothing (measured: identical samples).
+    # The residual is what decides, so that is the bug this case plants.
+    Case("t1.0-topp0.9-k5-sparse", 1.0, 5, top_p=0.9, proposal_top_k=3, bug="residual_is_p"),
     Case("t1.0-topk4-topp0.9-k3-dense", 1.0, 3, top_k=4, top_p=0.9, bug="residual_is_p"),
     Case("t1.0-k3-self-draft", 1.0, 3, drafter="self"),
     # a repetitive prompt, so the n-gram lookup actually drafts
