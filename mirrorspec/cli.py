@@ -32,6 +32,7 @@ FLAG_FOR_FIELD = {
     "ngram": "--draft",
     "threads": "--threads",
     "local": "--local",
+    "server": "--server",
 }
 
 
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="generate text for one prompt")
     gen.add_argument("prompt", help="the user message (chat template applied for instruct models)")
     gen.add_argument("--local", action="store_true", help="run the in-process engine instead of calling a server")
+    gen.add_argument("--server", default="127.0.0.1:50051", help="front door address (without --local)")
     gen.add_argument("--target", default="demo-target", help="target model: hub id, path, .gguf, or demo-target")
     gen.add_argument("--draft", default="ngram",
                      help="draft: 'ngram' (prompt lookup), a model path / hub id, or 'none'")
@@ -59,6 +61,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     gen.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
     gen.set_defaults(handler=cmd_generate, subparser=gen)
+
+    srv = commands.add_parser("serve", help="start drafter, target and the orchestrator's front door locally")
+    srv.add_argument("--host", default="127.0.0.1", help="front door host (backends always bind 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=50051, help="front door port")
+    srv.add_argument("--target", default="demo-target", help="target model: hub id, path, .gguf, or demo-target")
+    srv.add_argument("--draft", default="ngram", help="'ngram', a draft model path / hub id, or 'none'")
+    srv.add_argument("--k", type=int, default=4, help="default speculative tokens per window")
+    srv.add_argument("--proposal-top-k", type=int, default=32, help="sparse q width for draft models (0 = dense)")
+    srv.add_argument("--max-sessions", type=int, default=64, help="sessions per replica")
+    srv.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    srv.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    srv.add_argument("--device", default="auto")
+    srv.add_argument("--dtype", default="auto")
+    srv.set_defaults(handler=cmd_serve, subparser=srv)
     return parser
 
 
@@ -72,6 +88,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.subparser.error(f"{flag}: {err}" if flag else str(err))
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (e.g. `| head`): not an error of ours
+        sys.stdout = open(os.devnull, "w")
+        return 0
 
 
 def _quiet_transformers() -> None:
@@ -81,13 +100,9 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _check_generate_flags(args: argparse.Namespace) -> None:
+def _check_threads(args: argparse.Namespace) -> None:
     if args.threads is not None and args.threads < 1:
         raise InvalidRequest(f"must be >= 1, got {args.threads}", field="threads")
-    if not args.local:
-        raise InvalidRequest(
-            "no server to talk to yet: pass --local to run the in-process engine "
-            "(the gRPC front door arrives with `mirrorspec serve`)", field="local")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -95,7 +110,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_new_tokens=args.max_tokens)
     SpeculationConfig(num_speculative_tokens=args.k, proposal_top_k=args.proposal_top_k)
-    _check_generate_flags(args)
+    _check_threads(args)
+    if not args.local:
+        return _generate_remote(args)
     import torch
 
     from mirrorspec.engine import generate
@@ -135,6 +152,85 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_remote(args: argparse.Namespace) -> int:
+    import grpc
+
+    from mirrorspec.client import Client
+
+    options = dict(raw=args.raw, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, seed=args.seed, k=0 if args.no_speculate else args.k)
+    try:
+        with Client(args.server) as client:
+            if args.json:
+                c = client.generate(args.prompt, **options)
+                from google.protobuf.json_format import MessageToDict
+
+                print(json.dumps({"text": c.text, "token_ids": c.token_ids, "prompt_tokens": c.prompt_tokens,
+                                  "finish_reason": c.finish_reason, "seed": c.seed,
+                                  "stats": MessageToDict(c.stats, preserving_proto_field_name=True)}, indent=2))
+                return 0
+            for chunk in client.stream(args.prompt, **options):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                if chunk.finish_reason:
+                    s = chunk.stats
+                    print(f"\n[{chunk.finish_reason}; acceptance {s.acceptance_rate:.2f}, "
+                          f"{s.mean_accepted_length:.2f} tokens/pass, seed {chunk.seed}]", file=sys.stderr)
+    except grpc.RpcError as err:
+        if err.code() == grpc.StatusCode.UNAVAILABLE:
+            raise InvalidRequest(f"no mirrorspec server answers at {args.server}; start one with "
+                                 f"`mirrorspec serve`, or pass --local", field="server") from None
+        raise InvalidRequest(f"the server refused the request: {err.details()}", field=None) from None
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Three servers in this process: target, drafter, and the front door."""
+    _check_threads(args)
+    SpeculationConfig(num_speculative_tokens=args.k, proposal_top_k=args.proposal_top_k)
+    import signal
+    import threading
+
+    import torch
+
+    from drafter_service.servicer import DrafterConfig
+    from drafter_service.servicer import serve as serve_drafter
+    from mirrorspec.models import load_causal_lm
+    from mirrorspec.serving.server import BackgroundServer
+    from orchestrator.servicer import OrchestratorConfig
+    from orchestrator.servicer import serve as serve_orchestrator
+    from target_service.servicer import TargetConfig
+    from target_service.servicer import serve as serve_target
+
+    torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
+    _quiet_transformers()
+    target = load_causal_lm(args.target, dtype=args.dtype, device=args.device)
+    servers = [BackgroundServer(lambda: serve_target(TargetConfig(model=target.source, max_sessions=args.max_sessions),
+                                                     loaded=target), "target").start()]
+    drafter_address = None
+    if args.draft != "none":
+        strategy = "ngram" if args.draft == "ngram" else "draft-model"
+        config = DrafterConfig(strategy=strategy, model=None if strategy == "ngram" else args.draft,
+                               dtype=args.dtype, device=args.device, max_sessions=args.max_sessions,
+                               proposal_top_k=args.proposal_top_k)
+        servers.append(BackgroundServer(lambda: serve_drafter(config), "drafter").start())
+        drafter_address = f"127.0.0.1:{servers[-1].port}"
+    front = OrchestratorConfig(target=f"127.0.0.1:{servers[0].port}", drafter=drafter_address, host=args.host,
+                               port=args.port, num_speculative_tokens=args.k, metrics_port=args.metrics_port)
+    servers.append(BackgroundServer(lambda: serve_orchestrator(front), "orchestrator").start())
+    print(f"mirrorspec: serving on {args.host}:{servers[-1].port} (target {args.target}, draft {args.draft}, "
+          f"K={args.k}); Ctrl-C stops", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    for server in reversed(servers):
+        server.stop()
+    return 0
+
+
 def _load_draft(args: argparse.Namespace):
     if args.draft == "ngram":
         return "ngram"
@@ -144,24 +240,19 @@ def _load_draft(args: argparse.Namespace):
 
 
 class _StreamPrinter:
-    """Prints text as tokens are committed; decoding the whole output each time keeps multi-byte
-    characters that span tokens intact."""
+    """Prints text as windows commit tokens."""
 
     def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.tokens: list[int] = []
-        self.printed = ""
+        from mirrorspec.models.detokenize import IncrementalDetokenizer
+
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
 
     def push(self, tokens: list[int]) -> None:
-        self.tokens += tokens
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.startswith(self.printed) and not text.endswith("\ufffd"):
-            sys.stdout.write(text[len(self.printed):])
-            sys.stdout.flush()
-            self.printed = text
+        sys.stdout.write(self.detokenizer.push(tokens))
+        sys.stdout.flush()
 
     def finish(self) -> None:
-        sys.stdout.write("\n")
+        sys.stdout.write(self.detokenizer.flush() + "\n")
         sys.stdout.flush()
 
 

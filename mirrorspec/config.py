@@ -102,3 +102,17 @@ class ModelConfig:
     device: str = "auto"
     threads: int | None = None
     extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """What every model-serving replica (drafter or target) needs: a model, a place, bounds."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_sessions: int = 64
+    session_ttl_s: float = 600.0
+    max_speculative_tokens: int = 16

@@ -1,0 +1,1 @@
+"""The drafter replica: sessions with their own KV caches; commit-then-draft."""

@@ -1,0 +1,24 @@
+"""python -m drafter_service --strategy draft-model --model PATH --port 50062"""
+
+import argparse
+
+import torch
+
+from drafter_service.servicer import DrafterConfig, serve
+from mirrorspec.serving.server import run_until_terminated
+
+parser = argparse.ArgumentParser(prog="python -m drafter_service")
+parser.add_argument("--strategy", default="ngram", choices=["ngram", "draft-model"])
+parser.add_argument("--model", default=None, help="draft model path or hub id (strategy draft-model)")
+parser.add_argument("--host", default="127.0.0.1")
+parser.add_argument("--port", type=int, default=0)
+parser.add_argument("--dtype", default="auto")
+parser.add_argument("--device", default="auto")
+parser.add_argument("--max-sessions", type=int, default=64)
+parser.add_argument("--proposal-top-k", type=int, default=32)
+parser.add_argument("--threads", type=int, default=1, help="torch threads for this process")
+args = parser.parse_args()
+torch.set_num_threads(args.threads)
+config = DrafterConfig(strategy=args.strategy, model=args.model, host=args.host, port=args.port, dtype=args.dtype,
+                       device=args.device, max_sessions=args.max_sessions, proposal_top_k=args.proposal_top_k)
+run_until_terminated(lambda: serve(config), "drafter_service")

@@ -1,0 +1,99 @@
+"""DrafterService: a thin async servicer over the core's drafting strategies."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from mirrorspec.config import InvalidRequest, OutOfRange, ReplicaConfig
+from mirrorspec.drafting import DraftModelDrafter, Drafter, NgramDrafter
+from mirrorspec.models import LoadedModel, load_causal_lm
+from mirrorspec.serving.convert import check_token_ids, describe_model, params_from_proto, proposal_to_proto
+from mirrorspec.serving.server import ComputeLane, Service, start_grpc_server
+from mirrorspec.serving.sessions import SequenceState, SessionStore
+from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+
+
+@dataclass(frozen=True)
+class DrafterConfig(ReplicaConfig):
+    strategy: str = "ngram"  # "ngram" | "draft-model" (then `model` names the draft model)
+    proposal_top_k: int = 32  # sparse q by default: a few KB per window instead of MBs
+
+    def __post_init__(self) -> None:
+        if self.strategy not in ("ngram", "draft-model"):
+            raise InvalidRequest(f"drafter strategy must be 'ngram' or 'draft-model', got {self.strategy!r}",
+                                 field="strategy")
+        if self.strategy == "draft-model" and not self.model:
+            raise InvalidRequest("strategy 'draft-model' needs a draft model path or hub id", field="model")
+
+
+@dataclass
+class DraftSession:
+    sequence: SequenceState
+    drafter: Drafter
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
+    def __init__(self, config: DrafterConfig, loaded: LoadedModel | None = None):
+        self.config = config
+        self.loaded = loaded
+        self.vocab_size = int(loaded.model.config.vocab_size) if loaded else 1 << 31
+        self.sessions: SessionStore[DraftSession] = SessionStore(
+            config.max_sessions, config.session_ttl_s, on_evict=lambda s: s.drafter.release())
+        self.lane = ComputeLane("drafter-compute")
+        self._new_drafter: Callable[[], Drafter] = (
+            (lambda: DraftModelDrafter(loaded.model, config.proposal_top_k)) if loaded else NgramDrafter)
+
+    async def OpenSession(self, request, context):
+        params = params_from_proto(request.params, default_max_new_tokens=1)
+        prompt = check_token_ids(request.prompt_ids, self.vocab_size, "prompt_ids")
+        if not prompt:
+            raise InvalidRequest("prompt_ids is empty; a draft session needs the prompt", field="prompt_ids")
+        session_id = self.sessions.open(DraftSession(SequenceState(prompt, params, int(request.seed)),
+                                                     self._new_drafter()))
+        return drafter_pb2.OpenDraftSessionResponse(session_id=session_id)
+
+    async def Draft(self, request, context):
+        session = self.sessions.get(request.session_id)
+        if request.k > self.config.max_speculative_tokens:
+            raise OutOfRange(f"k={request.k} exceeds this drafter's max_speculative_tokens "
+                             f"({self.config.max_speculative_tokens})", field="k")
+        commit = check_token_ids(request.commit_tokens, self.vocab_size, "commit_tokens")
+        async with session.lock:
+            seq = session.sequence
+            seq.commit(commit, int(request.context_length))
+            k = int(request.k)
+            if self.loaded is not None:
+                k = min(k, self.loaded.max_context - len(seq.context))
+            started = time.perf_counter()
+            proposal = await self.lane.run(session.drafter.propose, list(seq.context), k, seq.params, seq.seed)
+        response = drafter_pb2.DraftResponse(tokens=proposal.tokens, draft_time_s=time.perf_counter() - started)
+        if proposal.tokens:
+            response.q.CopyFrom(proposal_to_proto(proposal.q))
+        return response
+
+    async def CloseSession(self, request, context):
+        return common_pb2.CloseSessionResponse(existed=self.sessions.close(request.session_id))
+
+    async def Info(self, request, context):
+        self.sessions.evict_expired()
+        info = drafter_pb2.DrafterInfo(strategy=self.config.strategy, open_sessions=len(self.sessions),
+                                       max_sessions=self.config.max_sessions,
+                                       proposal_top_k=self.config.proposal_top_k)
+        if self.loaded is not None:
+            info.model.CopyFrom(describe_model(self.loaded))
+        return info
+
+
+async def serve(config: DrafterConfig, loaded: LoadedModel | None = None):
+    """Load the draft model if the strategy needs one, and start the gRPC server."""
+    if loaded is None and config.strategy == "draft-model":
+        loaded = await asyncio.to_thread(load_causal_lm, config.model, dtype=config.dtype, device=config.device,
+                                         tokenizer=False)
+    servicer = DrafterServicer(config, loaded)
+    service = Service(drafter_pb2_grpc.add_DrafterServiceServicer_to_server, servicer,
+                      drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name)
+    return await start_grpc_server([service], config.host, config.port)

@@ -1,0 +1,104 @@
+"""Python clients for a mirrorspec front door (GenerationService), sync and asyncio.
+
+    client = Client("127.0.0.1:50051")
+    result = client.generate("Write a haiku", temperature=0.7, seed=1)
+    for chunk in client.stream("Tell me a story"):
+        print(chunk.text, end="")
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from mirrorspec.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    seed: int
+    stats: generation_pb2.RequestStats
+    prompt_tokens: int = 0
+
+
+def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *, raw: bool = False,
+                  max_tokens: int = 0, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                  seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
+                  k: int | None = None) -> generation_pb2.GenerateRequest:
+    """A GenerateRequest from Python values: a str is a user message (or raw text with raw=True),
+    a list of ints is token ids, a list of {"role", "content"} dicts is a chat."""
+    request = generation_pb2.GenerateRequest(
+        params=common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                                         max_new_tokens=max_tokens, stop_token_ids=list(stop_token_ids)),
+        stop=list(stop))
+    if isinstance(prompt, str):
+        if raw:
+            request.raw_text = prompt
+        else:
+            request.text = prompt
+    elif prompt is not None and len(prompt) and isinstance(prompt[0], dict):
+        request.chat.messages.extend(generation_pb2.ChatMessage(**m) for m in prompt)
+    elif prompt is not None:
+        request.token_ids.ids.extend(int(t) for t in prompt)
+    if seed is not None:
+        request.seed = seed
+    if k is not None:
+        request.num_speculative_tokens = k
+    return request
+
+
+def _completion(response: generation_pb2.GenerateResponse) -> Completion:
+    return Completion(response.text, list(response.token_ids), response.finish_reason, response.seed,
+                      response.stats, response.prompt_tokens)
+
+
+class Client:
+    def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float | None = None):
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
+        self.timeout_s = timeout_s
+
+    def generate(self, prompt=None, **kwargs) -> Completion:
+        return _completion(self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s))
+
+    def stream(self, prompt=None, **kwargs) -> Iterator[generation_pb2.GenerateStreamResponse]:
+        return self.stub.GenerateStream(build_request(prompt, **kwargs), timeout=self.timeout_s)
+
+    def model_info(self) -> generation_pb2.ModelInfoResponse:
+        return self.stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=self.timeout_s)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float | None = None):
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
+        self.timeout_s = timeout_s
+
+    async def generate(self, prompt=None, **kwargs) -> Completion:
+        return _completion(await self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s))
+
+    async def stream(self, prompt=None, **kwargs) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+        async for chunk in self.stub.GenerateStream(build_request(prompt, **kwargs), timeout=self.timeout_s):
+            yield chunk
+
+    async def model_info(self) -> generation_pb2.ModelInfoResponse:
+        return await self.stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=self.timeout_s)
+
+    async def close(self) -> None:
+        await self.channel.close()

@@ -1,0 +1,88 @@
+"""Compact tensor frames for the wire: msgpack maps of dtype, shape and raw little-endian bytes.
+
+Protobuf carries the envelope; tensors travel as one ``bytes`` field each, so a sparse q row of 32
+ids and probabilities costs ~256 bytes rather than a repeated-float field's per-element overhead.
+Decoding validates everything a peer could get wrong, because a malformed q silently breaks
+exactness: wrong shape, NaN, negative mass, rows not summing to 1, ids outside the vocabulary.
+"""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import torch
+
+from mirrorspec.config import InvalidRequest
+from mirrorspec.sampling import ProposalRows
+
+_DTYPES = {"float32": np.float32, "float16": np.float16, "int32": np.int32, "int64": np.int64}
+Q_SUM_TOLERANCE = 1e-3
+
+
+def encode_tensor(tensor: torch.Tensor) -> bytes:
+    array = tensor.detach().cpu().contiguous().numpy()
+    dtype = str(array.dtype)
+    if dtype not in _DTYPES:
+        raise TypeError(f"cannot frame dtype {dtype}; supported: {sorted(_DTYPES)}")
+    return msgpack.packb({"dtype": dtype, "shape": list(array.shape), "data": array.astype(array.dtype.newbyteorder("<")).tobytes()})
+
+
+def decode_tensor(frame: bytes, *, name: str = "tensor") -> torch.Tensor:
+    try:
+        header = msgpack.unpackb(frame)
+        dtype, shape, data = header["dtype"], header["shape"], header["data"]
+    except Exception as err:  # noqa: BLE001 - any garbage from the wire is the caller's error
+        raise InvalidRequest(f"{name} is not a valid tensor frame ({err}); encode it with mirrorspec.codec",
+                             field=name) from None
+    if dtype not in _DTYPES:
+        raise InvalidRequest(f"{name} has unsupported dtype {dtype!r}; use one of {sorted(_DTYPES)}", field=name)
+    np_dtype = np.dtype(_DTYPES[dtype]).newbyteorder("<")
+    count = int(np.prod(shape)) if shape else 1
+    if any(int(d) < 0 for d in shape) or count * np_dtype.itemsize != len(data):
+        raise InvalidRequest(f"{name} frame says shape {shape} of {dtype} but carries {len(data)} bytes", field=name)
+    return torch.from_numpy(np.frombuffer(data, dtype=np_dtype).astype(_DTYPES[dtype]).reshape(shape))
+
+
+def encode_proposal(rows: ProposalRows) -> tuple[bytes, bytes | None]:
+    """(probs frame, ids frame or None for dense q)."""
+    probs = encode_tensor(rows.probs.float())
+    ids = encode_tensor(rows.ids.to(torch.int32)) if rows.ids is not None else None
+    return probs, ids
+
+
+def decode_proposal(probs_frame: bytes, ids_frame: bytes | None, *, num_tokens: int, vocab_size: int,
+                    draft_tokens: list[int] | None = None) -> ProposalRows:
+    """A validated q: one row per draft token, a proper distribution in each row, containing the draft."""
+    probs = decode_tensor(probs_frame, name="q.probs").float()
+    if probs.dim() != 2 or probs.shape[0] != num_tokens:
+        raise InvalidRequest(f"q.probs must have shape [{num_tokens}, m] (one row per draft token), "
+                             f"got {list(probs.shape)}", field="q")
+    if not torch.isfinite(probs).all():
+        raise InvalidRequest("q.probs contains NaN or infinity", field="q")
+    if (probs < 0).any():
+        raise InvalidRequest("q.probs contains negative probabilities", field="q")
+    sums = probs.sum(-1)
+    if ((sums - 1).abs() > Q_SUM_TOLERANCE).any():
+        raise InvalidRequest(f"each q row must sum to 1 (±{Q_SUM_TOLERANCE}); row sums are "
+                             f"{[round(float(s), 6) for s in sums]}", field="q")
+    ids = None
+    if ids_frame:
+        ids = decode_tensor(ids_frame, name="q.ids").long()
+        if ids.shape != probs.shape:
+            raise InvalidRequest(f"q.ids shape {list(ids.shape)} must equal q.probs shape {list(probs.shape)}",
+                                 field="q")
+        if ((ids < 0) | (ids >= vocab_size)).any():
+            raise InvalidRequest(f"q.ids must lie in [0, {vocab_size})", field="q")
+    elif num_tokens and probs.shape[1] != vocab_size:
+        raise InvalidRequest(f"dense q.probs must have {vocab_size} columns (the vocabulary), got {probs.shape[1]}",
+                             field="q")
+    rows = ProposalRows(probs=probs, ids=ids)
+    if draft_tokens and not all(0 <= t < vocab_size for t in draft_tokens):
+        raise InvalidRequest(f"draft token ids must lie in [0, {vocab_size})", field="draft_tokens")
+    if draft_tokens:
+        dense = rows.dense(vocab_size)
+        mass = dense.gather(-1, torch.tensor(draft_tokens).unsqueeze(-1)).squeeze(-1)
+        if (mass <= 0).any():
+            raise InvalidRequest("a draft token has zero probability under its own q row; "
+                                 "q must be the distribution each draft was sampled from", field="q")
+    return rows

@@ -1,0 +1,1 @@
+"""Pieces every mirrorspec gRPC server shares: errors and their status codes, sessions, servers."""

@@ -1,0 +1,69 @@
+"""Protobuf <-> domain objects, in one place, so servicers stay thin."""
+
+from __future__ import annotations
+
+from mirrorspec.codec import decode_proposal, encode_proposal
+from mirrorspec.config import InvalidRequest, SamplingParams
+from mirrorspec.drafting import Proposal
+from mirrorspec.models import LoadedModel
+from mirrorspec.sampling import ProposalRows, TokenKind
+from mirrorspec.v1 import common_pb2
+
+
+def params_from_proto(msg: common_pb2.SamplingParams, *, default_max_new_tokens: int = 128) -> SamplingParams:
+    """Unset fields mean "off" / server default; validation errors name the field."""
+    return SamplingParams(
+        temperature=float(msg.temperature),
+        top_k=int(msg.top_k),
+        top_p=float(msg.top_p) if msg.top_p else 1.0,
+        max_new_tokens=int(msg.max_new_tokens) or default_max_new_tokens,
+        stop_token_ids=tuple(msg.stop_token_ids),
+    )
+
+
+def params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                                     max_new_tokens=params.max_new_tokens, stop_token_ids=params.stop_token_ids)
+
+
+def proposal_to_proto(rows: ProposalRows) -> common_pb2.ProposalDistribution:
+    probs, ids = encode_proposal(rows)
+    msg = common_pb2.ProposalDistribution(probs=common_pb2.TensorFrame(frame=probs))
+    if ids is not None:
+        msg.ids.frame = ids
+    return msg
+
+
+def proposal_from_proto(tokens, q: common_pb2.ProposalDistribution, vocab_size: int) -> Proposal:
+    tokens = tuple(int(t) for t in tokens)
+    if not tokens:
+        return Proposal.empty()
+    if not q.probs.frame:
+        raise InvalidRequest(f"{len(tokens)} draft tokens came without their q; send q with one row per draft",
+                             field="q")
+    rows = decode_proposal(q.probs.frame, q.ids.frame or None, num_tokens=len(tokens), vocab_size=vocab_size,
+                           draft_tokens=list(tokens))
+    return Proposal(tokens=tokens, q=rows)
+
+
+TOKEN_KIND_TO_PROTO = {
+    TokenKind.ACCEPTED: common_pb2.TOKEN_KIND_ACCEPTED,
+    TokenKind.RECOVERED: common_pb2.TOKEN_KIND_RECOVERED,
+    TokenKind.BONUS: common_pb2.TOKEN_KIND_BONUS,
+}
+TOKEN_KIND_FROM_PROTO = {v: k for k, v in TOKEN_KIND_TO_PROTO.items()}
+
+
+def check_token_ids(ids, vocab_size: int, field: str) -> list[int]:
+    ids = [int(t) for t in ids]
+    bad = [t for t in ids if t >= vocab_size]
+    if bad:
+        raise InvalidRequest(f"{field} holds ids {bad[:5]} outside the vocabulary [0, {vocab_size})", field=field)
+    return ids
+
+
+def describe_model(loaded: LoadedModel) -> common_pb2.ModelDescription:
+    model = loaded.model
+    return common_pb2.ModelDescription(
+        source=loaded.source, architecture=type(model).__name__, vocab_size=int(model.config.vocab_size),
+        max_context=loaded.max_context, device=str(model.device), dtype=str(model.dtype).removeprefix("torch."))

@@ -1,0 +1,105 @@
+"""Domain errors and the one interceptor that turns them into gRPC status codes.
+
+Servicers raise plain Python exceptions; this module is the single place that decides which
+status a client sees, so every server answers the same mistake the same way and none crashes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+
+from mirrorspec.config import InvalidRequest, OutOfRange
+
+log = logging.getLogger(__name__)
+
+
+class SessionNotFound(KeyError):
+    def __str__(self) -> str:
+        return (f"unknown session {self.args[0]!r}: it was closed, expired or never opened; "
+                f"open a new one with OpenSession")
+
+
+class SessionLimitReached(RuntimeError):
+    """The replica holds as many sessions as it is configured for."""
+
+
+class ContextMismatch(RuntimeError):
+    """The caller's view of a session's context disagrees with the server's."""
+
+
+def status_for(err: BaseException) -> grpc.StatusCode:
+    if isinstance(err, OutOfRange):
+        return grpc.StatusCode.OUT_OF_RANGE
+    if isinstance(err, InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(err, SessionNotFound):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(err, SessionLimitReached):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(err, ContextMismatch):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(err, grpc.RpcError) and hasattr(err, "code"):
+        # a backend refused or failed: pass on what the caller can act on, else UNAVAILABLE
+        return err.code() if err.code() in _PASS_THROUGH else grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL
+
+
+_PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+
+
+class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps every unary and server-streaming handler; unknown errors become INTERNAL, logged."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        return handler
+
+
+async def _abort(context: grpc.aio.ServicerContext, err: Exception, method: str) -> None:
+    code = status_for(err)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("internal error in %s", method)
+    message = str(err) or type(err).__name__
+    if isinstance(err, grpc.RpcError) and hasattr(err, "details"):
+        message = f"a backend answered {err.code().name}: {err.details()}"
+    await context.abort(code, message)
+
+
+def _wrap_unary(fn: Callable[..., Awaitable], method: str):
+    async def wrapped(request, context):
+        try:
+            return await fn(request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as err:  # noqa: BLE001 - mapped to a status, never a crash
+            await _abort(context, err, method)
+    return wrapped
+
+
+def _wrap_stream(fn: Callable[..., AsyncIterator], method: str):
+    async def wrapped(request, context):
+        try:
+            async for item in fn(request, context):
+                yield item
+        except grpc.aio.AbortError:
+            raise
+        except Exception as err:  # noqa: BLE001
+            await _abort(context, err, method)
+    return wrapped

@@ -1,0 +1,124 @@
+"""Building and running a mirrorspec gRPC server: the interceptor, health, reflection, one port.
+
+Servers do not care how they are launched: ``start_grpc_server`` is awaited inside any event loop
+(a ``python -m`` process, a Ray actor, a test), and ``BackgroundServer`` runs one in a thread of
+its own for embedding and tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from mirrorspec.serving.errors import ExceptionToStatusInterceptor
+
+# Dense q rows of a 49k vocabulary are ~200 KB each; leave room for K = 16 of them.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    port: int
+    servicers: list[object]
+
+
+@dataclass
+class Service:
+    """One servicer to mount: the generated ``add_*_to_server`` function and the full service name."""
+
+    add_to_server: Callable
+    servicer: object
+    name: str
+
+
+async def start_grpc_server(services: list[Service], host: str, port: int) -> RunningServer:
+    server = grpc.aio.server(interceptors=[ExceptionToStatusInterceptor()], options=CHANNEL_OPTIONS)
+    for service in services:
+        service.add_to_server(service.servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [s.name for s in services]
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind a gRPC server to {host}:{port}; is the port in use?")
+    await server.start()
+    for name in ["", *names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return RunningServer(server, bound, [s.servicer for s in services])
+
+
+class ComputeLane:
+    """One thread for model work per server, like a GPU stream: forwards run one at a time, and
+    the event loop stays free for health checks, new sessions and cancellations."""
+
+    def __init__(self, name: str):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    async def run(self, fn: Callable, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class BackgroundServer:
+    """Runs an async server factory on its own event loop in a daemon thread."""
+
+    def __init__(self, factory: Callable[[], Awaitable[RunningServer]], name: str = "grpc"):
+        self._factory = factory
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
+        self.running: RunningServer | None = None
+
+    def start(self, timeout: float = 120.0) -> BackgroundServer:
+        self._thread.start()
+        self.running = asyncio.run_coroutine_threadsafe(self._factory(), self._loop).result(timeout)
+        return self
+
+    @property
+    def port(self) -> int:
+        return self.running.port
+
+    @property
+    def servicer(self):
+        return self.running.servicers[0]
+
+    def stop(self, grace: float = 0.5) -> None:
+        if self.running is not None:
+            asyncio.run_coroutine_threadsafe(self.running.server.stop(grace), self._loop).result(grace + 5)
+            self.running = None
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def run_until_terminated(factory: Callable[[], Awaitable[RunningServer]], banner: str) -> None:
+    """For ``python -m <service>``: start, print where it listens (for launchers to parse), serve."""
+
+    async def main() -> None:
+        running = await factory()
+        print(f"{banner} listening on port {running.port}", flush=True)
+        await running.server.wait_for_termination()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass

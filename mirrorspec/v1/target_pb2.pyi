@@ -1,0 +1,70 @@
+from mirrorspec.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class OpenTargetSessionRequest(_message.Message):
+    __slots__ = ("prompt_ids", "params", "seed")
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: _common_pb2.SamplingParams
+    seed: int
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class OpenTargetSessionResponse(_message.Message):
+    __slots__ = ("session_id", "prefill_time_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prefill_time_s: float
+    def __init__(self, session_id: _Optional[str] = ..., prefill_time_s: _Optional[float] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("session_id", "commit_tokens", "context_length", "draft_tokens", "q")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    commit_tokens: _containers.RepeatedScalarFieldContainer[int]
+    context_length: int
+    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    q: _common_pb2.ProposalDistribution
+    def __init__(self, session_id: _Optional[str] = ..., commit_tokens: _Optional[_Iterable[int]] = ..., context_length: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[_common_pb2.ProposalDistribution, _Mapping]] = ...) -> None: ...
+
+class Verdict(_message.Message):
+    __slots__ = ("num_accepted", "next_token", "next_kind", "verify_time_s")
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NEXT_KIND_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    num_accepted: int
+    next_token: int
+    next_kind: _common_pb2.TokenKind
+    verify_time_s: float
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., next_kind: _Optional[_Union[_common_pb2.TokenKind, str]] = ..., verify_time_s: _Optional[float] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("verdict",)
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    verdict: Verdict
+    def __init__(self, verdict: _Optional[_Union[Verdict, _Mapping]] = ...) -> None: ...
+
+class TargetInfo(_message.Message):
+    __slots__ = ("model", "open_sessions", "max_sessions", "max_speculative_tokens")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model: _common_pb2.ModelDescription
+    open_sessions: int
+    max_sessions: int
+    max_speculative_tokens: int
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelDescription, _Mapping]] = ..., open_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_speculative_tokens: _Optional[int] = ...) -> None: ...

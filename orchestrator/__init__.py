@@ -1,0 +1,1 @@
+"""The orchestrator: the client-facing GenerationService, driving drafters and targets over gRPC."""

@@ -1,0 +1,18 @@
+"""python -m orchestrator --target 127.0.0.1:50061 --drafter 127.0.0.1:50062 --port 50051"""
+
+import argparse
+
+from mirrorspec.serving.server import run_until_terminated
+from orchestrator.servicer import OrchestratorConfig, serve
+
+parser = argparse.ArgumentParser(prog="python -m orchestrator")
+parser.add_argument("--target", required=True, help="host:port of a TargetService")
+parser.add_argument("--drafter", default=None, help="host:port of a DrafterService (omit: target-only)")
+parser.add_argument("--host", default="127.0.0.1")
+parser.add_argument("--port", type=int, default=50051)
+parser.add_argument("--k", type=int, default=4, help="default speculative tokens per window")
+parser.add_argument("--metrics-port", type=int, default=None)
+args = parser.parse_args()
+config = OrchestratorConfig(target=args.target, drafter=args.drafter, host=args.host, port=args.port,
+                            num_speculative_tokens=args.k, metrics_port=args.metrics_port)
+run_until_terminated(lambda: serve(config), "orchestrator")

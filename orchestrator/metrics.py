@@ -1,0 +1,51 @@
+"""Prometheus metrics, named like vLLM's spec-decode counters, on a registry of our own
+(no process-global state, so several orchestrators can live in one process, as in tests)."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
+
+
+class SpecDecodeMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.num_drafts = Counter("mirrorspec_spec_decode_num_drafts", "Windows verified", registry=r)
+        self.num_draft_tokens = Counter("mirrorspec_spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
+        self.num_accepted_tokens = Counter("mirrorspec_spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                           registry=r)
+        self.accepted_per_pos = Counter("mirrorspec_spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted at each window position", ["position"], registry=r)
+        self.requests = Counter("mirrorspec_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.drafter_fallbacks = Counter("mirrorspec_drafter_fallbacks", "Requests that lost their drafter",
+                                         registry=r)
+        self.generation_tokens = Counter("mirrorspec_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("mirrorspec_time_to_first_token_seconds", "Time to first token", registry=r)
+        self.inter_token = Histogram("mirrorspec_inter_token_latency_seconds", "Mean time per output token",
+                                     registry=r)
+        self.e2e = Histogram("mirrorspec_e2e_request_latency_seconds", "Request latency", registry=r)
+
+    def observe(self, outcome) -> None:
+        s = outcome.stats
+        self.num_drafts.inc(s.windows)
+        self.num_draft_tokens.inc(s.drafted)
+        self.num_accepted_tokens.inc(s.accepted)
+        for position, count in enumerate(s.accepted_per_position):
+            self.accepted_per_pos.labels(position=str(position)).inc(count)
+        self.requests.labels(finish_reason=outcome.finish_reason).inc()
+        self.drafter_fallbacks.inc(int(outcome.drafter_fallback))
+        self.generation_tokens.inc(len(outcome.tokens))
+        total = time.perf_counter() - outcome.started
+        self.e2e.observe(total)
+        if outcome.first_token_at is not None:
+            self.ttft.observe(outcome.first_token_at - outcome.started)
+            if len(outcome.tokens) > 1:
+                self.inter_token.observe((total - (outcome.first_token_at - outcome.started)) / (len(outcome.tokens) - 1))
+
+    def text(self) -> str:
+        return generate_latest(self.registry).decode()
+
+    def serve(self, host: str, port: int) -> None:
+        start_http_server(port, addr=host, registry=self.registry)

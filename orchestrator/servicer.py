@@ -1,0 +1,294 @@
+"""GenerationService: the client-facing front door.
+
+Each request opens a session on a drafter and on a target, then runs the core's
+``decode_windows`` loop over gRPC in a worker thread (the loop is synchronous and written once),
+streaming every window's tokens back to the event loop. The orchestrator owns the token log, so
+a drafter failure only turns speculation off for that request, and a lost target session is
+reopened from the log. Cancellation and deadlines stop the loop and close both sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+
+import grpc
+
+from mirrorspec.config import InvalidRequest, OutOfRange, SamplingParams, SpeculationConfig
+from mirrorspec.engine import GenerationStats, WindowEvent, decode_windows
+from mirrorspec.models import encode_chat, encode_prompt
+from mirrorspec.models.detokenize import IncrementalDetokenizer
+from mirrorspec.sampling import fresh_seed
+from mirrorspec.serving.convert import check_token_ids, params_from_proto
+from mirrorspec.serving.server import CHANNEL_OPTIONS, Service, start_grpc_server
+from mirrorspec.v1 import (
+    common_pb2,
+    drafter_pb2_grpc,
+    generation_pb2,
+    generation_pb2_grpc,
+    target_pb2_grpc,
+)
+from orchestrator.metrics import SpecDecodeMetrics
+from orchestrator.remote import RemoteDrafter, RemoteVerifier
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    target: str  # host:port of a TargetService
+    drafter: str | None  # host:port of a DrafterService; None = target-only
+    host: str = "127.0.0.1"
+    port: int = 50051
+    tokenizer: str | None = None  # default: the target's own model source, if it has a tokenizer
+    num_speculative_tokens: int = 4
+    max_speculative_tokens: int = 16
+    default_max_new_tokens: int = 128
+    max_concurrent_requests: int = 64
+    backend_timeout_s: float = 120.0
+    metrics_port: int | None = None  # Prometheus text endpoint on host:metrics_port
+
+
+@dataclass
+class PreparedRequest:
+    prompt: list[int]
+    params: SamplingParams
+    spec: SpeculationConfig
+    seed: int
+    stop_strings: tuple[str, ...]
+
+
+@dataclass
+class RequestOutcome:
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    drafter_fallback: bool = False
+    network_s: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+
+_DONE = object()
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
+    def __init__(self, config: OrchestratorConfig, target_info, drafter_info, tokenizer, metrics: SpecDecodeMetrics):
+        self.config = config
+        self.target_info = target_info
+        self.drafter_info = drafter_info
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.vocab_size = int(target_info.model.vocab_size)
+        self.max_context = int(target_info.model.max_context)
+        self._target = target_pb2_grpc.TargetServiceStub(_channel(config.target))
+        self._drafter = drafter_pb2_grpc.DrafterServiceStub(_channel(config.drafter)) if config.drafter else None
+        self._workers = ThreadPoolExecutor(max_workers=config.max_concurrent_requests,
+                                           thread_name_prefix="request")
+        self.eos_ids = tuple(_eos_ids(tokenizer))
+
+    # ---- RPCs -------------------------------------------------------------------------------
+    async def Generate(self, request, context):
+        prepared = self.prepare(request)
+        outcome = RequestOutcome()
+        async for _ in self._run(prepared, outcome, context):
+            pass
+        return generation_pb2.GenerateResponse(
+            text=self._text(outcome.tokens), token_ids=outcome.tokens,
+            finish_reason=outcome.finish_reason, seed=prepared.seed, stats=self._stats(outcome),
+            prompt_tokens=len(prepared.prompt))
+
+    async def GenerateStream(self, request, context):
+        prepared = self.prepare(request)
+        outcome = RequestOutcome()
+        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
+        async for tokens in self._run(prepared, outcome, context):
+            yield generation_pb2.GenerateStreamResponse(token_ids=tokens, text=detok.push(tokens) if detok else "",
+                                                        seed=prepared.seed)
+        yield generation_pb2.GenerateStreamResponse(
+            text=detok.flush() if detok else "", finish_reason=outcome.finish_reason,
+            stats=self._stats(outcome), seed=prepared.seed)
+
+    async def ModelInfo(self, request, context):
+        info = generation_pb2.ModelInfoResponse(
+            target=self.target_info.model, drafter_strategy=self.drafter_info.strategy if self.drafter_info else "none",
+            default_num_speculative_tokens=self.config.num_speculative_tokens,
+            max_speculative_tokens=self.config.max_speculative_tokens)
+        if self.drafter_info is not None and self.drafter_info.HasField("model"):
+            info.draft.CopyFrom(self.drafter_info.model)
+        return info
+
+    # ---- request preparation ----------------------------------------------------------------
+    def prepare(self, request) -> PreparedRequest:
+        params = params_from_proto(request.params, default_max_new_tokens=self.config.default_max_new_tokens)
+        params = replace(params, stop_token_ids=tuple(sorted(set(params.stop_token_ids) | set(self.eos_ids))))
+        k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") \
+            else self.config.num_speculative_tokens
+        spec = SpeculationConfig(num_speculative_tokens=int(k), max_speculative_tokens=self.config.max_speculative_tokens)
+        if any(not s for s in request.stop):
+            raise InvalidRequest("stop strings must be non-empty", field="stop")
+        prompt = self._prompt_ids(request)
+        if len(prompt) + params.max_new_tokens > self.max_context:
+            raise OutOfRange(f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                             f"context window of {self.max_context}; lower max_new_tokens", field="max_new_tokens")
+        seed = request.seed if request.HasField("seed") else fresh_seed()
+        return PreparedRequest(prompt, params, spec, int(seed), tuple(request.stop))
+
+    def _prompt_ids(self, request) -> list[int]:
+        kind = request.WhichOneof("input")
+        if kind is None:
+            raise InvalidRequest("the request has no input; set one of text, chat, raw_text or token_ids",
+                                 field="input")
+        if kind == "token_ids":
+            ids = check_token_ids(request.token_ids.ids, self.vocab_size, "token_ids")
+            if not ids:
+                raise InvalidRequest("token_ids is empty; pass at least one prompt token", field="token_ids")
+            return ids
+        if self.tokenizer is None:
+            raise InvalidRequest("this deployment has no tokenizer; send token_ids instead of text", field=kind)
+        if kind == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            if not messages or not any(m["content"] for m in messages):
+                raise InvalidRequest("chat has no non-empty message", field="chat")
+            return encode_chat(self.tokenizer, messages)
+        return encode_prompt(self.tokenizer, getattr(request, kind), chat=kind == "text")
+
+    # ---- the loop -----------------------------------------------------------------------------
+    async def _run(self, prepared: PreparedRequest, outcome: RequestOutcome, context) -> AsyncIterator[list[int]]:
+        """Runs the window loop in a worker thread, yielding each window's committed tokens."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancelled = threading.Event()
+        remaining = context.time_remaining() if context is not None else None
+        timeout = min(self.config.backend_timeout_s, remaining) if remaining else self.config.backend_timeout_s
+
+        def emit(item) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        def work() -> None:
+            try:
+                self._drive(prepared, outcome, timeout, cancelled, emit)
+                emit(_DONE)
+            except BaseException as err:  # noqa: BLE001 - handed to the event loop, mapped to a status there
+                emit(err)
+
+        loop.run_in_executor(self._workers, work)
+        try:
+            while True:
+                item = await queue.get()
+                if item is _DONE:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                if outcome.first_token_at is None:
+                    outcome.first_token_at = time.perf_counter()
+                yield item
+        finally:
+            cancelled.set()  # client went away, deadline passed, or done: the worker stops and closes sessions
+        self.metrics.observe(outcome)
+
+    def _drive(self, prepared: PreparedRequest, outcome: RequestOutcome, timeout: float,
+               cancelled: threading.Event, emit) -> None:
+        verifier = RemoteVerifier(self._target, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
+                                  timeout_s=timeout)
+        drafter = None
+        if self._drafter is not None and prepared.spec.num_speculative_tokens > 0:
+            drafter = RemoteDrafter(self._drafter, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
+                                    timeout_s=timeout)
+        stop_check = _StopStrings(self.tokenizer, prepared.stop_strings) if prepared.stop_strings else None
+        try:
+            for event in decode_windows(drafter, verifier, prepared.prompt, prepared.params, prepared.spec,
+                                        prepared.seed, outcome.stats):
+                if cancelled.is_set():
+                    outcome.finish_reason = "cancelled"
+                    return
+                tokens, finish = event.tokens, event.finish_reason
+                if stop_check is not None:
+                    tokens, hit = stop_check.cut(outcome.tokens, tokens)
+                    finish = "stop" if hit else finish
+                outcome.tokens += tokens
+                if tokens:
+                    emit(tokens)
+                if finish:
+                    outcome.finish_reason = finish
+                    return
+        finally:
+            outcome.drafter_fallback = drafter is not None and drafter.failure is not None
+            outcome.network_s = verifier.times.network_s + (drafter.times.network_s if drafter else 0.0)
+            verifier.release()
+            if drafter is not None:
+                drafter.release()
+
+    # ---- responses ----------------------------------------------------------------------------
+    def _text(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer else ""
+
+    def _stats(self, outcome: RequestOutcome) -> generation_pb2.RequestStats:
+        s = outcome.stats
+        ttft = (outcome.first_token_at - outcome.started) if outcome.first_token_at else 0.0
+        return generation_pb2.RequestStats(
+            windows=s.windows, drafted=s.drafted, accepted=s.accepted, acceptance_rate=s.acceptance_rate,
+            mean_accepted_length=s.mean_accepted_length, per_position_acceptance=s.per_position_acceptance,
+            draft_time_s=s.draft_time_s, verify_time_s=s.verify_time_s, network_time_s=outcome.network_s,
+            drafter_fallback=outcome.drafter_fallback, time_to_first_token_s=ttft,
+            total_time_s=time.perf_counter() - outcome.started)
+
+
+class _StopStrings:
+    """Stop strings are matched on decoded text; the window's tokens are cut at the first token
+    whose text completes a match."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...]):
+        if tokenizer is None:
+            raise InvalidRequest("stop strings need a tokenizer; this deployment has none", field="stop")
+        self.tokenizer = tokenizer
+        self.stops = stops
+
+    def cut(self, before: list[int], tokens: list[int]) -> tuple[list[int], bool]:
+        for i in range(1, len(tokens) + 1):
+            text = self.tokenizer.decode(before + tokens[:i], skip_special_tokens=True)
+            if any(stop in text for stop in self.stops):
+                return tokens[:i], True
+        return tokens, False
+
+
+def _channel(address: str) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def _eos_ids(tokenizer) -> list[int]:
+    return [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
+
+
+def _load_tokenizer(source: str | None):
+    """The tokenizer, if the model source has one (tiny test models have none)."""
+    if not source:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+async def serve(config: OrchestratorConfig):
+    """Connect to the backends, then start the front door."""
+    target_stub = target_pb2_grpc.TargetServiceStub(_channel(config.target))
+    target_info = await asyncio.to_thread(target_stub.Info, common_pb2.InfoRequest(), timeout=60,
+                                          wait_for_ready=True)
+    drafter_info = None
+    if config.drafter:
+        drafter_stub = drafter_pb2_grpc.DrafterServiceStub(_channel(config.drafter))
+        drafter_info = await asyncio.to_thread(drafter_stub.Info, common_pb2.InfoRequest(), timeout=60,
+                                               wait_for_ready=True)
+    tokenizer = await asyncio.to_thread(_load_tokenizer, config.tokenizer or target_info.model.source)
+    metrics = SpecDecodeMetrics()
+    if config.metrics_port is not None:
+        metrics.serve(config.host, config.metrics_port)
+    servicer = GenerationServicer(config, target_info, drafter_info, tokenizer, metrics)
+    service = Service(generation_pb2_grpc.add_GenerationServiceServicer_to_server, servicer,
+                      generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name)
+    return await start_grpc_server([service], config.host, config.port)

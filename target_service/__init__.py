@@ -1,0 +1,1 @@
+"""The target replica: prefill, and one-pass verification with exact rejection sampling."""

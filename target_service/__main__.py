@@ -1,0 +1,22 @@
+"""python -m target_service --model demo-target --port 50061"""
+
+import argparse
+
+import torch
+
+from mirrorspec.serving.server import run_until_terminated
+from target_service.servicer import TargetConfig, serve
+
+parser = argparse.ArgumentParser(prog="python -m target_service")
+parser.add_argument("--model", default="demo-target")
+parser.add_argument("--host", default="127.0.0.1")
+parser.add_argument("--port", type=int, default=0)
+parser.add_argument("--dtype", default="auto")
+parser.add_argument("--device", default="auto")
+parser.add_argument("--max-sessions", type=int, default=64)
+parser.add_argument("--threads", type=int, default=1, help="torch threads for this process")
+args = parser.parse_args()
+torch.set_num_threads(args.threads)
+config = TargetConfig(model=args.model, host=args.host, port=args.port, dtype=args.dtype, device=args.device,
+                      max_sessions=args.max_sessions)
+run_until_terminated(lambda: serve(config), "target_service")

@@ -1,0 +1,99 @@
+"""TargetService: a thin async servicer over the core's ``TargetVerifier``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from mirrorspec.config import OutOfRange, ReplicaConfig
+from mirrorspec.engine import TargetVerifier, validate_prompt
+from mirrorspec.models import KVSession, LoadedModel, load_causal_lm
+from mirrorspec.serving.convert import (
+    TOKEN_KIND_TO_PROTO,
+    check_token_ids,
+    describe_model,
+    params_from_proto,
+    proposal_from_proto,
+)
+from mirrorspec.serving.server import ComputeLane, Service, start_grpc_server
+from mirrorspec.serving.sessions import SequenceState, SessionStore
+from mirrorspec.v1 import common_pb2, target_pb2, target_pb2_grpc
+
+
+@dataclass(frozen=True)
+class TargetConfig(ReplicaConfig):
+    model: str = "demo-target"
+
+
+@dataclass
+class TargetSession:
+    sequence: SequenceState
+    verifier: TargetVerifier
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    def __init__(self, loaded: LoadedModel, config: TargetConfig):
+        self.loaded = loaded
+        self.config = config
+        self.vocab_size = int(loaded.model.config.vocab_size)
+        self.sessions: SessionStore[TargetSession] = SessionStore(config.max_sessions, config.session_ttl_s)
+        self.lane = ComputeLane("target-compute")
+
+    async def OpenSession(self, request, context):
+        # max_new_tokens only feeds the context check here; unset means "the prompt must fit"
+        params = params_from_proto(request.params, default_max_new_tokens=1)
+        prompt = check_token_ids(request.prompt_ids, self.vocab_size, "prompt_ids")
+        prompt = validate_prompt(prompt, self.vocab_size, self.loaded.max_context, params)
+        session = TargetSession(SequenceState(prompt, params, int(request.seed)),
+                                TargetVerifier(KVSession(self.loaded.model)))
+        session_id = self.sessions.open(session)
+        started = time.perf_counter()
+        try:
+            await self.lane.run(session.verifier.session.logits_for, prompt, 1)  # prefill
+        except BaseException:
+            self.sessions.close(session_id)
+            raise
+        return target_pb2.OpenTargetSessionResponse(session_id=session_id,
+                                                    prefill_time_s=time.perf_counter() - started)
+
+    async def Verify(self, request, context):
+        session = self.sessions.get(request.session_id)
+        if len(request.draft_tokens) > self.config.max_speculative_tokens:
+            raise OutOfRange(f"{len(request.draft_tokens)} draft tokens exceed this target's "
+                             f"max_speculative_tokens ({self.config.max_speculative_tokens}); lower K",
+                             field="draft_tokens")
+        commit = check_token_ids(request.commit_tokens, self.vocab_size, "commit_tokens")
+        proposal = proposal_from_proto(request.draft_tokens, request.q, self.vocab_size)
+        async with session.lock:
+            seq = session.sequence
+            if len(seq.context) + len(commit) + len(proposal) + 1 > self.loaded.max_context:
+                raise OutOfRange(f"the window would pass the context window of {self.loaded.max_context}",
+                                 field="draft_tokens")
+            seq.commit(commit, int(request.context_length))
+            started = time.perf_counter()
+            verdict = await self.lane.run(session.verifier.verify, seq.context, proposal, seq.params, seq.seed)
+        yield target_pb2.VerifyResponse(verdict=target_pb2.Verdict(
+            num_accepted=verdict.num_accepted, next_token=verdict.next_token,
+            next_kind=TOKEN_KIND_TO_PROTO[verdict.next_kind], verify_time_s=time.perf_counter() - started))
+
+    async def CloseSession(self, request, context):
+        return common_pb2.CloseSessionResponse(existed=self.sessions.close(request.session_id))
+
+    async def Info(self, request, context):
+        self.sessions.evict_expired()
+        return target_pb2.TargetInfo(model=describe_model(self.loaded), open_sessions=len(self.sessions),
+                                     max_sessions=self.config.max_sessions,
+                                     max_speculative_tokens=self.config.max_speculative_tokens)
+
+
+async def serve(config: TargetConfig, loaded: LoadedModel | None = None):
+    """Load the target (unless given) and start its gRPC server."""
+    if loaded is None:
+        loaded = await asyncio.to_thread(load_causal_lm, config.model, dtype=config.dtype, device=config.device,
+                                         tokenizer=False)
+    servicer = TargetServicer(loaded, config)
+    service = Service(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer,
+                      target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name)
+    return await start_grpc_server([service], config.host, config.port)

@@ -1,0 +1,288 @@
+"""End to end over real loopback gRPC servers: identity, streaming, cancellation, failures, errors."""
+
+import asyncio
+import random
+import time
+
+import grpc
+import pytest
+
+from mirrorspec import SamplingParams, generate
+from mirrorspec.client import AsyncClient, Client
+from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
+from support import chi_square_pvalue, exact_joint, load, MemoSession
+
+from .conftest import start_stack
+
+
+def target_only(model, prompt, max_tokens, **params):
+    return generate(model, None, prompt, SamplingParams(max_new_tokens=max_tokens, **params)).token_ids
+
+
+def prompts(count, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(16) for _ in range(rng.randint(1, 10))] for _ in range(count)]
+
+
+def test_greedy_output_is_identical_to_target_only(stack, tiny_dir):
+    model = load(tiny_dir["target16"])
+    with Client(stack.address) as client:
+        for i, prompt in enumerate(prompts(6)):
+            k = [1, 3, 5][i % 3]
+            served = client.generate(prompt, max_tokens=24, k=k)
+            assert served.token_ids == target_only(model, prompt, 24)
+            assert served.finish_reason == "length" and served.stats.windows > 0
+
+
+def test_n_gram_drafter_over_the_network_is_identical_too(tiny_dir):
+    ngram = start_stack(tiny_dir["target16"], strategy="ngram", k=4)
+    try:
+        model = load(tiny_dir["target16"])
+        with Client(ngram.address) as client:
+            for prompt in prompts(4, seed=1):
+                served = client.generate(prompt, max_tokens=40)
+                assert served.token_ids == target_only(model, prompt, 40)
+            assert client.model_info().drafter_strategy == "ngram"
+    finally:
+        ngram.stop()
+
+
+def test_stream_delivers_the_same_tokens_in_order_with_stats_last(stack):
+    with Client(stack.address) as client:
+        unary = client.generate([0, 4, 2], max_tokens=30, temperature=0.9, seed=5)
+        chunks = list(client.stream([0, 4, 2], max_tokens=30, temperature=0.9, seed=5))
+    streamed = [t for c in chunks[:-1] for t in c.token_ids]
+    assert streamed == unary.token_ids
+    assert all(c.token_ids for c in chunks[:-1]) and not chunks[-1].token_ids
+    assert chunks[-1].finish_reason == "length" and not any(c.finish_reason for c in chunks[:-1])
+    assert chunks[-1].stats.windows == len(chunks) - 1 and chunks[-1].seed == 5
+
+
+def open_sessions(stack) -> tuple[int, int]:
+    target = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(f"127.0.0.1:{stack.target.port}"))
+    drafter = drafter_pb2_grpc.DrafterServiceStub(grpc.insecure_channel(f"127.0.0.1:{stack.drafter.port}"))
+    return (target.Info(common_pb2.InfoRequest()).open_sessions,
+            drafter.Info(common_pb2.InfoRequest()).open_sessions)
+
+
+def wait_for(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_cancellation_frees_the_sessions_on_both_services(stack):
+    with Client(stack.address) as client:
+        stream = client.stream([0, 1, 2], max_tokens=100)
+        next(stream)
+        assert open_sessions(stack) == (1, 1)
+        stream.cancel()
+    assert wait_for(lambda: open_sessions(stack) == (0, 0))
+
+
+def test_deadline_frees_the_sessions_too(stack):
+    with Client(stack.address, timeout_s=0.05) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in client.stream([0, 1, 2], max_tokens=100):
+                time.sleep(0.02)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_for(lambda: open_sessions(stack) == (0, 0))
+
+
+def test_drafter_failure_mid_request_falls_back_without_losing_it(tiny_dir):
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=2)
+    try:
+        model = load(tiny_dir["target16"])
+        with Client(s.address) as client:
+            stream = client.stream([0, 7, 3], max_tokens=60)
+            first = next(stream)
+            s.drafter.stop()  # the drafter replica dies mid-request
+            rest = list(stream)
+        tokens = list(first.token_ids) + [t for c in rest for t in c.token_ids]
+        assert tokens == target_only(model, [0, 7, 3], 60)
+        assert rest[-1].finish_reason == "length" and rest[-1].stats.drafter_fallback
+    finally:
+        s.drafter = None
+        s.stop()
+
+
+def test_expired_target_session_is_reopened_from_the_token_log(stack, tiny_dir):
+    """Evicting the target session behind the orchestrator's back, as a TTL would."""
+    model = load(tiny_dir["target16"])
+    store = stack.target.servicer.sessions
+    with Client(stack.address) as client:
+        stream = client.stream([0, 9, 9, 1], max_tokens=40)
+        first = next(stream)
+        assert len(store) == 1
+        for session_id in list(store._entries):
+            store.close(session_id)
+        rest = list(stream)
+    tokens = list(first.token_ids) + [t for c in rest for t in c.token_ids]
+    assert tokens == target_only(model, [0, 9, 9, 1], 40)
+
+
+@pytest.mark.parametrize("kwargs,code,needle", [
+    (dict(prompt=None), grpc.StatusCode.INVALID_ARGUMENT, "no input"),
+    (dict(prompt=[]), grpc.StatusCode.INVALID_ARGUMENT, "token_ids is empty"),
+    (dict(prompt=[0, 99]), grpc.StatusCode.INVALID_ARGUMENT, "outside the vocabulary"),
+    (dict(prompt=[0, 1], temperature=float("nan")), grpc.StatusCode.INVALID_ARGUMENT, "temperature is NaN"),
+    (dict(prompt=[0, 1], temperature=-0.5), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    (dict(prompt=[0, 1], top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+    (dict(prompt=[0, 1], top_p=-0.1), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+    (dict(prompt=[0, 1], k=99), grpc.StatusCode.OUT_OF_RANGE, "num_speculative_tokens"),
+    (dict(prompt=[0, 1], max_tokens=1000), grpc.StatusCode.OUT_OF_RANGE, "context window"),
+    (dict(prompt=[0, 1], stop=[""]), grpc.StatusCode.INVALID_ARGUMENT, "stop strings"),
+    (dict(prompt="hello"), grpc.StatusCode.INVALID_ARGUMENT, "no tokenizer"),
+])
+def test_bad_requests_get_clear_statuses_and_the_server_stays_up(stack, kwargs, code, needle):
+    with Client(stack.address) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(**kwargs)
+        assert err.value.code() == code and needle in err.value.details()
+        assert client.generate([0, 1], max_tokens=3).token_ids  # still serving
+
+
+def test_top_k_is_unsigned_on_the_wire():
+    from mirrorspec.client import build_request
+
+    with pytest.raises(ValueError):
+        build_request([0], top_k=-1)  # protobuf refuses negative uint32 before anything is sent
+
+
+@pytest.fixture(scope="module")
+def target_stub(stack):
+    return target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(f"127.0.0.1:{stack.target.port}"))
+
+
+def q_frame(probs, ids=None):
+    from mirrorspec.codec import encode_tensor
+    import torch
+
+    q = common_pb2.ProposalDistribution(probs=common_pb2.TensorFrame(frame=encode_tensor(torch.tensor(probs))))
+    if ids is not None:
+        q.ids.frame = encode_tensor(torch.tensor(ids, dtype=torch.int32))
+    return q
+
+
+def verify(stub, **fields):
+    return list(stub.Verify(target_pb2.VerifyRequest(**fields)))
+
+
+@pytest.mark.parametrize("q,code,needle", [
+    (q_frame([[0.5, 0.5]], [[3, 4]]), grpc.StatusCode.INVALID_ARGUMENT, None),  # 2 drafts, 1 row
+    (q_frame([[float("nan"), 1.0], [0.5, 0.5]], [[3, 4], [3, 4]]), grpc.StatusCode.INVALID_ARGUMENT, "NaN"),
+    (q_frame([[-0.5, 1.5], [0.5, 0.5]], [[3, 4], [3, 4]]), grpc.StatusCode.INVALID_ARGUMENT, "negative"),
+    (q_frame([[0.2, 0.2], [0.5, 0.5]], [[3, 4], [3, 4]]), grpc.StatusCode.INVALID_ARGUMENT, "sum to 1"),
+    (common_pb2.ProposalDistribution(probs=common_pb2.TensorFrame(frame=b"junk")),
+     grpc.StatusCode.INVALID_ARGUMENT, "tensor frame"),
+])
+def test_target_rejects_malformed_q(target_stub, q, code, needle):
+    sid = target_stub.OpenSession(target_pb2.OpenTargetSessionRequest(prompt_ids=[0, 1])).session_id
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            verify(target_stub, session_id=sid, context_length=2, draft_tokens=[3, 4], q=q)
+        assert err.value.code() == code
+        assert needle is None or needle in err.value.details()
+    finally:
+        target_stub.CloseSession(common_pb2.CloseSessionRequest(session_id=sid))
+
+
+def test_target_session_errors(target_stub):
+    with pytest.raises(grpc.RpcError) as err:
+        verify(target_stub, session_id="nope", context_length=2)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "OpenSession" in err.value.details()
+    sid = target_stub.OpenSession(target_pb2.OpenTargetSessionRequest(prompt_ids=[0, 1])).session_id
+    with pytest.raises(grpc.RpcError) as err:
+        verify(target_stub, session_id=sid, commit_tokens=[5], context_length=7)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(grpc.RpcError) as err:
+        verify(target_stub, session_id=sid, context_length=2, draft_tokens=list(range(16)) + [1])
+    assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE
+    with pytest.raises(grpc.RpcError) as err:
+        target_stub.OpenSession(target_pb2.OpenTargetSessionRequest(prompt_ids=[]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert target_stub.CloseSession(common_pb2.CloseSessionRequest(session_id=sid)).existed
+
+
+def test_drafter_session_errors(stack):
+    stub = drafter_pb2_grpc.DrafterServiceStub(grpc.insecure_channel(f"127.0.0.1:{stack.drafter.port}"))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Draft(drafter_pb2.DraftRequest(session_id="nope", k=2))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    sid = stub.OpenSession(drafter_pb2.OpenDraftSessionRequest(prompt_ids=[0, 1])).session_id
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Draft(drafter_pb2.DraftRequest(session_id=sid, context_length=2, k=99))
+    assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE
+    draft = stub.Draft(drafter_pb2.DraftRequest(session_id=sid, context_length=2, k=3))
+    assert len(draft.tokens) == 3 and draft.q.ids.frame  # sparse q by default
+    stub.CloseSession(common_pb2.CloseSessionRequest(session_id=sid))
+
+
+def test_session_limit_is_resource_exhausted(tiny_dir):
+    s = start_stack(tiny_dir["target16"], strategy=None, target_max_sessions=1)
+    try:
+        stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(f"127.0.0.1:{s.target.port}"))
+        stub.OpenSession(target_pb2.OpenTargetSessionRequest(prompt_ids=[0]))
+        with pytest.raises(grpc.RpcError) as err:
+            stub.OpenSession(target_pb2.OpenTargetSessionRequest(prompt_ids=[0]))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max-sessions" in err.value.details()
+        with Client(s.address) as client, pytest.raises(grpc.RpcError) as err:
+            client.generate([0, 1], max_tokens=2)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        s.stop()
+
+
+def test_health_and_reflection_on_every_server(stack):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    expected = {stack.front.port: "mirrorspec.v1.GenerationService",
+                stack.target.port: "mirrorspec.v1.TargetService",
+                stack.drafter.port: "mirrorspec.v1.DrafterService"}
+    for port, service in expected.items():
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service))
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        reply = next(reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        assert service in {s.name for s in reply.list_services_response.service}
+
+
+def test_metrics_count_drafts_like_vllm(stack):
+    with Client(stack.address) as client:
+        client.generate([0, 5], max_tokens=10, k=3)
+    text = stack.front.servicer.metrics.text()
+    for name in ("mirrorspec_spec_decode_num_drafts_total", "mirrorspec_spec_decode_num_draft_tokens_total",
+                 "mirrorspec_spec_decode_num_accepted_tokens_total", "mirrorspec_time_to_first_token_seconds"):
+        assert name in text
+
+
+def test_async_client(stack):
+    async def run():
+        client = AsyncClient(stack.address)
+        whole = await client.generate([0, 3], max_tokens=12, temperature=1.0, seed=2)
+        streamed = [t async for c in client.stream([0, 3], max_tokens=12, temperature=1.0, seed=2) for t in c.token_ids]
+        await client.close()
+        return whole.token_ids, streamed
+
+    whole, streamed = asyncio.run(run())
+    assert whole == streamed and len(whole) == 12
+
+
+@pytest.mark.slow
+def test_sampled_output_through_the_network_follows_the_exact_distribution(tiny_dir):
+    """A smaller statistical test over gRPC: sparse q crosses the wire, rejection runs remotely."""
+    s = start_stack(tiny_dir["target"], tiny_dir["draft"], proposal_top_k=3, k=3)
+    try:
+        prompt = [0, 3, 5, 2]
+        expected = exact_joint(MemoSession(load(tiny_dir["target"])), prompt, 2, temperature=1.0)
+        with Client(s.address) as client:
+            samples = [tuple(client.generate(prompt, max_tokens=4, temperature=1.0, seed=seed).token_ids[:2])
+                       for seed in range(3000)]
+        assert chi_square_pvalue(samples, expected) > 1e-4
+    finally:
+        s.stop()

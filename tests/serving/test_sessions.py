@@ -1,0 +1,30 @@
+import pytest
+
+from mirrorspec import SamplingParams
+from mirrorspec.serving.errors import ContextMismatch, SessionLimitReached, SessionNotFound
+from mirrorspec.serving.sessions import SequenceState, SessionStore
+
+
+def test_bound_ttl_and_close():
+    now = [0.0]
+    evicted = []
+    store = SessionStore(max_sessions=2, ttl_s=10, on_evict=evicted.append, clock=lambda: now[0])
+    a, b = store.open("a"), store.open("b")
+    with pytest.raises(SessionLimitReached, match="max-sessions"):
+        store.open("c")
+    now[0] = 5
+    assert store.get(a) == "a"  # touching a keeps it alive
+    now[0] = 12
+    assert store.evict_expired() == 1 and evicted == ["b"]
+    with pytest.raises(SessionNotFound, match="OpenSession"):
+        store.get(b)
+    assert store.close(a) and not store.close(a) and len(store) == 0
+
+
+def test_sequence_commit_checks_the_callers_view():
+    seq = SequenceState([1, 2], SamplingParams(), seed=0)
+    seq.commit([3, 4], expected_length=4)
+    assert seq.context == [1, 2, 3, 4]
+    with pytest.raises(ContextMismatch, match="reopen"):
+        seq.commit([5], expected_length=9)
+    assert seq.context == [1, 2, 3, 4]

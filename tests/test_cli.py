@@ -1,0 +1,70 @@
+"""The mirrorspec CLI: flag-naming errors (fast), and real runs on the demo target (slow)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mirrorspec.cli import main
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["generate", "hi", "--local", "--temperature", "-1"], "--temperature"),
+    (["generate", "hi", "--local", "--top-p", "1.5"], "--top-p"),
+    (["generate", "hi", "--local", "--top-k", "-2"], "--top-k"),
+    (["generate", "hi", "--local", "--k", "99"], "--k"),
+    (["generate", "hi", "--local", "--max-tokens", "0"], "--max-tokens"),
+    (["generate", "hi", "--local", "--threads", "0"], "--threads"),
+    (["generate", "hi", "--server", "127.0.0.1:1"], "--server"),
+    (["serve", "--k", "-1"], "--k"),
+])
+def test_bad_flags_are_named(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert f"error: {flag}" in capsys.readouterr().err
+
+
+def run_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "mirrorspec", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+@pytest.mark.slow
+def test_local_greedy_is_identical_with_and_without_speculation():
+    prompt = "Write a Python function that returns the square of a number."
+    spec = json.loads(run_cli("generate", prompt, "--local", "--max-tokens", "40", "--json", "--threads", "1").stdout)
+    base = json.loads(run_cli("generate", prompt, "--local", "--max-tokens", "40", "--json", "--threads", "1",
+                              "--no-speculate").stdout)
+    assert spec["token_ids"] == base["token_ids"] and len(spec["token_ids"]) > 0
+    assert spec["draft"] == "ngram" and base["draft"] == "none"
+    for key in ("drafted", "accepted", "acceptance_rate", "mean_accepted_length", "per_position_acceptance",
+                "draft_time_s", "verify_time_s"):
+        assert key in spec["stats"]
+
+
+@pytest.mark.slow
+def test_serve_then_generate_against_it():
+    server = subprocess.Popen([sys.executable, "-m", "mirrorspec", "serve", "--port", "50593", "--threads", "1"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        line = ""
+        while "serving on" not in line and time.monotonic() < deadline:
+            line = server.stdout.readline()
+            assert line or server.poll() is None, "server exited before serving"
+        prompt = "Name three colors."
+        served = json.loads(run_cli("generate", prompt, "--server", "127.0.0.1:50593", "--max-tokens", "24",
+                                    "--json").stdout)
+        local = json.loads(run_cli("generate", prompt, "--local", "--max-tokens", "24", "--json", "--no-speculate",
+                                   "--threads", "1").stdout)
+        assert served["token_ids"] == local["token_ids"]
+        assert served["text"] == local["text"]
+        streamed = run_cli("generate", prompt, "--server", "127.0.0.1:50593", "--max-tokens", "24")
+        assert streamed.returncode == 0 and streamed.stdout.strip() == local["text"].strip()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

@@ -1,0 +1,42 @@
+import msgpack
+import pytest
+import torch
+
+from mirrorspec import InvalidRequest
+from mirrorspec.codec import decode_proposal, decode_tensor, encode_proposal, encode_tensor
+from mirrorspec.sampling import ProposalRows
+
+
+@pytest.mark.parametrize("tensor", [torch.rand(3, 5), torch.arange(12, dtype=torch.int64).reshape(3, 4),
+                                    torch.tensor([], dtype=torch.float32), torch.ones(2, 2, dtype=torch.float16)])
+def test_round_trip_is_exact(tensor):
+    back = decode_tensor(encode_tensor(tensor))
+    assert back.dtype == tensor.dtype and torch.equal(back, tensor)
+
+
+def test_sparse_q_is_small_and_round_trips():
+    q = ProposalRows(probs=torch.softmax(torch.randn(4, 32), -1), ids=torch.randint(0, 49152, (4, 32)))
+    probs, ids = encode_proposal(q)
+    assert len(probs) + len(ids) < 8 * 1024  # the data-plane goal: <= 8 KB per window with sparse q
+    back = decode_proposal(probs, ids, num_tokens=4, vocab_size=49152)
+    assert torch.equal(back.probs, q.probs) and torch.equal(back.ids, q.ids)
+
+
+def frame(array: torch.Tensor) -> bytes:
+    return encode_tensor(array)
+
+
+@pytest.mark.parametrize("probs,ids,num_tokens,message", [
+    (b"garbage", None, 1, "not a valid tensor frame"),
+    (msgpack.packb({"dtype": "float32", "shape": [2, 2], "data": b"1234"}), None, 2, "carries 4 bytes"),
+    (frame(torch.full((1, 4), 0.25)), None, 2, "one row per draft token"),
+    (frame(torch.tensor([[float("nan"), 1.0, 0.0, 0.0]])), None, 1, "NaN"),
+    (frame(torch.tensor([[-0.5, 1.5, 0.0, 0.0]])), None, 1, "negative"),
+    (frame(torch.tensor([[0.5, 0.2, 0.0, 0.0]])), None, 1, "sum to 1"),
+    (frame(torch.tensor([[0.5, 0.5]])), frame(torch.tensor([[1, 9]], dtype=torch.int32)), 1, "q.ids must lie"),
+    (frame(torch.tensor([[0.5, 0.5]])), None, 1, "columns"),
+    (frame(torch.tensor([[1.0, 0.0, 0.0, 0.0]])), None, 1, "zero probability"),  # draft token 2 has q = 0
+])
+def test_malformed_q_is_rejected_with_a_reason(probs, ids, num_tokens, message):
+    with pytest.raises(InvalidRequest, match=message):
+        decode_proposal(probs, ids, num_tokens=num_tokens, vocab_size=4, draft_tokens=[2] * num_tokens)
