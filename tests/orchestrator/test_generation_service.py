@@ -10,9 +10,8 @@ import pytest
 from mirrorspec import SamplingParams, generate
 from mirrorspec.client import AsyncClient, Client
 from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
-from support import chi_square_pvalue, exact_joint, load, MemoSession
-
-from .conftest import start_stack
+from served_stack import start_stack
+from support import MemoSession, chi_square_pvalue, exact_joint, load
 
 
 def target_only(model, prompt, max_tokens, **params):
