@@ -75,10 +75,18 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--device", default="auto")
     srv.add_argument("--dtype", default="auto")
     srv.set_defaults(handler=cmd_serve, subparser=srv)
+
+    # listed for --help; main() hands everything after "bench" to the harness's own parser
+    commands.add_parser("bench", help="benchmark decoding modes side by side (mirrorspec bench --help)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        from benchmarks.run import main as bench_main
+
+        return bench_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

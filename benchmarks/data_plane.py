@@ -1,0 +1,127 @@
+"""Per-window cost of the network path: gRPC + codec overhead and bytes, sparse vs dense q.
+
+    python -m benchmarks.data_plane [--windows 300] [--k 4] [--out benchmarks/results]
+
+Runs real drafter and target gRPC servers on loopback with a tiny Llama that has the demo
+target's vocabulary size (49,152), so q rows are full size while model compute is small, and
+drives them with the orchestrator's own RemoteDrafter / RemoteVerifier. Overhead per window is
+client-side call time minus the compute time the servers report, for both calls of the window.
+Servers and client share this process (and its GIL), so the figures are an upper bound for
+separate processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+VOCAB = 49_152
+
+
+def tiny_model(path: Path, seed: int) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=4096)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+
+
+def measure(target_dir: Path, draft_dir: Path, proposal_top_k: int, k: int, windows: int) -> dict:
+    import grpc
+
+    from drafter_service.servicer import DrafterConfig
+    from drafter_service.servicer import serve as serve_drafter
+    from mirrorspec import SamplingParams, SpeculationConfig
+    from mirrorspec.engine import GenerationStats, decode_windows
+    from mirrorspec.serving.convert import proposal_to_proto
+    from mirrorspec.serving.server import CHANNEL_OPTIONS, BackgroundServer
+    from mirrorspec.v1 import drafter_pb2_grpc, target_pb2_grpc
+    from orchestrator.remote import RemoteDrafter, RemoteVerifier
+    from target_service.servicer import TargetConfig
+    from target_service.servicer import serve as serve_target
+
+    target = BackgroundServer(lambda: serve_target(TargetConfig(model=str(target_dir)))).start()
+    drafter = BackgroundServer(lambda: serve_drafter(DrafterConfig(strategy="draft-model", model=str(draft_dir),
+                                                                   proposal_top_k=proposal_top_k))).start()
+    try:
+        target_stub = target_pb2_grpc.TargetServiceStub(
+            grpc.insecure_channel(f"127.0.0.1:{target.port}", options=CHANNEL_OPTIONS))
+        drafter_stub = drafter_pb2_grpc.DrafterServiceStub(
+            grpc.insecure_channel(f"127.0.0.1:{drafter.port}", options=CHANNEL_OPTIONS))
+        params = SamplingParams(temperature=1.0, max_new_tokens=windows * (k + 1))
+        prompt = [1, 2, 3, 4]
+        overheads, q_bytes = [], []
+        for _ in range(2):  # the first pass warms up connections and allocators
+            overheads.clear()
+            v = RemoteVerifier(target_stub, prompt, params, 0, VOCAB)
+            d = RemoteDrafter(drafter_stub, prompt, params, 0, VOCAB)
+            last = 0.0
+            stats = GenerationStats()
+            for i, _event in enumerate(decode_windows(d, v, prompt, params, SpeculationConfig(num_speculative_tokens=k),
+                                                      0, stats)):
+                network = v.times.network_s + d.times.network_s
+                overheads.append(network - last)
+                last = network
+                if i + 1 >= windows:
+                    break
+            v.release()
+            d.release()
+        # bytes of q on the wire for one full window, as the drafter and the target see it
+        session = RemoteDrafter(drafter_stub, prompt, params, 0, VOCAB)
+        proposal = session.propose(prompt, k, params, 0)
+        session.release()
+        q_bytes = proposal_to_proto(proposal.q).ByteSize()
+        return {
+            "q": "dense" if proposal_top_k == 0 else f"sparse top-{proposal_top_k}",
+            "windows": len(overheads),
+            "overhead_ms_p50": 1000 * statistics.median(overheads),
+            "overhead_ms_p99": 1000 * percentile(overheads, 0.99),
+            "q_bytes_per_window": q_bytes,
+            "acceptance_rate": stats.acceptance_rate,
+        }
+    finally:
+        drafter.stop()
+        target.stop()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.data_plane")
+    parser.add_argument("--windows", type=int, default=300)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args(argv)
+    if args.windows < 10:
+        parser.error("--windows: need at least 10 windows for a p99")
+    torch.set_num_threads(args.threads)
+    root = Path(tempfile.mkdtemp())
+    target_dir, draft_dir = tiny_model(root / "target", 0), tiny_model(root / "draft", 1)
+    rows = [measure(target_dir, draft_dir, top_k, args.k, args.windows) for top_k in (32, 0)]
+    print(f"{'q':18s} {'p50 ms':>8s} {'p99 ms':>8s} {'q bytes/window':>15s}")
+    for r in rows:
+        print(f"{r['q']:18s} {r['overhead_ms_p50']:8.3f} {r['overhead_ms_p99']:8.3f} {r['q_bytes_per_window']:15,d}")
+    print(f"dense/sparse bytes ratio: {rows[1]['q_bytes_per_window'] / rows[0]['q_bytes_per_window']:.0f}x")
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / f"data_plane-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps({"k": args.k, "vocab": VOCAB, "threads": args.threads, "torch": torch.__version__,
+                               "machine": platform.machine(), "rows": rows}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

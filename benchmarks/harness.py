@@ -1,0 +1,287 @@
+"""Run every decoding mode side by side, in one process, on the same prompts.
+
+Speedups on a shared CPU are only meaningful relative to a baseline measured under the same
+conditions, so all modes run in a single process, against the same loaded target, with the
+same torch thread count, and *interleaved per prompt* (prompt 1 in every mode, then prompt 2,
+...): a slow stretch caused by another process then slows every mode alike instead of
+penalising whichever mode happened to run during it.
+
+Adding a mode is a few lines: write a function with the ``ModeFn`` signature and decorate it
+with ``@register_mode``; the CLI, the table, the JSON and the plot pick it up by name.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from mirrorspec import GenerationStats, SamplingParams, generate
+from mirrorspec.drafting import NgramDrafter
+from mirrorspec.models.loading import LoadedModel, encode_prompt
+
+from benchmarks.prompts import Prompt
+
+TARGET_ONLY = "target-only"
+WARMUP_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Drafts:
+    """Draft-side objects shared by all modes.
+
+    ``model`` is a plain HF causal LM that shares the target's tokenizer (what HF assisted
+    generation needs), or ``None`` when no draft model was given; modes that need one are then
+    skipped. Prompt-lookup drafting needs nothing here: it is stateless and built per call.
+    """
+
+    model: torch.nn.Module | None = None
+    name: str = "none"
+
+
+@dataclass
+class RunOutput:
+    """What a mode returns for one prompt. ``stats`` is ``None`` where the mode has no
+    speculation statistics (target-only decoding, HF's own generate)."""
+
+    token_ids: list[int]
+    wall_time_s: float
+    finish_reason: str
+    stats: GenerationStats | None = None
+
+
+ModeFn = Callable[[LoadedModel, Drafts, list[int], SamplingParams, int, int], RunOutput]
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A named way of decoding. ``uses_k`` modes are run once per K; the others once."""
+
+    name: str
+    run: ModeFn
+    uses_k: bool
+    needs_draft_model: bool = False
+    description: str = ""
+
+
+MODES: dict[str, Mode] = {}
+
+
+def register_mode(name: str, *, uses_k: bool, needs_draft_model: bool = False,
+                  description: str = "") -> Callable[[ModeFn], ModeFn]:
+    """Decorator: make ``fn(target, drafts, prompt_ids, params, k, seed) -> RunOutput`` a mode."""
+    def wrap(fn: ModeFn) -> ModeFn:
+        MODES[name] = Mode(name, fn, uses_k, needs_draft_model, description or (fn.__doc__ or "").strip())
+        return fn
+    return wrap
+
+
+# --------------------------------------------------------------------------------------- modes
+
+def _mirrorspec(target: LoadedModel, draft: Any, ids: list[int], params: SamplingParams,
+                k: int, seed: int) -> RunOutput:
+    started = time.perf_counter()
+    result = generate(target.model, draft, ids, params, num_speculative_tokens=k, seed=seed)
+    return RunOutput(result.token_ids, time.perf_counter() - started, result.finish_reason, result.stats)
+
+
+@register_mode(TARGET_ONLY, uses_k=False)
+def target_only(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
+                k: int, seed: int) -> RunOutput:
+    """mirrorspec with no drafter: the baseline every ratio is taken against."""
+    return _mirrorspec(target, None, ids, params, 0, seed)
+
+
+@register_mode("mirrorspec-ngram", uses_k=True)
+def mirrorspec_ngram(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
+                     k: int, seed: int) -> RunOutput:
+    """mirrorspec with prompt-lookup (n-gram) drafting."""
+    return _mirrorspec(target, NgramDrafter(), ids, params, k, seed)
+
+
+@register_mode("mirrorspec-draft", uses_k=True, needs_draft_model=True)
+def mirrorspec_draft(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
+                     k: int, seed: int) -> RunOutput:
+    """mirrorspec with the draft model.
+
+    The bare model is passed (not a ``DraftModelDrafter``) so that ``generate`` builds the
+    drafter itself and releases its KV cache at the end of the request.
+    """
+    return _mirrorspec(target, drafts.model, ids, params, k, seed)
+
+
+def _hf_generate(target: LoadedModel, ids: list[int], params: SamplingParams, seed: int,
+                 **extra: Any) -> RunOutput:
+    """HF ``generate`` with the same stop ids, length and sampling filters as mirrorspec.
+
+    HF's global default top_k is 50, so top_k/top_p are always passed explicitly (0 / 1 = off)
+    to sample from the same distribution as mirrorspec does.
+    """
+    input_ids = torch.tensor([ids], dtype=torch.long, device=target.model.device)
+    stop = list(params.stop_token_ids)
+    sampling = {} if params.greedy else {"temperature": params.temperature, "top_k": params.top_k,
+                                        "top_p": params.top_p}
+    torch.manual_seed(seed)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        out = target.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                    do_sample=not params.greedy, max_new_tokens=params.max_new_tokens,
+                                    eos_token_id=stop or None, pad_token_id=stop[0] if stop else None,
+                                    **sampling, **extra)
+    wall = time.perf_counter() - started
+    tokens = out[0, len(ids):].tolist()
+    finish = "stop" if tokens and tokens[-1] in stop else "length"
+    return RunOutput(tokens, wall, finish)
+
+
+@register_mode("hf-target-only", uses_k=False)
+def hf_target_only(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
+                   k: int, seed: int) -> RunOutput:
+    """Plain HF generate: a sanity baseline for mirrorspec's own target-only loop."""
+    return _hf_generate(target, ids, params, seed)
+
+
+@register_mode("hf-assisted", uses_k=True, needs_draft_model=True)
+def hf_assisted(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
+                k: int, seed: int) -> RunOutput:
+    """HF assisted generation with the draft model, K drafts per window.
+
+    HF reads the speculation knobs from the *assistant's* generation config. Its defaults adapt
+    the window (confidence threshold 0.4, or a "heuristic" schedule), which would make K
+    meaningless, so we pin a constant K and switch the threshold off (0 disables it).
+    """
+    config = drafts.model.generation_config
+    config.num_assistant_tokens = k
+    config.num_assistant_tokens_schedule = "constant"
+    config.assistant_confidence_threshold = 0.0
+    return _hf_generate(target, ids, params, seed, assistant_model=drafts.model)
+
+
+# --------------------------------------------------------------------------------------- runner
+
+@dataclass
+class RunRecord:
+    """One generation: one prompt, one mode, one temperature, one K (0 for modes without K)."""
+
+    dataset: str
+    prompt_id: str
+    category: str
+    mode: str
+    temperature: float
+    k: int
+    seed: int
+    prompt_tokens: int
+    new_tokens: int
+    wall_time_s: float
+    finish_reason: str
+    token_ids: list[int]
+    stats: dict | None = None
+    identical_to_target_only: bool | None = None
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A mode at one K: the unit that is run on every prompt."""
+
+    mode: Mode
+    k: int
+
+
+@dataclass
+class BenchPlan:
+    """Everything ``run_benchmark`` needs, already resolved (models loaded, prompts read)."""
+
+    target: LoadedModel
+    drafts: Drafts
+    prompts: dict[str, list[Prompt]]
+    modes: list[Mode]
+    ks: list[int]
+    temperatures: list[float]
+    max_new_tokens: int
+    seed: int = 0
+    progress: bool = True
+
+    def slots(self) -> list[Slot]:
+        return [Slot(m, k) for m in self.modes for k in (self.ks if m.uses_k else [0])]
+
+
+def select_modes(names: Sequence[str], drafts: Drafts) -> tuple[list[Mode], list[str]]:
+    """The runnable modes, baseline first, and a note for each skipped one.
+
+    target-only is always run: every ratio and the identity check are taken against it.
+    """
+    wanted = [TARGET_ONLY] + [n for n in names if n != TARGET_ONLY]
+    modes, notes = [], []
+    for name in wanted:
+        mode = MODES[name]
+        if mode.needs_draft_model and drafts.model is None:
+            notes.append(f"skipping {name}: it needs a draft model (pass --draft PATH or --draft truncate:2)")
+        else:
+            modes.append(mode)
+    return modes, notes
+
+
+def _params(plan: BenchPlan, temperature: float, max_new_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens,
+                          stop_token_ids=plan.target.stop_token_ids())
+
+
+def warm_up(plan: BenchPlan, ids: list[int]) -> None:
+    """One short untimed generation per slot: first calls pay for lazy init, allocator growth
+    and (for HF) generation-config setup, which would otherwise be charged to whichever mode
+    runs first."""
+    params = _params(plan, 0.0, min(WARMUP_TOKENS, plan.max_new_tokens))
+    for slot in plan.slots():
+        slot.mode.run(plan.target, plan.drafts, ids, params, slot.k, plan.seed)
+
+
+def run_benchmark(plan: BenchPlan) -> list[RunRecord]:
+    """Every slot on every prompt at every temperature; returns one record per generation."""
+    encoded = {name: [encode_prompt(plan.target.tokenizer, p.text) for p in prompts]
+               for name, prompts in plan.prompts.items()}
+    first = next(ids for ids_list in encoded.values() for ids in ids_list)
+    warm_up(plan, first)
+    slots = plan.slots()
+    total = len(plan.temperatures) * sum(len(v) for v in encoded.values()) * len(slots)
+    records: list[RunRecord] = []
+    with tqdm(total=total, file=sys.stderr, disable=not plan.progress, unit="gen", dynamic_ncols=True) as bar:
+        for temperature in plan.temperatures:
+            params = _params(plan, temperature, plan.max_new_tokens)
+            for dataset, prompts in plan.prompts.items():
+                for index, (prompt, ids) in enumerate(zip(prompts, encoded[dataset])):
+                    seed = plan.seed + index  # same seed for every mode on this prompt
+                    for slot in slots:  # interleaved: see the module docstring
+                        bar.set_postfix_str(f"{dataset} T={temperature:g} {slot.mode.name} K={slot.k}")
+                        out = slot.mode.run(plan.target, plan.drafts, ids, params, slot.k, seed)
+                        records.append(_record(prompt, slot, temperature, seed, ids, out))
+                        bar.update()
+    mark_identity(records)
+    return records
+
+
+def _record(prompt: Prompt, slot: Slot, temperature: float, seed: int, ids: list[int],
+            out: RunOutput) -> RunRecord:
+    return RunRecord(dataset=prompt.dataset, prompt_id=prompt.prompt_id, category=prompt.category,
+                     mode=slot.mode.name, temperature=temperature, k=slot.k, seed=seed,
+                     prompt_tokens=len(ids), new_tokens=len(out.token_ids), wall_time_s=out.wall_time_s,
+                     finish_reason=out.finish_reason, token_ids=out.token_ids,
+                     stats=out.stats.to_dict() if out.stats is not None else None)
+
+
+def mark_identity(records: list[RunRecord]) -> None:
+    """For greedy runs, whether each record's tokens equal target-only's on the same prompt.
+
+    Greedy speculative decoding must be token-identical to the target alone; sampled runs are
+    only equal in distribution, so they are left as ``None``.
+    """
+    baseline = {(r.dataset, r.prompt_id): r.token_ids
+                for r in records if r.mode == TARGET_ONLY and r.temperature == 0.0}
+    for r in records:
+        key = (r.dataset, r.prompt_id)
+        if r.temperature == 0.0 and key in baseline:
+            r.identical_to_target_only = r.token_ids == baseline[key]

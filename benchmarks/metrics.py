@@ -1,0 +1,115 @@
+"""Aggregate per-generation records into one summary row per (dataset, mode, temperature, K).
+
+Everything is a ratio of *sums* over prompts (total tokens / total time, total accepted / total
+drafted), not a mean of per-prompt ratios, so long and short prompts weigh by their work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from benchmarks.harness import TARGET_ONLY, RunRecord
+
+
+def expected_tokens_per_window(alpha: float, k: int) -> float:
+    """E[tokens committed per target pass] with K drafts, each accepted with i.i.d. probability
+    alpha, counting the bonus/recovered token: (1 - alpha^(K+1)) / (1 - alpha)."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def speedup_bound(alpha: float, k: int, cost_ratio: float) -> float:
+    """Leviathan et al. (2023), Theorem 3.8: expected walltime improvement
+    (1 - alpha^(K+1)) / ((1 - alpha)(K c + 1)), c = one draft step / one target pass.
+
+    It assumes K drafts in every window, i.i.d. acceptance, and a target pass over K+1 tokens
+    that costs no more than a one-token step. n-gram drafting proposes nothing in some windows,
+    and on CPU a (K+1)-token pass costs well over one step (see ``Summary.pass_cost``), so there
+    it is a guide rather than a bound.
+    """
+    return expected_tokens_per_window(alpha, k) / (k * cost_ratio + 1.0)
+
+
+@dataclass
+class Summary:
+    dataset: str
+    mode: str
+    temperature: float
+    k: int
+    prompts: int
+    new_tokens: int
+    wall_time_s: float
+    tokens_per_s: float
+    speedup: float | None = None  # tokens/s over target-only's, same dataset and temperature
+    acceptance_rate: float | None = None
+    mean_accepted_length: float | None = None  # tokens per target pass, bonus included
+    cost_ratio: float | None = None  # draft time per drafted token / verify time per window
+    speedup_bound: float | None = None
+    verify_s_per_window: float | None = None
+    pass_cost: float | None = None  # verify time per window / target-only's time per target step
+    per_position_acceptance: list[float] | None = None
+    identical: bool | None = None  # greedy only: all prompts token-identical to target-only
+
+
+def _spec_fields(stats: list[dict], k: int) -> dict:
+    """Acceptance, accepted length, cost ratio and bound from summed speculation statistics."""
+    drafted = sum(s["drafted"] for s in stats)
+    accepted = sum(s["accepted"] for s in stats)
+    windows = sum(s["windows"] for s in stats)
+    draft_time = sum(s["draft_time_s"] for s in stats)
+    verify_time = sum(s["verify_time_s"] for s in stats)
+    out: dict = {"mean_accepted_length": (accepted + windows) / windows if windows else None,
+                 "verify_s_per_window": verify_time / windows if windows else None}
+    if k == 0 or drafted == 0:
+        return out
+    alpha = accepted / drafted
+    cost = (draft_time / drafted) / (verify_time / windows) if verify_time > 0 else None
+    out.update(acceptance_rate=alpha, cost_ratio=cost,
+               speedup_bound=speedup_bound(alpha, k, cost) if cost is not None else None,
+               per_position_acceptance=_per_position(stats))
+    return out
+
+
+def _per_position(stats: list[dict]) -> list[float]:
+    width = max(len(s["drafted_per_position"]) for s in stats)
+    drafted, accepted = [0] * width, [0] * width
+    for s in stats:
+        for i, (d, a) in enumerate(zip(s["drafted_per_position"], s["accepted_per_position"])):
+            drafted[i] += d
+            accepted[i] += a
+    return [a / d if d else 0.0 for a, d in zip(accepted, drafted)]
+
+
+def _identity(group: list[RunRecord]) -> bool | None:
+    flags = [r.identical_to_target_only for r in group]
+    return None if any(f is None for f in flags) else all(flags)
+
+
+def summarize(records: Iterable[RunRecord]) -> list[Summary]:
+    """One row per (dataset, mode, temperature, K), in first-seen order, speedups filled in."""
+    groups: dict[tuple, list[RunRecord]] = {}
+    for r in records:
+        groups.setdefault((r.dataset, r.mode, r.temperature, r.k), []).append(r)
+    rows = [_summarize_group(key, group) for key, group in groups.items()]
+    baseline = {(s.dataset, s.temperature): s for s in rows if s.mode == TARGET_ONLY}
+    for s in rows:
+        base = baseline.get((s.dataset, s.temperature))
+        if base is None:
+            continue
+        s.speedup = s.tokens_per_s / base.tokens_per_s if base.tokens_per_s else None
+        if s.k and s.verify_s_per_window and base.verify_s_per_window:
+            s.pass_cost = s.verify_s_per_window / base.verify_s_per_window
+    return rows
+
+
+def _summarize_group(key: tuple, group: list[RunRecord]) -> Summary:
+    dataset, mode, temperature, k = key
+    tokens = sum(r.new_tokens for r in group)
+    wall = sum(r.wall_time_s for r in group)
+    stats = [r.stats for r in group if r.stats is not None]
+    fields = _spec_fields(stats, k) if stats else {}
+    return Summary(dataset=dataset, mode=mode, temperature=temperature, k=k, prompts=len(group),
+                   new_tokens=tokens, wall_time_s=wall, tokens_per_s=tokens / wall if wall else 0.0,
+                   identical=_identity(group), **fields)

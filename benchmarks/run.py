@@ -1,0 +1,266 @@
+"""Command line for the benchmark: ``python -m benchmarks ...`` (later ``mirrorspec bench``).
+
+Every flag is validated by argparse before any model is loaded, so a typo costs nothing and the
+error names the flag (``argument --k: K must be >= 1, got 0``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from mirrorspec.config import InvalidRequest, SamplingParams, SpeculationConfig
+from mirrorspec.models.loading import LoadedModel, load_causal_lm
+
+from benchmarks.harness import MODES, BenchPlan, Drafts, RunRecord, run_benchmark, select_modes
+from benchmarks.metrics import summarize
+from benchmarks.prompts import DATASETS, load_prompts
+from benchmarks.report import (LEGEND, cpu_sample, environment, format_table, others_busy_fraction, plot,
+                               write_json)
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+TRUNCATE_PREFIX = "truncate:"
+
+
+# ------------------------------------------------------------------------------ flag parsing
+
+def _csv(item: Callable[[str], object]) -> Callable[[str], list]:
+    """An argparse type for comma-separated lists; ArgumentTypeError names the flag for us."""
+    def parse(text: str) -> list:
+        values = [item(part.strip()) for part in text.split(",") if part.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError("needs at least one value")
+        return list(dict.fromkeys(values))  # de-duplicate, keep order
+    return parse
+
+
+def _choice(options: Sequence[str], what: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in options:
+            raise argparse.ArgumentTypeError(f"unknown {what} {text!r}; choose from {', '.join(options)}")
+        return text
+    return parse
+
+
+def _k(text: str) -> int:
+    try:
+        k = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"K must be an integer, got {text!r}") from None
+    upper = SpeculationConfig().max_speculative_tokens  # the engine's own bound
+    if not 1 <= k <= upper:
+        raise argparse.ArgumentTypeError(f"K must be in [1, {upper}], got {k} "
+                                         "(target-only always runs as the baseline)")
+    return k
+
+
+def _temperature(text: str) -> float:
+    try:
+        return SamplingParams(temperature=float(text)).temperature
+    except (ValueError, InvalidRequest) as err:
+        raise argparse.ArgumentTypeError(f"bad temperature {text!r}: {err}") from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _draft(text: str) -> str:
+    layers = text.removeprefix(TRUNCATE_PREFIX)
+    if text.startswith(TRUNCATE_PREFIX) and not (layers.isdigit() and int(layers) >= 1):
+        raise argparse.ArgumentTypeError(f"truncate:N needs an integer N >= 1, got {layers!r}")
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="Benchmark mirrorspec's decoding modes side by side on real prompt sets.",
+        epilog="Modes: " + "; ".join(f"{m.name}: {m.description.splitlines()[0].rstrip('.')}" for m in MODES.values()),
+    )
+    p.add_argument("--datasets", type=_csv(_choice(list(DATASETS), "dataset")), default=list(DATASETS),
+                   help=f"comma-separated, from {','.join(DATASETS)} (default: all)")
+    p.add_argument("--num-prompts", type=_positive, default=4, help="first N prompts of each dataset (default 4)")
+    p.add_argument("--max-tokens", type=_positive, default=64, help="max new tokens per prompt (default 64)")
+    p.add_argument("--k", type=_csv(_k), default=[2, 4], help="draft tokens per window, comma-separated (default 2,4)")
+    p.add_argument("--temperatures", type=_csv(_temperature), default=[0.0, 0.7],
+                   help="comma-separated; 0 = greedy (default 0,0.7)")
+    p.add_argument("--modes", type=_csv(_choice(list(MODES), "mode")), default=list(MODES),
+                   help="comma-separated (default: all); target-only always runs as the baseline")
+    p.add_argument("--target", default="demo-target", help="hub id, local path, .gguf, or demo-target (default)")
+    p.add_argument("--draft", type=_draft, default="none",
+                   help="'none' (default; draft-model modes are skipped), a model path / hub id sharing the "
+                        "target's tokenizer, or 'truncate:N' = the target cut to its first N layers "
+                        "(a smoke/debug draft: it runs the draft-model paths but accepts little)")
+    p.add_argument("--threads", type=_positive, default=len(os.sched_getaffinity(0)),
+                   help="torch intra-op threads (default: all usable cores)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
+    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
+    p.add_argument("--seed", type=int, default=0, help="base seed; prompt i uses seed + i in every mode")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--reprint", type=Path, metavar="JSON",
+                   help="print the table of an earlier run's JSON (recomputed from its records) and exit")
+    return p
+
+
+# ------------------------------------------------------------------------------ model loading
+
+def load_draft(spec: str, target: LoadedModel) -> Drafts:
+    """The draft model named by ``--draft``; raises InvalidRequest(field="draft") on a bad one."""
+    if spec == "none":
+        return Drafts()
+    if spec.startswith(TRUNCATE_PREFIX):
+        model = truncated_target(target, int(spec.removeprefix(TRUNCATE_PREFIX)))
+    else:
+        model = load_causal_lm(spec, dtype=str(target.model.dtype).removeprefix("torch."),
+                               device=str(target.model.device), tokenizer=False).model
+    if model.config.vocab_size != target.model.config.vocab_size:
+        raise InvalidRequest(f"the draft's vocabulary ({model.config.vocab_size}) differs from the target's "
+                             f"({target.model.config.vocab_size}); it must share the target's tokenizer",
+                             field="draft")
+    return Drafts(model=model, name=spec)
+
+
+def truncated_target(target: LoadedModel, layers: int) -> torch.nn.Module:
+    """The target's first ``layers`` decoder layers plus its embeddings, norm and head.
+
+    A draft that needs no training and shares the tokenizer by construction: good for
+    exercising the draft-model code paths end to end, useless for speed (it predicts poorly).
+    """
+    from transformers import AutoModelForCausalLM
+
+    total = int(target.model.config.num_hidden_layers)
+    if not 1 <= layers < total:
+        raise InvalidRequest(f"truncate:N needs 1 <= N < {total} (the target's layer count), got {layers}",
+                             field="draft")
+    model = AutoModelForCausalLM.from_pretrained(target.source, num_hidden_layers=layers, dtype=target.model.dtype)
+    return model.to(target.model.device).eval()
+
+
+def _quiet_transformers() -> None:
+    """The truncated draft triggers a long 'unused weights' report; HF progress bars clutter stderr."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+# ------------------------------------------------------------------------------ main
+
+BUSY_FRACTION = 0.2
+
+
+def contention_note(busy: float | None, when: str, device: str) -> list[str]:
+    """A warning when other processes used the CPU: on a small machine one busy core can stall
+    every multi-threaded matmul and swing tokens/s by 10x, which no ratio fully corrects."""
+    if busy is None or busy < BUSY_FRACTION or not device.startswith("cpu"):
+        return []
+    return [f"other processes used {busy:.0%} of the CPUs {when}: timings are noisy "
+            f"(compare ratios within this run only; on a shared machine try --threads 1)"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.reprint is not None:
+        return reprint(args.reprint, parser)
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)  # deliberately, before any model work; restored on exit
+    try:
+        return _run(args, parser)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def reprint(path: Path, parser: argparse.ArgumentParser) -> int:
+    """Re-derive the table from stored records, so old runs gain columns added since."""
+    try:
+        payload = json.loads(path.read_text())
+        records = [RunRecord(**r) for r in payload["records"]]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        parser.error(f"--reprint: cannot read records from {path}: {err}")
+    config = payload.get("config", {})
+    print(f"# {path.name}: target={config.get('target')} draft={config.get('draft')} "
+          f"threads={payload.get('environment', {}).get('torch_threads')}")
+    print(format_table(summarize(records)))
+    print(f"\n{LEGEND}")
+    for note in payload.get("notes", []):
+        print(f"note: {note}")
+    return 0
+
+
+def _load(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[LoadedModel, Drafts]:
+    _quiet_transformers()
+    try:
+        target = load_causal_lm(args.target, dtype=args.dtype, device=args.device)
+    except (InvalidRequest, OSError) as err:
+        parser.error(f"--target: {err}")
+    if target.tokenizer is None:
+        parser.error("--target: the target has no tokenizer; prompts cannot be encoded")
+    try:
+        return target, load_draft(args.draft, target)
+    except (InvalidRequest, OSError) as err:
+        parser.error(f"--draft: {err}")
+
+
+def _timed_run(plan: BenchPlan, env: dict) -> tuple[list[RunRecord], float]:
+    """The benchmark proper, recording how much CPU other processes took meanwhile."""
+    started, cpu_before = time.perf_counter(), cpu_sample()
+    records = run_benchmark(plan)
+    elapsed = time.perf_counter() - started
+    env["others_cpu_busy_during_run"] = others_busy_fraction(cpu_before, cpu_sample())
+    env["load_average_end"] = os.getloadavg()
+    return records, elapsed
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    prompts = {name: load_prompts(name, args.num_prompts) for name in args.datasets}
+    target, drafts = _load(args, parser)
+    modes, notes = select_modes(args.modes, drafts)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    plan = BenchPlan(target=target, drafts=drafts, prompts=prompts, modes=modes, ks=args.k,
+                     temperatures=args.temperatures, max_new_tokens=args.max_tokens, seed=args.seed,
+                     progress=not args.no_progress)
+    env = environment(target.model.device, target.model.dtype)
+    notes += contention_note(env["others_cpu_busy_before_run"], "just before the run", env["device"])
+    records, elapsed = _timed_run(plan, env)
+    notes += contention_note(env["others_cpu_busy_during_run"], "during the run", env["device"])
+    summaries = summarize(records)
+
+    config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
+    config.update(target_source=target.source, modes_run=[m.name for m in modes], elapsed_s=elapsed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / time.strftime("bench-%Y%m%d-%H%M%S")
+    write_json(stem.with_suffix(".json"), env, config, notes, summaries, records)
+    title = (f"target={args.target} draft={args.draft} threads={env['torch_threads']} device={env['device']} "
+             f"max_tokens={args.max_tokens} prompts/dataset={args.num_prompts}")
+    plot(stem.with_suffix(".png"), summaries, title)
+
+    print(f"# {title}  ({elapsed:.0f} s)")
+    print(format_table(summaries))
+    print(f"\n{LEGEND}")
+    for note in notes:
+        print(f"note: {note}")
+    print(f"\nwrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

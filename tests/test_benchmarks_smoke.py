@@ -1,0 +1,88 @@
+"""The benchmark harness: prompt loaders and flag errors (fast), one tiny end-to-end run (slow).
+
+Timings are never asserted: they depend on the machine and on whatever else runs on it.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.metrics import expected_tokens_per_window, speedup_bound
+from benchmarks.prompts import DATASETS, load_prompts
+from benchmarks.run import main
+
+
+@pytest.mark.parametrize("dataset", list(DATASETS))
+def test_prompt_loaders_read_the_wheels_deterministically(dataset):
+    five = load_prompts(dataset, 5)
+    assert len(five) == 5 and all(p.text.strip() and p.dataset == dataset for p in five)
+    assert load_prompts(dataset, 5) == five
+    assert load_prompts(dataset, 3) == five[:3]  # "first N": a smaller run is a prefix of a larger one
+    assert len({p.prompt_id for p in five}) == 5
+
+
+def test_prompt_sets_have_the_expected_shape():
+    mtbench, humaneval, edit = (load_prompts(name, 2) for name in ("mtbench", "humaneval", "code-edit"))
+    assert mtbench[0].prompt_id == "81" and mtbench[0].category == "writing"
+    assert humaneval[0].prompt_id == "HumanEval/0" and "def has_close_elements" in humaneval[0].text
+    assert edit[0].text.startswith("Add type hints") and "return False" in edit[0].text  # includes the solution
+
+
+def test_speedup_bound_matches_the_closed_form():
+    assert expected_tokens_per_window(0.0, 4) == 1.0
+    assert expected_tokens_per_window(1.0, 4) == 5.0
+    assert expected_tokens_per_window(0.5, 2) == pytest.approx(1.75)
+    assert speedup_bound(0.5, 2, 0.25) == pytest.approx(1.75 / 1.5)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--k", "0"], "--k"),
+    (["--k", "2,x"], "--k"),
+    (["--datasets", "mtbench,nope"], "--datasets"),
+    (["--modes", "warp-drive"], "--modes"),
+    (["--temperatures", "-1"], "--temperatures"),
+    (["--num-prompts", "0"], "--num-prompts"),
+    (["--draft", "truncate:zero"], "--draft"),
+])
+def test_bad_flags_are_argparse_errors_naming_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
+
+
+def _run(tmp_path: Path, *argv: str) -> dict:
+    assert main([*argv, "--out", str(tmp_path), "--threads", "1", "--no-progress"]) == 0
+    [result] = tmp_path.glob("bench-*.json")
+    assert result.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["--reprint", str(result)]) == 0  # the stored records are enough to rebuild the table
+    return json.loads(result.read_text())
+
+
+@pytest.mark.slow
+def test_tiny_benchmark_runs_every_mode_and_greedy_is_identical(tmp_path, capsys):
+    modes = ["target-only", "mirrorspec-ngram", "mirrorspec-draft", "hf-assisted"]
+    out = _run(tmp_path, "--datasets", "mtbench,humaneval,code-edit", "--num-prompts", "1", "--max-tokens", "8",
+               "--k", "2", "--temperatures", "0", "--modes", ",".join(modes), "--draft", "truncate:2")
+    records = out["records"]
+    for dataset in DATASETS:
+        ran = {r["mode"] for r in records if r["dataset"] == dataset}
+        assert ran == set(modes), dataset
+    for r in records:
+        assert 1 <= r["new_tokens"] <= 8
+        if r["mode"].startswith("mirrorspec") or r["mode"] == "target-only":
+            assert r["identical_to_target_only"] is True, (r["dataset"], r["mode"])
+    summaries = {(s["dataset"], s["mode"]) for s in out["summaries"]}
+    assert ("code-edit", "mirrorspec-ngram") in summaries
+    assert out["environment"]["torch_threads"] == 1 and out["config"]["draft"] == "truncate:2"
+    printed = capsys.readouterr().out
+    assert "mirrorspec-draft" in printed and "identical" in printed
+
+
+@pytest.mark.slow
+def test_draft_model_modes_are_skipped_without_a_draft(tmp_path):
+    out = _run(tmp_path, "--datasets", "mtbench", "--num-prompts", "1", "--max-tokens", "4", "--k", "2",
+               "--temperatures", "0", "--modes", "mirrorspec-draft,hf-assisted")
+    assert {r["mode"] for r in out["records"]} == {"target-only"}
+    assert any("mirrorspec-draft" in note for note in out["notes"])
