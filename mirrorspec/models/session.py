@@ -61,7 +61,8 @@ class KVSession:
         keep = min(common_prefix_length(self.tokens, context), len(context) - num_positions)
         self.rollback(keep)
         new = torch.tensor([list(context[keep:])], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=new, past_key_values=self._cache, use_cache=True)
+        # logits_to_keep: a 49k-vocabulary head over every prompt position costs more than the prefill
+        out = self.model(input_ids=new, past_key_values=self._cache, use_cache=True, logits_to_keep=num_positions)
         self.tokens = list(context)
         return out.logits[0, -num_positions:].float()
 
