@@ -213,7 +213,8 @@ def generate(
     Args:
         target: an HF causal LM (or any ``LogitSession``) whose distribution the output follows.
         draft: an HF causal LM sharing the target's tokenizer, a ``Drafter``, ``"ngram"``, or
-            ``None`` for target-only decoding (the baseline).
+            ``None`` for target-only decoding (the baseline). A ``Drafter`` passed in belongs to
+            the caller and keeps its state (KV cache) afterwards; call its ``release()``.
         input_ids: the prompt, a list of ids or a ``[1, n]`` / ``[n]`` tensor.
         params: temperature / top_k / top_p / max_new_tokens / stop_token_ids. Greedy by default.
         num_speculative_tokens: K, drafts per window; 0 means target-only.

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from mirrorspec.config import InvalidRequest, OutOfRange, SamplingParams, SpeculationConfig
-from mirrorspec.engine import GenerationStats, WindowEvent, decode_windows
+from mirrorspec.engine import GenerationStats, decode_windows
 from mirrorspec.models import encode_chat, encode_prompt
 from mirrorspec.models.detokenize import IncrementalDetokenizer
 from mirrorspec.sampling import fresh_seed

@@ -11,10 +11,9 @@ shows the test has the power to catch that class of error.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import pytest
-import torch
 
 import mirrorspec.sampling.rejection as rejection_module
 from mirrorspec import SamplingParams, generate

@@ -50,7 +50,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     try:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     except KeyError:
-        raise InvalidRequest(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}", field="dtype")
+        raise InvalidRequest(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}", field="dtype") from None
 
 
 def load_causal_lm(source: str, *, dtype: str = "auto", device: str = "auto", tokenizer: bool = True) -> LoadedModel:
