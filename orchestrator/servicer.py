@@ -18,8 +18,8 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from mirrorspec.config import InvalidRequest, OutOfRange, SamplingParams, SpeculationConfig
-from mirrorspec.engine import GenerationStats, decode_windows
+from mirrorspec.config import InvalidRequest, SamplingParams, SpeculationConfig
+from mirrorspec.engine import GenerationStats, decode_windows, validate_prompt
 from mirrorspec.models import encode_chat, encode_prompt
 from mirrorspec.models.detokenize import IncrementalDetokenizer
 from mirrorspec.sampling import fresh_seed
@@ -129,10 +129,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         spec = SpeculationConfig(num_speculative_tokens=int(k), max_speculative_tokens=self.config.max_speculative_tokens)
         if any(not s for s in request.stop):
             raise InvalidRequest("stop strings must be non-empty", field="stop")
-        prompt = self._prompt_ids(request)
-        if len(prompt) + params.max_new_tokens > self.max_context:
-            raise OutOfRange(f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
-                             f"context window of {self.max_context}; lower max_new_tokens", field="max_new_tokens")
+        prompt = validate_prompt(self._prompt_ids(request), self.vocab_size, self.max_context, params)
         seed = request.seed if request.HasField("seed") else fresh_seed()
         return PreparedRequest(prompt, params, spec, int(seed), tuple(request.stop))
 
