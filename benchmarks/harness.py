@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from mirrorspec.drafting import NgramDrafter
 from mirrorspec.models.loading import LoadedModel, encode_prompt
 
 from benchmarks.prompts import Prompt
+from benchmarks.served import ServedStacks
 
 TARGET_ONLY = "target-only"
 WARMUP_TOKENS = 8
@@ -42,6 +43,7 @@ class Drafts:
 
     model: torch.nn.Module | None = None
     name: str = "none"
+    services: ServedStacks = field(default_factory=ServedStacks)  # started lazily by the served modes
 
 
 @dataclass
@@ -113,6 +115,32 @@ def mirrorspec_draft(target: LoadedModel, drafts: Drafts, ids: list[int], params
     drafter itself and releases its KV cache at the end of the request.
     """
     return _mirrorspec(target, drafts.model, ids, params, k, seed)
+
+
+def _served(client, ids: list[int], params: SamplingParams, k: int, seed: int) -> RunOutput:
+    started = time.perf_counter()
+    done = client.generate(ids, max_tokens=params.max_new_tokens, temperature=params.temperature,
+                           top_k=params.top_k, top_p=params.top_p, seed=seed, k=k,
+                           stop_token_ids=list(params.stop_token_ids))
+    wall = time.perf_counter() - started
+    s = done.stats
+    stats = GenerationStats(windows=s.windows, drafted=s.drafted, accepted=s.accepted,
+                            draft_time_s=s.draft_time_s, verify_time_s=s.verify_time_s)
+    return RunOutput(list(done.token_ids), wall, done.finish_reason, stats)
+
+
+@register_mode("served-ngram", uses_k=True)
+def served_ngram(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
+                 k: int, seed: int) -> RunOutput:
+    """mirrorspec over gRPC on loopback (orchestrator, target, n-gram drafter servers)."""
+    return _served(drafts.services.client(target, None), ids, params, k, seed)
+
+
+@register_mode("served-draft", uses_k=True, needs_draft_model=True)
+def served_draft(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
+                 k: int, seed: int) -> RunOutput:
+    """mirrorspec over gRPC on loopback with the draft model in its own drafter server."""
+    return _served(drafts.services.client(target, drafts.model), ids, params, k, seed)
 
 
 def _hf_generate(target: LoadedModel, ids: list[int], params: SamplingParams, seed: int,

@@ -240,7 +240,10 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      progress=not args.no_progress)
     env = environment(target.model.device, target.model.dtype)
     notes += contention_note(env["others_cpu_busy_before_run"], "just before the run", env["device"])
-    records, elapsed = _timed_run(plan, env)
+    try:
+        records, elapsed = _timed_run(plan, env)
+    finally:
+        drafts.services.close()  # the served modes' loopback servers, if any were started
     notes += contention_note(env["others_cpu_busy_during_run"], "during the run", env["device"])
     summaries = summarize(records)
 

@@ -62,7 +62,7 @@ def _run(tmp_path: Path, *argv: str) -> dict:
 
 @pytest.mark.slow
 def test_tiny_benchmark_runs_every_mode_and_greedy_is_identical(tmp_path, capsys):
-    modes = ["target-only", "mirrorspec-ngram", "mirrorspec-draft", "hf-assisted"]
+    modes = ["target-only", "mirrorspec-ngram", "mirrorspec-draft", "hf-assisted", "served-ngram", "served-draft"]
     out = _run(tmp_path, "--datasets", "mtbench,humaneval,code-edit", "--num-prompts", "1", "--max-tokens", "8",
                "--k", "2", "--temperatures", "0", "--modes", ",".join(modes), "--draft", "truncate:2")
     records = out["records"]
@@ -71,7 +71,7 @@ def test_tiny_benchmark_runs_every_mode_and_greedy_is_identical(tmp_path, capsys
         assert ran == set(modes), dataset
     for r in records:
         assert 1 <= r["new_tokens"] <= 8
-        if r["mode"].startswith("mirrorspec") or r["mode"] == "target-only":
+        if r["mode"].startswith(("mirrorspec", "served")) or r["mode"] == "target-only":
             assert r["identical_to_target_only"] is True, (r["dataset"], r["mode"])
     summaries = {(s["dataset"], s["mode"]) for s in out["summaries"]}
     assert ("code-edit", "mirrorspec-ngram") in summaries
