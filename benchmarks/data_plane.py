@@ -6,8 +6,8 @@ Runs real drafter and target gRPC servers on loopback with a tiny Llama that has
 target's vocabulary size (49,152), so q rows are full size while model compute is small, and
 drives them with the orchestrator's own RemoteDrafter / RemoteVerifier. Overhead per window is
 client-side call time minus the compute time the servers report, for both calls of the window.
-Servers and client share this process (and its GIL), so the figures are an upper bound for
-separate processes.
+Measured twice: servers as threads of this process (sharing its GIL), and as separate processes
+(`python -m target_service`, `python -m drafter_service`).
 """
 
 from __future__ import annotations
@@ -40,28 +40,62 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
 
 
-def measure(target_dir: Path, draft_dir: Path, proposal_top_k: int, k: int, windows: int) -> dict:
-    import grpc
-
+def start_in_process(target_dir: Path, draft_dir: Path, proposal_top_k: int):
+    """Both servers as threads of this process: (target address, drafter address, stop)."""
     from drafter_service.servicer import DrafterConfig
     from drafter_service.servicer import serve as serve_drafter
-    from mirrorspec import SamplingParams, SpeculationConfig
-    from mirrorspec.engine import GenerationStats, decode_windows
-    from mirrorspec.serving.convert import proposal_to_proto
-    from mirrorspec.serving.server import CHANNEL_OPTIONS, BackgroundServer
-    from mirrorspec.v1 import drafter_pb2_grpc, target_pb2_grpc
-    from orchestrator.remote import RemoteDrafter, RemoteVerifier
+    from mirrorspec.serving.server import BackgroundServer
     from target_service.servicer import TargetConfig
     from target_service.servicer import serve as serve_target
 
     target = BackgroundServer(lambda: serve_target(TargetConfig(model=str(target_dir)))).start()
     drafter = BackgroundServer(lambda: serve_drafter(DrafterConfig(strategy="draft-model", model=str(draft_dir),
                                                                    proposal_top_k=proposal_top_k))).start()
+    return f"127.0.0.1:{target.port}", f"127.0.0.1:{drafter.port}", lambda: (drafter.stop(), target.stop())
+
+
+def start_processes(target_dir: Path, draft_dir: Path, proposal_top_k: int):
+    """Each server in its own process, one torch thread each: (target address, drafter address, stop)."""
+    import subprocess
+    import sys
+
+    commands = [[sys.executable, "-m", "target_service", "--model", str(target_dir)],
+                [sys.executable, "-m", "drafter_service", "--strategy", "draft-model", "--model", str(draft_dir),
+                 "--proposal-top-k", str(proposal_top_k)]]
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for c in commands]
+    ports = []
+    for proc in procs:
+        line = ""
+        while "listening on port" not in line:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                raise RuntimeError(f"{proc.args[2]} exited before listening")
+        ports.append(int(line.rsplit(" ", 1)[1]))
+
+    def stop():
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+    return f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}", stop
+
+
+def measure(target_dir: Path, draft_dir: Path, proposal_top_k: int, k: int, windows: int, separate: bool) -> dict:
+    import grpc
+
+    from mirrorspec import SamplingParams, SpeculationConfig
+    from mirrorspec.engine import GenerationStats, decode_windows
+    from mirrorspec.serving.convert import proposal_to_proto
+    from mirrorspec.serving.server import CHANNEL_OPTIONS
+    from mirrorspec.v1 import drafter_pb2_grpc, target_pb2_grpc
+    from orchestrator.remote import RemoteDrafter, RemoteVerifier
+
+    start = start_processes if separate else start_in_process
+    target_address, drafter_address, stop = start(target_dir, draft_dir, proposal_top_k)
     try:
-        target_stub = target_pb2_grpc.TargetServiceStub(
-            grpc.insecure_channel(f"127.0.0.1:{target.port}", options=CHANNEL_OPTIONS))
+        target_stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(target_address, options=CHANNEL_OPTIONS))
         drafter_stub = drafter_pb2_grpc.DrafterServiceStub(
-            grpc.insecure_channel(f"127.0.0.1:{drafter.port}", options=CHANNEL_OPTIONS))
+            grpc.insecure_channel(drafter_address, options=CHANNEL_OPTIONS))
         params = SamplingParams(temperature=1.0, max_new_tokens=windows * (k + 1))
         prompt = [1, 2, 3, 4]
         overheads, q_bytes = [], []
@@ -86,6 +120,7 @@ def measure(target_dir: Path, draft_dir: Path, proposal_top_k: int, k: int, wind
         session.release()
         q_bytes = proposal_to_proto(proposal.q).ByteSize()
         return {
+            "servers": "separate processes" if separate else "in this process",
             "q": "dense" if proposal_top_k == 0 else f"sparse top-{proposal_top_k}",
             "windows": len(overheads),
             "overhead_ms_p50": 1000 * statistics.median(overheads),
@@ -94,8 +129,7 @@ def measure(target_dir: Path, draft_dir: Path, proposal_top_k: int, k: int, wind
             "acceptance_rate": stats.acceptance_rate,
         }
     finally:
-        drafter.stop()
-        target.stop()
+        stop()
 
 
 def main(argv=None) -> int:
@@ -110,10 +144,12 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     root = Path(tempfile.mkdtemp())
     target_dir, draft_dir = tiny_model(root / "target", 0), tiny_model(root / "draft", 1)
-    rows = [measure(target_dir, draft_dir, top_k, args.k, args.windows) for top_k in (32, 0)]
-    print(f"{'q':18s} {'p50 ms':>8s} {'p99 ms':>8s} {'q bytes/window':>15s}")
+    rows = [measure(target_dir, draft_dir, top_k, args.k, args.windows, separate)
+            for separate in (False, True) for top_k in (32, 0)]
+    print(f"{'servers':20s} {'q':16s} {'p50 ms':>8s} {'p99 ms':>8s} {'q bytes/window':>15s}")
     for r in rows:
-        print(f"{r['q']:18s} {r['overhead_ms_p50']:8.3f} {r['overhead_ms_p99']:8.3f} {r['q_bytes_per_window']:15,d}")
+        print(f"{r['servers']:20s} {r['q']:16s} {r['overhead_ms_p50']:8.3f} {r['overhead_ms_p99']:8.3f} "
+              f"{r['q_bytes_per_window']:15,d}")
     print(f"dense/sparse bytes ratio: {rows[1]['q_bytes_per_window'] / rows[0]['q_bytes_per_window']:.0f}x")
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"data_plane-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -80,8 +80,9 @@ def decode_proposal(probs_frame: bytes, ids_frame: bytes | None, *, num_tokens: 
     if draft_tokens and not all(0 <= t < vocab_size for t in draft_tokens):
         raise InvalidRequest(f"draft token ids must lie in [0, {vocab_size})", field="draft_tokens")
     if draft_tokens:
-        dense = rows.dense(vocab_size)
-        mass = dense.gather(-1, torch.tensor(draft_tokens).unsqueeze(-1)).squeeze(-1)
+        drafts = torch.tensor(draft_tokens).unsqueeze(-1)  # [k, 1]
+        # the mass q gives each draft, read off the sparse rows directly (no [k, vocab] tensor per window)
+        mass = (probs * (ids == drafts)).sum(-1) if ids is not None else probs.gather(-1, drafts).squeeze(-1)
         if (mass <= 0).any():
             raise InvalidRequest("a draft token has zero probability under its own q row; "
                                  "q must be the distribution each draft was sampled from", field="q")
