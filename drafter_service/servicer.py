@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from mirrorspec.config import InvalidRequest, OutOfRange, ReplicaConfig
 from mirrorspec.drafting import DraftModelDrafter, Drafter, NgramDrafter
+from mirrorspec.engine import validate_prompt
 from mirrorspec.models import LoadedModel, load_causal_lm
 from mirrorspec.serving.convert import check_token_ids, describe_model, params_from_proto, proposal_to_proto
 from mirrorspec.serving.server import ComputeLane, Service, start_grpc_server
@@ -49,9 +50,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     async def OpenSession(self, request, context):
         params = params_from_proto(request.params, default_max_new_tokens=1)
-        prompt = check_token_ids(request.prompt_ids, self.vocab_size, "prompt_ids")
-        if not prompt:
-            raise InvalidRequest("prompt_ids is empty; a draft session needs the prompt", field="prompt_ids")
+        max_context = self.loaded.max_context if self.loaded is not None else 1 << 31
+        prompt = validate_prompt(request.prompt_ids, self.vocab_size, max_context, params, field="prompt_ids")
         session_id = self.sessions.open(DraftSession(SequenceState(prompt, params, int(request.seed)),
                                                      self._new_drafter()))
         return drafter_pb2.OpenDraftSessionResponse(session_id=session_id)

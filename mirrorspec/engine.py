@@ -170,13 +170,16 @@ def decode_windows(
             return
 
 
-def validate_prompt(input_ids: Sequence[int], vocab_size: int, max_context: int, params: SamplingParams) -> list[int]:
+def validate_prompt(input_ids: Sequence[int], vocab_size: int, max_context: int, params: SamplingParams,
+                    field: str = "input_ids") -> list[int]:
+    """The prompt as ints, refused if empty, outside the vocabulary, or too long for the context
+    window; ``field`` names the argument (or proto field) the ids came in, for the error."""
     ids = [int(t) for t in input_ids]
     if not ids:
-        raise InvalidRequest("input_ids is empty; pass at least one prompt token", field="input_ids")
+        raise InvalidRequest(f"{field} is empty; pass at least one prompt token", field=field)
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", field="input_ids")
+        raise InvalidRequest(f"{field} holds ids {bad[:5]} outside the vocabulary [0, {vocab_size})", field=field)
     if len(ids) + params.max_new_tokens > max_context:
         raise OutOfRange(
             f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the context window "

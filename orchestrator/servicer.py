@@ -23,7 +23,7 @@ from mirrorspec.engine import GenerationStats, decode_windows, validate_prompt
 from mirrorspec.models import encode_chat, encode_prompt
 from mirrorspec.models.detokenize import IncrementalDetokenizer
 from mirrorspec.sampling import fresh_seed
-from mirrorspec.serving.convert import check_token_ids, params_from_proto
+from mirrorspec.serving.convert import params_from_proto
 from mirrorspec.serving.server import CHANNEL_OPTIONS, Service, start_grpc_server
 from mirrorspec.v1 import (
     common_pb2,
@@ -129,28 +129,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         spec = SpeculationConfig(num_speculative_tokens=int(k), max_speculative_tokens=self.config.max_speculative_tokens)
         if any(not s for s in request.stop):
             raise InvalidRequest("stop strings must be non-empty", field="stop")
-        prompt = validate_prompt(self._prompt_ids(request), self.vocab_size, self.max_context, params)
+        kind, prompt = self._prompt_ids(request)
+        prompt = validate_prompt(prompt, self.vocab_size, self.max_context, params, field=kind)
         seed = request.seed if request.HasField("seed") else fresh_seed()
         return PreparedRequest(prompt, params, spec, int(seed), tuple(request.stop))
 
-    def _prompt_ids(self, request) -> list[int]:
+    def _prompt_ids(self, request) -> tuple[str, list[int]]:
+        """(which input field was set, its token ids); ``validate_prompt`` checks the ids."""
         kind = request.WhichOneof("input")
         if kind is None:
             raise InvalidRequest("the request has no input; set one of text, chat, raw_text or token_ids",
                                  field="input")
         if kind == "token_ids":
-            ids = check_token_ids(request.token_ids.ids, self.vocab_size, "token_ids")
-            if not ids:
-                raise InvalidRequest("token_ids is empty; pass at least one prompt token", field="token_ids")
-            return ids
+            return kind, list(request.token_ids.ids)
         if self.tokenizer is None:
             raise InvalidRequest("this deployment has no tokenizer; send token_ids instead of text", field=kind)
         if kind == "chat":
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
             if not messages or not any(m["content"] for m in messages):
                 raise InvalidRequest("chat has no non-empty message", field="chat")
-            return encode_chat(self.tokenizer, messages)
-        return encode_prompt(self.tokenizer, getattr(request, kind), chat=kind == "text")
+            return kind, encode_chat(self.tokenizer, messages)
+        return kind, encode_prompt(self.tokenizer, getattr(request, kind), chat=kind == "text")
 
     # ---- the loop -----------------------------------------------------------------------------
     async def _run(self, prepared: PreparedRequest, outcome: RequestOutcome, context) -> AsyncIterator[list[int]]:

@@ -44,8 +44,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def OpenSession(self, request, context):
         # max_new_tokens only feeds the context check here; unset means "the prompt must fit"
         params = params_from_proto(request.params, default_max_new_tokens=1)
-        prompt = check_token_ids(request.prompt_ids, self.vocab_size, "prompt_ids")
-        prompt = validate_prompt(prompt, self.vocab_size, self.loaded.max_context, params)
+        prompt = validate_prompt(request.prompt_ids, self.vocab_size, self.loaded.max_context, params,
+                                 field="prompt_ids")
         session = TargetSession(SequenceState(prompt, params, int(request.seed)),
                                 TargetVerifier(KVSession(self.loaded.model)))
         session_id = self.sessions.open(session)
