@@ -12,8 +12,16 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mirrorspec.config import InvalidRequest, SamplingParams, SpeculationConfig
+
+if TYPE_CHECKING:  # the services are imported when used, so `mirrorspec --help` stays fast
+    from drafter_service.servicer import DrafterConfig
+    from mirrorspec.models import LoadedModel
+    from mirrorspec.serving.server import BackgroundServer
+    from target_service.servicer import TargetConfig
 
 # Which flag carries which validated field, so errors from deep inside name what the user typed.
 FLAG_FOR_FIELD = {
@@ -192,6 +200,45 @@ def _generate_remote(args: argparse.Namespace) -> int:
     return 0
 
 
+@dataclass
+class LocalStack:
+    """A target, an optional drafter and the front door, each a gRPC server in this process."""
+
+    target: BackgroundServer
+    drafter: BackgroundServer | None
+    front: BackgroundServer
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.front.port}"
+
+    def stop(self) -> None:
+        for server in (self.front, self.drafter, self.target):
+            if server is not None:
+                server.stop()
+
+
+def start_local_stack(target: TargetConfig, drafter: DrafterConfig | None, *, target_model: LoadedModel | None = None,
+                      draft_model: LoadedModel | None = None, **front_options) -> LocalStack:
+    """Start target, drafter (unless None) and the orchestrator wired to them; ``front_options``
+    are OrchestratorConfig fields (host, port, num_speculative_tokens, ...). Models already
+    loaded in this process can be shared instead of loaded again."""
+    from drafter_service.servicer import serve as serve_drafter
+    from mirrorspec.serving.server import BackgroundServer
+    from orchestrator.servicer import OrchestratorConfig
+    from orchestrator.servicer import serve as serve_orchestrator
+    from target_service.servicer import serve as serve_target
+
+    target_server = BackgroundServer(lambda: serve_target(target, loaded=target_model), "target").start()
+    drafter_server = None
+    if drafter is not None:
+        drafter_server = BackgroundServer(lambda: serve_drafter(drafter, loaded=draft_model), "drafter").start()
+    front = OrchestratorConfig(target=f"127.0.0.1:{target_server.port}",
+                               drafter=f"127.0.0.1:{drafter_server.port}" if drafter_server else None, **front_options)
+    return LocalStack(target_server, drafter_server,
+                      BackgroundServer(lambda: serve_orchestrator(front), "orchestrator").start())
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Three servers in this process: target, drafter, and the front door."""
     _check_threads(args)
@@ -202,31 +249,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import torch
 
     from drafter_service.servicer import DrafterConfig
-    from drafter_service.servicer import serve as serve_drafter
     from mirrorspec.models import load_causal_lm
-    from mirrorspec.serving.server import BackgroundServer
-    from orchestrator.servicer import OrchestratorConfig
-    from orchestrator.servicer import serve as serve_orchestrator
     from target_service.servicer import TargetConfig
-    from target_service.servicer import serve as serve_target
 
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
     _quiet_transformers()
     target = load_causal_lm(args.target, dtype=args.dtype, device=args.device)
-    servers = [BackgroundServer(lambda: serve_target(TargetConfig(model=target.source, max_sessions=args.max_sessions),
-                                                     loaded=target), "target").start()]
-    drafter_address = None
+    drafter = None
     if args.draft != "none":
         strategy = "ngram" if args.draft == "ngram" else "draft-model"
-        config = DrafterConfig(strategy=strategy, model=None if strategy == "ngram" else args.draft,
-                               dtype=args.dtype, device=args.device, max_sessions=args.max_sessions,
-                               proposal_top_k=args.proposal_top_k)
-        servers.append(BackgroundServer(lambda: serve_drafter(config), "drafter").start())
-        drafter_address = f"127.0.0.1:{servers[-1].port}"
-    front = OrchestratorConfig(target=f"127.0.0.1:{servers[0].port}", drafter=drafter_address, host=args.host,
-                               port=args.port, num_speculative_tokens=args.k, metrics_port=args.metrics_port)
-    servers.append(BackgroundServer(lambda: serve_orchestrator(front), "orchestrator").start())
-    print(f"mirrorspec: serving on {args.host}:{servers[-1].port} (target {args.target}, draft {args.draft}, "
+        drafter = DrafterConfig(strategy=strategy, model=None if strategy == "ngram" else args.draft,
+                                dtype=args.dtype, device=args.device, max_sessions=args.max_sessions,
+                                proposal_top_k=args.proposal_top_k)
+    stack = start_local_stack(TargetConfig(model=target.source, max_sessions=args.max_sessions), drafter,
+                              target_model=target, host=args.host, port=args.port, num_speculative_tokens=args.k,
+                              metrics_port=args.metrics_port)
+    print(f"mirrorspec: serving on {args.host}:{stack.front.port} (target {args.target}, draft {args.draft}, "
           f"K={args.k}); Ctrl-C stops", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -234,8 +272,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stop.wait()
     except KeyboardInterrupt:
         pass
-    for server in reversed(servers):
-        server.stop()
+    stack.stop()
     return 0
 
 
