@@ -124,7 +124,7 @@ def _served(client, ids: list[int], params: SamplingParams, k: int, seed: int) -
                            stop_token_ids=list(params.stop_token_ids))
     wall = time.perf_counter() - started
     s = done.stats
-    stats = GenerationStats(windows=s.windows, drafted=s.drafted, accepted=s.accepted,
+    stats = GenerationStats(windows=s.windows, drafted=s.drafted, accepted=s.accepted, rejected=s.rejected,
                             draft_time_s=s.draft_time_s, verify_time_s=s.verify_time_s)
     return RunOutput(list(done.token_ids), wall, done.finish_reason, stats)
 

@@ -43,7 +43,8 @@ class Summary:
     wall_time_s: float
     tokens_per_s: float
     speedup: float | None = None  # tokens/s over target-only's, same dataset and temperature
-    acceptance_rate: float | None = None
+    acceptance_rate: float | None = None  # accepted / drafted
+    token_acceptance: float | None = None  # Leviathan's alpha: accepted / tests run
     mean_accepted_length: float | None = None  # tokens per target pass, bonus included
     cost_ratio: float | None = None  # draft time per drafted token / verify time per window
     speedup_bound: float | None = None
@@ -64,9 +65,10 @@ def _spec_fields(stats: list[dict], k: int) -> dict:
                  "verify_s_per_window": verify_time / windows if windows else None}
     if k == 0 or drafted == 0:
         return out
-    alpha = accepted / drafted
+    tests = accepted + sum(s.get("rejected", 0) for s in stats)
+    alpha = accepted / tests if tests else 0.0  # per-token, what the Leviathan bound is stated in
     cost = (draft_time / drafted) / (verify_time / windows) if verify_time > 0 else None
-    out.update(acceptance_rate=alpha, cost_ratio=cost,
+    out.update(acceptance_rate=accepted / drafted, token_acceptance=alpha, cost_ratio=cost,
                speedup_bound=speedup_bound(alpha, k, cost) if cost is not None else None,
                per_position_acceptance=_per_position(stats))
     return out

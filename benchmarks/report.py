@@ -23,7 +23,7 @@ import torch
 from benchmarks.harness import TARGET_ONLY, RunRecord
 from benchmarks.metrics import Summary
 
-COLUMNS = ("dataset", "T", "mode", "K", "tok/s", "x base", "accept", "tok/pass", "cost c", "pass x", "bound",
+COLUMNS = ("dataset", "T", "mode", "K", "tok/s", "x base", "accept", "alpha", "tok/pass", "cost c", "pass x", "bound",
            "identical")
 
 
@@ -115,7 +115,8 @@ def _fmt(value: object, spec: str = ".2f") -> str:
 
 def _row(s: Summary) -> tuple[str, ...]:
     return (s.dataset, f"{s.temperature:g}", s.mode, str(s.k) if s.k else "-", _fmt(s.tokens_per_s, ".1f"),
-            _fmt(s.speedup), _fmt(s.acceptance_rate), _fmt(s.mean_accepted_length if s.k else None),
+            _fmt(s.speedup), _fmt(s.acceptance_rate), _fmt(s.token_acceptance),
+            _fmt(s.mean_accepted_length if s.k else None),
             _fmt(s.cost_ratio, ".3f"), _fmt(s.pass_cost), _fmt(s.speedup_bound), _fmt(s.identical))
 
 

@@ -60,6 +60,31 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class AdaptiveKConfig:
+    """How adaptive K weighs speculation against plain decoding (see ``mirrorspec.adaptive``).
+
+    Defaults are the demo pair measured on a 2-core CPU: a draft step costs ~0.1 of a target
+    step, and each extra token in a target pass ~0.12 of a step (a 5-token pass ~1.5 steps).
+    """
+
+    draft_cost: float = 0.1
+    pass_cost_per_token: float = 0.12
+    prior_accepted: float = 2.0  # Beta prior on alpha: start optimistic enough to try drafting
+    prior_rejected: float = 1.0
+    decay: float = 0.9  # per window: the last ~10 windows dominate the estimate
+    probe_every: int = 8  # windows spent target-only before drafting again to re-measure
+    probe_k: int = 2
+
+    def __post_init__(self) -> None:
+        if self.draft_cost < 0 or self.pass_cost_per_token < 0:
+            raise InvalidRequest("draft_cost and pass_cost_per_token must be >= 0", field="adaptive")
+        if not 0 < self.decay <= 1 or self.prior_accepted <= 0 or self.prior_rejected <= 0:
+            raise InvalidRequest("decay must be in (0, 1] and the priors > 0", field="adaptive")
+        if self.probe_every < 1 or self.probe_k < 1:
+            raise InvalidRequest("probe_every and probe_k must be >= 1", field="adaptive")
+
+
+@dataclass(frozen=True)
 class SpeculationConfig:
     """How the draft side proposes.
 
@@ -71,6 +96,8 @@ class SpeculationConfig:
     num_speculative_tokens: int = 4
     max_speculative_tokens: int = 16
     proposal_top_k: int = 0
+    # None: K is fixed; otherwise K varies per window in [0, num_speculative_tokens]
+    adaptive: AdaptiveKConfig | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_speculative_tokens <= 64:
@@ -116,3 +143,30 @@ class ReplicaConfig:
     max_sessions: int = 64
     session_ttl_s: float = 600.0
     max_speculative_tokens: int = 16
+
+
+@dataclass(frozen=True)
+class DistillRecipe:
+    """Everything that determines the demo draft: ``mirrorspec demo --rebuild`` follows it.
+
+    The teacher (the demo target) writes answers to the first ``teacher_prompts`` training
+    prompts, keeping its top-``teacher_top_k`` log-probabilities; the student (a few transformer
+    layers on top of the target's own frozen embedding and tied head) is distilled from that
+    cache and proposes from the ``draft_vocab_size`` tokens the target chose most often.
+    """
+
+    seed: int = 0
+    teacher_prompts: int = 12288
+    teacher_batch_size: int = 128
+    shard_batches: int = 4
+    max_prompt_tokens: int = 512
+    max_new_tokens: int = 128
+    teacher_top_k: int = 32
+    teacher_dtype: str = "bfloat16"
+    student_layers: int = 2
+    draft_vocab_size: int = 8192
+    epochs: float = 3.0
+    sequence_tokens: int = 512
+    batch_sequences: int = 16
+    learning_rate: float = 1e-3
+    train_dtype: str = "float32"

@@ -15,7 +15,8 @@ from typing import Protocol
 
 import torch
 
-from mirrorspec.config import InvalidRequest, OutOfRange, SamplingParams, SpeculationConfig
+from mirrorspec.adaptive import AdaptiveK
+from mirrorspec.config import AdaptiveKConfig, InvalidRequest, OutOfRange, SamplingParams, SpeculationConfig
 from mirrorspec.drafting import DraftModelDrafter, Drafter, NgramDrafter, Proposal
 from mirrorspec.models.session import KVSession, LogitSession
 from mirrorspec.sampling import (
@@ -71,6 +72,7 @@ class GenerationStats:
     windows: int = 0
     drafted: int = 0
     accepted: int = 0
+    rejected: int = 0  # windows that ended in a rejection (the rest accepted every draft)
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     draft_time_s: float = 0.0
@@ -80,6 +82,7 @@ class GenerationStats:
         self.windows += 1
         self.drafted += num_drafted
         self.accepted += num_accepted
+        self.rejected += int(num_accepted < num_drafted)
         grow = num_drafted - len(self.drafted_per_position)
         if grow > 0:
             self.drafted_per_position += [0] * grow
@@ -93,6 +96,16 @@ class GenerationStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
+    def token_acceptance_rate(self) -> float:
+        """Leviathan's alpha, the chance that one draft token passes its test: accepted tests over
+        all tests run (a window stops testing at its first rejection). ``acceptance_rate``
+        (accepted / drafted) also counts drafts after a rejection, which are never tested, so
+        it understates alpha; with i.i.d. acceptance the two relate through
+        mean_accepted_length = (1 - alpha^(K+1)) / (1 - alpha)."""
+        tests = self.accepted + self.rejected
+        return self.accepted / tests if tests else 0.0
+
+    @property
     def mean_accepted_length(self) -> float:
         """Tokens committed per target pass, counting the recovered/bonus token."""
         return (self.accepted + self.windows) / self.windows if self.windows else 0.0
@@ -103,7 +116,8 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         out = asdict(self)
-        out.update(acceptance_rate=self.acceptance_rate, mean_accepted_length=self.mean_accepted_length,
+        out.update(acceptance_rate=self.acceptance_rate, token_acceptance_rate=self.token_acceptance_rate,
+                   mean_accepted_length=self.mean_accepted_length,
                    per_position_acceptance=self.per_position_acceptance)
         return out
 
@@ -145,8 +159,10 @@ def decode_windows(
     context = list(prompt)
     produced = 0
     stop = set(params.stop_token_ids)
+    policy = AdaptiveK(spec.adaptive, spec.num_speculative_tokens) if spec.adaptive and drafter else None
     while True:
-        k = min(spec.num_speculative_tokens, params.max_new_tokens - produced - 1) if drafter else 0
+        k = policy.next_k() if policy else spec.num_speculative_tokens
+        k = min(k, params.max_new_tokens - produced - 1) if drafter else 0
         started = time.perf_counter()
         proposal = drafter.propose(context, k, params, seed) if k > 0 else Proposal.empty()
         drafted = time.perf_counter()
@@ -154,6 +170,8 @@ def decode_windows(
         stats.draft_time_s += drafted - started
         stats.verify_time_s += time.perf_counter() - drafted
         stats.record(len(proposal), verdict.num_accepted)
+        if policy:
+            policy.observe(len(proposal), verdict.num_accepted)
 
         tokens = [*proposal.tokens[:verdict.num_accepted], verdict.next_token]
         finish = None
@@ -209,6 +227,7 @@ def generate(
     num_speculative_tokens: int = 4,
     seed: int | None = None,
     proposal_top_k: int = 0,
+    adaptive: AdaptiveKConfig | bool | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
 ) -> GenerationResult:
     """Generate with speculative decoding, exactly as the target alone would.
@@ -223,13 +242,17 @@ def generate(
         num_speculative_tokens: K, drafts per window; 0 means target-only.
         seed: makes sampled output reproducible; a fresh one is drawn (and returned) if omitted.
         proposal_top_k: > 0 makes a draft model propose from a sparse top-k q (still exact).
+        adaptive: ``True`` (default costs) or an ``AdaptiveKConfig`` chooses K per window in
+            [0, num_speculative_tokens] from the acceptance seen so far, switching speculation
+            off where it does not pay; exactness is unaffected.
         on_tokens: called with each window's committed tokens as soon as they are known.
 
     Greedy output is token-identical to target-only greedy decoding; sampled output has exactly
     the target's distribution for any draft.
     """
     params = params or SamplingParams()
-    spec = SpeculationConfig(num_speculative_tokens=num_speculative_tokens, proposal_top_k=proposal_top_k)
+    spec = SpeculationConfig(num_speculative_tokens=num_speculative_tokens, proposal_top_k=proposal_top_k,
+                             adaptive=AdaptiveKConfig() if adaptive is True else adaptive or None)
     session = KVSession(target) if isinstance(target, torch.nn.Module) else target
     max_context = int(getattr(getattr(target, "config", None), "max_position_embeddings", 1 << 30))
     if isinstance(input_ids, torch.Tensor):

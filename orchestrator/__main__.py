@@ -2,6 +2,7 @@
 
 import argparse
 
+from mirrorspec.config import AdaptiveKConfig
 from mirrorspec.serving.server import run_until_terminated
 from orchestrator.servicer import OrchestratorConfig, serve
 
@@ -11,8 +12,10 @@ parser.add_argument("--drafter", default=None, help="host:port of a DrafterServi
 parser.add_argument("--host", default="127.0.0.1")
 parser.add_argument("--port", type=int, default=50051)
 parser.add_argument("--k", type=int, default=4, help="default speculative tokens per window")
+parser.add_argument("--adaptive", action="store_true", help="choose K per window in [0, K] from acceptance")
 parser.add_argument("--metrics-port", type=int, default=None)
 args = parser.parse_args()
 config = OrchestratorConfig(target=args.target, drafter=args.drafter, host=args.host, port=args.port,
-                            num_speculative_tokens=args.k, metrics_port=args.metrics_port)
+                            num_speculative_tokens=args.k, metrics_port=args.metrics_port,
+                            adaptive=AdaptiveKConfig() if args.adaptive else None)
 run_until_terminated(lambda: serve(config), "orchestrator")

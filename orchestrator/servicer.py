@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from mirrorspec.config import InvalidRequest, SamplingParams, SpeculationConfig
+from mirrorspec.config import AdaptiveKConfig, InvalidRequest, SamplingParams, SpeculationConfig
 from mirrorspec.engine import GenerationStats, decode_windows, validate_prompt
 from mirrorspec.models import encode_chat, encode_prompt
 from mirrorspec.models.detokenize import IncrementalDetokenizer
@@ -49,6 +49,7 @@ class OrchestratorConfig:
     max_concurrent_requests: int = 64
     backend_timeout_s: float = 120.0
     metrics_port: int | None = None  # Prometheus text endpoint on host:metrics_port
+    adaptive: AdaptiveKConfig | None = None  # K per window in [0, requested K]; None = fixed K
 
 
 @dataclass
@@ -126,7 +127,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         params = replace(params, stop_token_ids=tuple(sorted(set(params.stop_token_ids) | set(self.eos_ids))))
         k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") \
             else self.config.num_speculative_tokens
-        spec = SpeculationConfig(num_speculative_tokens=int(k), max_speculative_tokens=self.config.max_speculative_tokens)
+        spec = SpeculationConfig(num_speculative_tokens=int(k), max_speculative_tokens=self.config.max_speculative_tokens,
+                                 adaptive=self.config.adaptive)
         if any(not s for s in request.stop):
             raise InvalidRequest("stop strings must be non-empty", field="stop")
         kind, prompt = self._prompt_ids(request)
@@ -225,7 +227,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         s = outcome.stats
         ttft = (outcome.first_token_at - outcome.started) if outcome.first_token_at else 0.0
         return generation_pb2.RequestStats(
-            windows=s.windows, drafted=s.drafted, accepted=s.accepted, acceptance_rate=s.acceptance_rate,
+            windows=s.windows, drafted=s.drafted, accepted=s.accepted, rejected=s.rejected,
+            acceptance_rate=s.acceptance_rate, token_acceptance_rate=s.token_acceptance_rate,
             mean_accepted_length=s.mean_accepted_length, per_position_acceptance=s.per_position_acceptance,
             draft_time_s=s.draft_time_s, verify_time_s=s.verify_time_s, network_time_s=outcome.network_s,
             drafter_fallback=outcome.drafter_fallback, time_to_first_token_s=ttft,

@@ -72,6 +72,21 @@ def test_statistics_add_up(tiny_target, tiny_draft):
     assert s.mean_accepted_length == pytest.approx((s.accepted + s.windows) / s.windows)
     assert s.per_position_acceptance == sorted(s.per_position_acceptance, reverse=True)  # prefix acceptance
     assert s.draft_time_s > 0 and s.verify_time_s > 0
+    # every window either accepted all its drafts or ended at one rejection
+    assert 0 < s.rejected <= s.windows
+    assert s.token_acceptance_rate == pytest.approx(s.accepted / (s.accepted + s.rejected))
+    assert s.token_acceptance_rate >= s.acceptance_rate  # untested drafts after a rejection count only there
+
+
+def test_token_acceptance_is_leviathans_alpha():
+    from mirrorspec.engine import GenerationStats
+
+    s = GenerationStats()
+    for drafted, accepted in [(4, 4), (4, 1), (4, 0), (4, 2)]:  # 7 accepted tests, 3 rejections
+        s.record(drafted, accepted)
+    assert s.rejected == 3
+    assert s.token_acceptance_rate == pytest.approx(7 / 10)
+    assert s.acceptance_rate == pytest.approx(7 / 16)
 
 
 def test_n_gram_accepts_on_repetitive_text(tiny_target):

@@ -17,6 +17,7 @@ import pytest
 
 import mirrorspec.sampling.rejection as rejection_module
 from mirrorspec import SamplingParams, generate
+from mirrorspec.config import AdaptiveKConfig
 from mirrorspec.drafting import DraftModelDrafter, Drafter, NgramDrafter, Proposal
 from mirrorspec.models import KVSession
 from mirrorspec.sampling import ProposalRows
@@ -40,6 +41,7 @@ class Case:
     drafter: str = "model"  # "model" | "self" (draft == target, p = q) | "ngram" (one-hot q)
     bug: str = "lying_q"  # the planted bug this case must catch
     prompt: tuple[int, ...] = tuple(PROMPT)
+    adaptive: AdaptiveKConfig | None = None  # K chosen per window from acceptance so far
 
 
 CASES = [
@@ -58,6 +60,10 @@ CASES = [
     Case("t1.0-k3-self-draft", 1.0, 3, drafter="self"),
     # a repetitive prompt, so the n-gram lookup actually drafts
     Case("t1.0-k3-ngram-onehot", 1.0, 3, drafter="ngram", bug="residual_is_p", prompt=(0, 3, 5, 2, 3, 5)),
+    # K varies window to window (a jumpy policy: fast decay, costly drafts), so the first three
+    # tokens come from windows of different lengths
+    Case("t1.0-k3-adaptive-sparse", 1.0, 3, proposal_top_k=3,
+         adaptive=AdaptiveKConfig(draft_cost=0.3, pass_cost_per_token=0.2, decay=0.3, probe_every=1)),
 ]
 
 
@@ -99,7 +105,8 @@ def sample_first_tokens(target, drafter: Drafter, case: Case, samples: int = SAM
                             max_new_tokens=max(case.k + 1, DEPTH))
     out = []
     for seed in range(samples):
-        result = generate(target, drafter, case.prompt, params, num_speculative_tokens=case.k, seed=seed)
+        result = generate(target, drafter, case.prompt, params, num_speculative_tokens=case.k, seed=seed,
+                          adaptive=case.adaptive)
         out.append(tuple(result.token_ids[:DEPTH]))
     return out
 

@@ -1,0 +1,100 @@
+import pytest
+import torch
+
+from mirrorspec import SamplingParams, generate
+from mirrorspec.adaptive import AdaptiveK, best_k, expected_tokens, window_cost
+from mirrorspec.config import AdaptiveKConfig, InvalidRequest
+from mirrorspec.drafting import Drafter, Proposal
+from mirrorspec.sampling import ProposalRows
+
+CPU = AdaptiveKConfig()
+
+
+def test_expected_tokens_matches_leviathan():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_more_acceptance_never_means_fewer_drafts():
+    ks = [best_k(a / 20, 8, CPU) for a in range(20)]
+    assert ks == sorted(ks)
+    assert ks[0] == 0 and ks[-1] >= 4  # off when nothing is accepted, long windows near alpha = 1
+
+
+def test_chosen_k_is_the_argmax_of_tokens_per_cost():
+    for alpha in (0.2, 0.5, 0.75, 0.9):
+        k = best_k(alpha, 6, CPU)
+        rate = [expected_tokens(alpha, j) / window_cost(j, CPU) for j in range(7)]
+        assert rate[k] == max(rate)
+
+
+def test_free_drafting_on_a_gpu_like_cost_model_drafts_the_maximum():
+    free = AdaptiveKConfig(draft_cost=0.0, pass_cost_per_token=0.0)
+    assert best_k(0.3, 5, free) == 5
+
+
+def test_policy_switches_off_then_probes_again():
+    policy = AdaptiveK(AdaptiveKConfig(probe_every=3, probe_k=2), max_k=4)
+    first = policy.next_k()
+    assert first > 0
+    for _ in range(10):
+        policy.observe(first, 0)  # everything rejected
+    ks = [policy.next_k() for _ in range(6)]
+    assert ks == [0, 0, 2, 0, 0, 2]
+    for _ in range(20):
+        policy.observe(4, 4)  # everything accepted
+    assert policy.next_k() == 4
+
+
+def test_bad_config_is_refused_with_the_field():
+    with pytest.raises(InvalidRequest, match="decay"):
+        AdaptiveKConfig(decay=0.0)
+
+
+class CountingDrafter(Drafter):
+    """Wraps a drafter and records the K it was asked for in each window."""
+
+    def __init__(self, inner):
+        self.inner, self.ks = inner, []
+
+    def propose(self, context, k, params, seed):
+        self.ks.append(k)
+        return self.inner.propose(context, k, params, seed)
+
+
+class WrongDrafter(Drafter):
+    """Proposes the token after the target's greedy choice: its first draft is always rejected."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def propose(self, context, k, params, seed):
+        if not k:
+            return Proposal.empty()
+        with torch.inference_mode():
+            wrong = (int(self.target(torch.tensor([context])).logits[0, -1].argmax()) + 1) % 8
+        return Proposal(tokens=(wrong,) * k, q=ProposalRows.one_hot([wrong] * k))
+
+
+def test_adaptive_greedy_output_is_identical_to_target_only(tiny_target, tiny_draft):
+    from mirrorspec.drafting import DraftModelDrafter
+
+    params = SamplingParams(max_new_tokens=40)
+    reference = generate(tiny_target, None, [0, 3, 5], params).token_ids
+    drafter = CountingDrafter(DraftModelDrafter(tiny_draft))
+    result = generate(tiny_target, drafter, [0, 3, 5], params, num_speculative_tokens=5, adaptive=True)
+    assert result.token_ids == reference
+    assert len(set(drafter.ks)) > 1  # K really varied
+
+
+def test_a_useless_drafter_is_switched_off(tiny_target):
+    reference = generate(tiny_target, None, [0, 3, 5], SamplingParams(max_new_tokens=60))
+    drafter = CountingDrafter(WrongDrafter(tiny_target))
+    result = generate(tiny_target, drafter, [0, 3, 5], SamplingParams(max_new_tokens=60), num_speculative_tokens=4,
+                      adaptive=True)
+    assert result.token_ids == reference.token_ids
+    # after the first rejections, it drafts only to probe: far fewer drafts than 4 per window
+    assert result.stats.accepted == 0
+    assert result.stats.drafted < 0.5 * 4 * result.stats.windows
+    assert len(drafter.ks) < result.stats.windows / 2  # most windows were plain target steps
