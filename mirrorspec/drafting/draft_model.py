@@ -12,17 +12,31 @@ from mirrorspec.models.session import KVSession, LogitSession
 from mirrorspec.sampling import ProposalRows, Stream, proposal_distribution, sample_proposal, uniforms
 
 
+# Key in a draft's config.json listing the vocabulary ids it proposes from (its sub-vocabulary).
+DRAFT_VOCAB_KEY = "mirrorspec_draft_vocab"
+
+
+def draft_vocabulary(model: torch.nn.Module) -> torch.Tensor | None:
+    """The sub-vocabulary a trained draft declares in its config, or None (whole vocabulary)."""
+    ids = getattr(getattr(model, "config", None), DRAFT_VOCAB_KEY, None)
+    return None if ids is None else torch.tensor(ids, dtype=torch.int64)
+
+
 class DraftModelDrafter(Drafter):
     """Autoregressive drafting, one cached forward per draft token.
 
     ``proposal_top_k`` > 0 restricts q to the drafter's top tokens (sparse q): the proposal is
-    then cheap to ship over the network and rejection sampling stays exact.
+    then cheap to ship over the network and rejection sampling stays exact. A draft whose config
+    declares a sub-vocabulary (``mirrorspec_draft_vocab``) scores and proposes only those ids:
+    its head shrinks by the same factor, and q, being the distribution the token was really
+    drawn from, keeps rejection sampling exact.
     """
 
     name = "draft-model"
 
     def __init__(self, model: torch.nn.Module | LogitSession, proposal_top_k: int = 0):
-        self.session = KVSession(model) if isinstance(model, torch.nn.Module) else model
+        self.vocab_ids = draft_vocabulary(model) if isinstance(model, torch.nn.Module) else None  # [m] or None
+        self.session = KVSession(model, self.vocab_ids) if isinstance(model, torch.nn.Module) else model
         self.proposal_top_k = proposal_top_k
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, seed: int) -> Proposal:
@@ -34,11 +48,18 @@ class DraftModelDrafter(Drafter):
         rows: list[ProposalRows] = []
         for i in range(k):
             logits = self.session.logits_for(sequence, 1)  # [1, vocab]
-            q = proposal_distribution(logits, params, self.proposal_top_k)
+            q = self._in_vocabulary_ids(proposal_distribution(logits, params, self.proposal_top_k))
             token = int(sample_proposal(q, u[i:i + 1]).item())
             rows.append(q)
             sequence.append(token)
         return Proposal(tokens=tuple(sequence[start:]), q=ProposalRows.stack(rows))
+
+    def _in_vocabulary_ids(self, q: ProposalRows) -> ProposalRows:
+        """q over sub-vocabulary columns, re-addressed to vocabulary ids."""
+        if self.vocab_ids is None:
+            return q
+        columns = q.ids if q.ids is not None else torch.arange(q.probs.shape[-1]).expand_as(q.probs)
+        return ProposalRows(probs=q.probs, ids=self.vocab_ids.to(columns.device)[columns])
 
     def release(self) -> None:
         self.session.rollback(0)

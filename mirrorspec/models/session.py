@@ -38,14 +38,26 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class KVSession:
-    """Holds one DynamicCache and the token ids it covers."""
+    """Holds one DynamicCache and the token ids it covers.
 
-    def __init__(self, model: torch.nn.Module):
+    ``output_rows`` restricts the logits to those vocabulary ids (a draft's frequent-token
+    sub-vocabulary): the head then costs m rows instead of the whole vocabulary, which for a
+    2-layer draft over a 49k vocabulary is most of its work. Column j of the logits is token
+    ``output_rows[j]``.
+    """
+
+    def __init__(self, model: torch.nn.Module, output_rows: torch.Tensor | None = None):
         self.model = model
         self.vocab_size = int(model.config.vocab_size)
         self.device = next(model.parameters()).device
         self.tokens: list[int] = []
         self._cache = DynamicCache()
+        self._head = None
+        if output_rows is not None:
+            head = model.get_output_embeddings()
+            if getattr(head, "bias", None) is not None:
+                raise ValueError("output_rows needs a bias-free output head")
+            self._head = head.weight[output_rows.to(head.weight.device)].detach()  # [m, hidden]
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -61,9 +73,12 @@ class KVSession:
         keep = min(common_prefix_length(self.tokens, context), len(context) - num_positions)
         self.rollback(keep)
         new = torch.tensor([list(context[keep:])], dtype=torch.long, device=self.device)
+        self.tokens = list(context)
+        if self._head is not None:
+            hidden = self.model.get_decoder()(input_ids=new, past_key_values=self._cache, use_cache=True)
+            return (hidden.last_hidden_state[0, -num_positions:] @ self._head.T).float()  # [n, m]
         # logits_to_keep: a 49k-vocabulary head over every prompt position costs more than the prefill
         out = self.model(input_ids=new, past_key_values=self._cache, use_cache=True, logits_to_keep=num_positions)
-        self.tokens = list(context)
         return out.logits[0, -num_positions:].float()
 
     def rollback(self, length: int) -> None:

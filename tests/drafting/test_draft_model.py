@@ -29,3 +29,37 @@ def test_same_seed_same_drafts_whatever_the_cache_state(tiny_draft):
     first = drafter.propose([0, 3, 5], 4, params, seed=5)
     drafter.propose([0, 1, 1, 1, 1], 4, params, seed=9)  # leave a different cache behind
     assert drafter.propose([0, 3, 5], 4, params, seed=5).tokens == first.tokens
+
+
+def sub_vocabulary_draft(tiny_dir, vocab):
+    import support
+    from mirrorspec.drafting.draft_model import DRAFT_VOCAB_KEY
+
+    model = support.load(tiny_dir["draft16"])
+    setattr(model.config, DRAFT_VOCAB_KEY, vocab)
+    return model
+
+
+def test_sub_vocabulary_draft_proposes_only_its_ids_with_matching_q(tiny_dir):
+    vocab = [1, 2, 4, 8, 9, 12]
+    drafter = DraftModelDrafter(sub_vocabulary_draft(tiny_dir, vocab))
+    for params in (SamplingParams(), SamplingParams(temperature=1.0)):
+        for seed in range(20):
+            proposal = drafter.propose([0, 3, 5], 4, params, seed)
+            q = proposal.q.dense(16)  # [4, 16]
+            assert set(proposal.tokens) <= set(vocab)
+            assert torch.all(q[:, [i for i in range(16) if i not in vocab]] == 0)
+            assert torch.allclose(q.sum(-1), torch.ones(4))
+            assert all(q[i, t] > 0 for i, t in enumerate(proposal.tokens))
+
+
+def test_sub_vocabulary_greedy_draft_is_the_argmax_over_its_ids(tiny_dir):
+    vocab = [1, 2, 4, 8, 9, 12]
+    model = sub_vocabulary_draft(tiny_dir, vocab)
+    proposal = DraftModelDrafter(model).propose([0, 3, 5], 3, SamplingParams(), seed=0)
+    context = [0, 3, 5]
+    for token in proposal.tokens:
+        with torch.inference_mode():
+            logits = model(torch.tensor([context])).logits[0, -1]
+        assert token == vocab[int(logits[vocab].argmax())]
+        context.append(token)
