@@ -86,9 +86,9 @@ def register_mode(name: str, *, uses_k: bool, needs_draft_model: bool = False,
 # --------------------------------------------------------------------------------------- modes
 
 def _mirrorspec(target: LoadedModel, draft: Any, ids: list[int], params: SamplingParams,
-                k: int, seed: int) -> RunOutput:
+                k: int, seed: int, adaptive: bool = False) -> RunOutput:
     started = time.perf_counter()
-    result = generate(target.model, draft, ids, params, num_speculative_tokens=k, seed=seed)
+    result = generate(target.model, draft, ids, params, num_speculative_tokens=k, seed=seed, adaptive=adaptive)
     return RunOutput(result.token_ids, time.perf_counter() - started, result.finish_reason, result.stats)
 
 
@@ -115,6 +115,20 @@ def mirrorspec_draft(target: LoadedModel, drafts: Drafts, ids: list[int], params
     drafter itself and releases its KV cache at the end of the request.
     """
     return _mirrorspec(target, drafts.model, ids, params, k, seed)
+
+
+@register_mode("mirrorspec-ngram-adaptive", uses_k=True)
+def mirrorspec_ngram_adaptive(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
+                              k: int, seed: int) -> RunOutput:
+    """mirrorspec n-gram drafting with adaptive K in [0, K] (switches itself off where it loses)."""
+    return _mirrorspec(target, NgramDrafter(), ids, params, k, seed, adaptive=True)
+
+
+@register_mode("mirrorspec-draft-adaptive", uses_k=True, needs_draft_model=True)
+def mirrorspec_draft_adaptive(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
+                              k: int, seed: int) -> RunOutput:
+    """mirrorspec with the draft model and adaptive K in [0, K]."""
+    return _mirrorspec(target, drafts.model, ids, params, k, seed, adaptive=True)
 
 
 def _served(client, ids: list[int], params: SamplingParams, k: int, seed: int) -> RunOutput:

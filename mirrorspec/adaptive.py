@@ -6,7 +6,8 @@ the K in [0, max] with the most expected tokens per unit of time; K = 0 is plain
 (speculation switched off), from which it probes again every ``probe_every`` windows so that a
 stretch of easy text turns it back on.
 
-Costs come from configuration (``draft_cost``: one draft step over one target step;
+Costs come from configuration (``draft_cost``: one draft step over one target step, by default
+the drafter's own ``step_cost``;
 ``pass_cost_per_token``: extra target-pass cost per extra scored token, measured ~0.1 on CPU for
 the demo target and ~0 on a GPU), not from wall-clock timings: K is then a function of the
 request's own history only, so a seeded request stays reproducible. Exactness does not depend on
@@ -28,14 +29,17 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def window_cost(k: int, config: AdaptiveKConfig) -> float:
-    """Time of a window in target-step units: K draft steps plus a (K+1)-token target pass."""
-    return k * config.draft_cost + 1.0 + k * config.pass_cost_per_token
+def window_cost(k: int, config: AdaptiveKConfig, draft_cost: float = 0.1) -> float:
+    """Time of a window in target-step units: K draft steps plus a (K+1)-token target pass.
+    ``draft_cost`` is used where the config leaves it to the drafter."""
+    step = draft_cost if config.draft_cost is None else config.draft_cost
+    return k * step + 1.0 + k * config.pass_cost_per_token
 
 
-def best_k(alpha: float, max_k: int, config: AdaptiveKConfig) -> int:
+def best_k(alpha: float, max_k: int, config: AdaptiveKConfig, draft_cost: float = 0.1) -> int:
     """The K with the most expected tokens per unit time (0 = don't speculate)."""
-    return max(range(max_k + 1), key=lambda k: (expected_tokens(alpha, k) / window_cost(k, config), -k))
+    return max(range(max_k + 1),
+               key=lambda k: (expected_tokens(alpha, k) / window_cost(k, config, draft_cost), -k))
 
 
 @dataclass
@@ -44,6 +48,7 @@ class AdaptiveK:
 
     config: AdaptiveKConfig
     max_k: int
+    draft_cost: float = 0.1  # the drafter's step_cost, unless the config sets one
     accepted: float = 0.0
     rejected: float = 0.0
     windows_off: int = 0
@@ -55,7 +60,7 @@ class AdaptiveK:
         return (self.accepted + a0) / (self.accepted + self.rejected + a0 + r0)
 
     def next_k(self) -> int:
-        k = best_k(self.alpha, self.max_k, self.config)
+        k = best_k(self.alpha, self.max_k, self.config, self.draft_cost)
         if k == 0:
             self.windows_off += 1
             if self.windows_off >= self.config.probe_every:  # look again: text may have become easy

@@ -67,7 +67,7 @@ class AdaptiveKConfig:
     step, and each extra token in a target pass ~0.12 of a step (a 5-token pass ~1.5 steps).
     """
 
-    draft_cost: float = 0.1
+    draft_cost: float | None = None  # None: the drafter's own step_cost (0.1 for a draft model, 0 for n-gram)
     pass_cost_per_token: float = 0.12
     prior_accepted: float = 2.0  # Beta prior on alpha: start optimistic enough to try drafting
     prior_rejected: float = 1.0
@@ -76,7 +76,7 @@ class AdaptiveKConfig:
     probe_k: int = 2
 
     def __post_init__(self) -> None:
-        if self.draft_cost < 0 or self.pass_cost_per_token < 0:
+        if (self.draft_cost is not None and self.draft_cost < 0) or self.pass_cost_per_token < 0:
             raise InvalidRequest("draft_cost and pass_cost_per_token must be >= 0", field="adaptive")
         if not 0 < self.decay <= 1 or self.prior_accepted <= 0 or self.prior_rejected <= 0:
             raise InvalidRequest("decay must be in (0, 1] and the priors > 0", field="adaptive")

@@ -159,7 +159,8 @@ def decode_windows(
     context = list(prompt)
     produced = 0
     stop = set(params.stop_token_ids)
-    policy = AdaptiveK(spec.adaptive, spec.num_speculative_tokens) if spec.adaptive and drafter else None
+    policy = (AdaptiveK(spec.adaptive, spec.num_speculative_tokens, drafter.step_cost)
+              if spec.adaptive and drafter else None)
     while True:
         k = policy.next_k() if policy else spec.num_speculative_tokens
         k = min(k, params.max_new_tokens - produced - 1) if drafter else 0

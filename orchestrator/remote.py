@@ -47,8 +47,9 @@ class RemoteDrafter(Drafter):
     name = "remote"
 
     def __init__(self, stub, prompt: Sequence[int], params: SamplingParams, seed: int, vocab_size: int,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, step_cost: float = Drafter.step_cost):
         self.stub = stub
+        self.step_cost = step_cost  # of the replica's strategy, for adaptive K
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self.times = CallTimes()

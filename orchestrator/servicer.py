@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from mirrorspec.config import AdaptiveKConfig, InvalidRequest, SamplingParams, SpeculationConfig
+from mirrorspec.drafting import Drafter, NgramDrafter
 from mirrorspec.engine import GenerationStats, decode_windows, validate_prompt
 from mirrorspec.models import encode_chat, encode_prompt
 from mirrorspec.models.detokenize import IncrementalDetokenizer
@@ -193,8 +194,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                                   timeout_s=timeout)
         drafter = None
         if self._drafter is not None and prepared.spec.num_speculative_tokens > 0:
+            step_cost = NgramDrafter.step_cost if self.drafter_info.strategy == "ngram" else Drafter.step_cost
             drafter = RemoteDrafter(self._drafter, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
-                                    timeout_s=timeout)
+                                    timeout_s=timeout, step_cost=step_cost)
         stop_check = _StopStrings(self.tokenizer, prepared.stop_strings) if prepared.stop_strings else None
         try:
             for event in decode_windows(drafter, verifier, prepared.prompt, prepared.params, prepared.spec,

@@ -98,3 +98,11 @@ def test_a_useless_drafter_is_switched_off(tiny_target):
     assert result.stats.accepted == 0
     assert result.stats.drafted < 0.5 * 4 * result.stats.windows
     assert len(drafter.ks) < result.stats.windows / 2  # most windows were plain target steps
+
+
+def test_free_drafters_get_longer_windows_than_model_drafters():
+    from mirrorspec.drafting import DraftModelDrafter, NgramDrafter
+
+    assert NgramDrafter.step_cost == 0.0 < DraftModelDrafter.step_cost
+    assert best_k(0.6, 8, CPU, draft_cost=0.0) > best_k(0.6, 8, CPU, draft_cost=0.1)
+    assert best_k(0.6, 8, AdaptiveKConfig(draft_cost=0.1), draft_cost=0.0) == best_k(0.6, 8, CPU, draft_cost=0.1)

@@ -47,6 +47,8 @@ class Drafter(ABC):
     """
 
     name: str = "drafter"
+    # one drafted token's cost over one target step: adaptive K weighs drafting with it
+    step_cost: float = 0.1
 
     @abstractmethod
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, seed: int) -> Proposal: ...

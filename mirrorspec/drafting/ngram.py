@@ -16,6 +16,7 @@ from mirrorspec.sampling import ProposalRows
 
 class NgramDrafter(Drafter):
     name = "ngram"
+    step_cost = 0.0  # a list scan: free next to a forward pass
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, lookback: int = 4096):
         if not 1 <= min_ngram <= max_ngram:
