@@ -17,6 +17,7 @@ window's random draws are looked at, which it is.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from mirrorspec.config import AdaptiveKConfig
@@ -67,6 +68,13 @@ class AdaptiveK:
                 self.windows_off = 0
                 return min(self.config.probe_k, self.max_k)
         return k
+
+    def peek(self, num_drafted: int, num_accepted: int) -> int:
+        """The K ``next_k`` would give after observing this window, leaving this state alone
+        (mirror branches are drafted with the K their window will really ask for)."""
+        future = dataclasses.replace(self)
+        future.observe(num_drafted, num_accepted)
+        return future.next_k()
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         if num_drafted == 0:

@@ -85,6 +85,25 @@ class AdaptiveKConfig:
 
 
 @dataclass(frozen=True)
+class MirrorConfig:
+    """Mirror-style pipelining (see ``mirrorspec.mirror``): branches drafted during a verify.
+
+    ``stop_at_verdict`` stops branch drafting as soon as the verdict is in (the serving
+    default); ``False`` drafts every branch up to ``max_branches`` whatever the timing, which
+    makes branch statistics reproducible (tests) at the price of extra drafting.
+    """
+
+    max_branches: int = 4
+    alternatives: int = 2  # runner-up tokens guessed per rejection point
+    stop_at_verdict: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_branches < 1 or self.alternatives < 0:
+            raise InvalidRequest(f"mirror needs max_branches >= 1 and alternatives >= 0, got "
+                                 f"{self.max_branches} and {self.alternatives}", field="mirror")
+
+
+@dataclass(frozen=True)
 class SpeculationConfig:
     """How the draft side proposes.
 
@@ -156,7 +175,7 @@ class DistillRecipe:
     """
 
     seed: int = 0
-    teacher_prompts: int = 12288
+    teacher_prompts: int = 8192
     teacher_batch_size: int = 128
     shard_batches: int = 4
     max_prompt_tokens: int = 512
@@ -165,8 +184,7 @@ class DistillRecipe:
     teacher_dtype: str = "bfloat16"
     student_layers: int = 2
     draft_vocab_size: int = 8192
-    epochs: float = 3.0
-    sequence_tokens: int = 512
+    epochs: float = 2.0
     batch_sequences: int = 16
     learning_rate: float = 1e-3
-    train_dtype: str = "float32"
+    train_dtype: str = "bfloat16"  # autocast; ~2x faster than float32 on AVX-512-BF16 CPUs

@@ -16,7 +16,15 @@ from typing import Protocol
 import torch
 
 from mirrorspec.adaptive import AdaptiveK
-from mirrorspec.config import AdaptiveKConfig, InvalidRequest, OutOfRange, SamplingParams, SpeculationConfig
+from mirrorspec.mirror import MirrorPipeline
+from mirrorspec.config import (
+    AdaptiveKConfig,
+    InvalidRequest,
+    MirrorConfig,
+    OutOfRange,
+    SamplingParams,
+    SpeculationConfig,
+)
 from mirrorspec.drafting import DraftModelDrafter, Drafter, NgramDrafter, Proposal
 from mirrorspec.models.session import KVSession, LogitSession
 from mirrorspec.sampling import (
@@ -75,8 +83,13 @@ class GenerationStats:
     rejected: int = 0  # windows that ended in a rejection (the rest accepted every draft)
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
-    draft_time_s: float = 0.0
+    draft_time_s: float = 0.0  # drafting on the critical path
     verify_time_s: float = 0.0
+    # mirror mode: windows verified while branches were drafted, branches drafted, branches used
+    mirror_windows: int = 0
+    branches_drafted: int = 0
+    branch_hits: int = 0
+    draft_time_off_path_s: float = 0.0  # branch drafting that overlapped a verify
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         self.windows += 1
@@ -106,6 +119,11 @@ class GenerationStats:
         return self.accepted / tests if tests else 0.0
 
     @property
+    def branch_hit_rate(self) -> float:
+        """Share of mirror windows whose next window was already drafted when the verdict came."""
+        return self.branch_hits / self.mirror_windows if self.mirror_windows else 0.0
+
+    @property
     def mean_accepted_length(self) -> float:
         """Tokens committed per target pass, counting the recovered/bonus token."""
         return (self.accepted + self.windows) / self.windows if self.windows else 0.0
@@ -117,6 +135,7 @@ class GenerationStats:
     def to_dict(self) -> dict:
         out = asdict(self)
         out.update(acceptance_rate=self.acceptance_rate, token_acceptance_rate=self.token_acceptance_rate,
+                   branch_hit_rate=self.branch_hit_rate,
                    mean_accepted_length=self.mean_accepted_length,
                    per_position_acceptance=self.per_position_acceptance)
         return out
@@ -154,25 +173,55 @@ def decode_windows(
     spec: SpeculationConfig,
     seed: int,
     stats: GenerationStats,
+    mirror: MirrorPipeline | None = None,
 ) -> Iterator[WindowEvent]:
-    """The speculative loop. ``drafter=None`` or K=0 is exactly target-only decoding."""
+    """The speculative loop. ``drafter=None`` or K=0 is exactly target-only decoding.
+
+    With ``mirror``, each verify overlaps the drafting of branches for the next window; a
+    branch whose key matches the verdict replaces the fresh draft (same proposal, earlier).
+    """
     context = list(prompt)
     produced = 0
     stop = set(params.stop_token_ids)
     policy = (AdaptiveK(spec.adaptive, spec.num_speculative_tokens, drafter.step_cost)
               if spec.adaptive and drafter else None)
+
+    def capped(k: int, produced_so_far: int) -> int:
+        return min(k, params.max_new_tokens - produced_so_far - 1) if drafter else 0
+
+    def k_after(num_drafted: int) -> Callable[[int, int], int]:
+        """K of the next window after a verdict of n accepted (m tokens committed)."""
+        if policy:
+            return lambda n, m: capped(policy.peek(num_drafted, n), produced + m)
+        return lambda n, m: capped(spec.num_speculative_tokens, produced + m)
+
+    prefetch = None
     while True:
-        k = policy.next_k() if policy else spec.num_speculative_tokens
-        k = min(k, params.max_new_tokens - produced - 1) if drafter else 0
-        started = time.perf_counter()
-        proposal = drafter.propose(context, k, params, seed) if k > 0 else Proposal.empty()
-        drafted = time.perf_counter()
-        verdict = verifier.verify(context, proposal, params, seed)
-        stats.draft_time_s += drafted - started
-        stats.verify_time_s += time.perf_counter() - drafted
+        k = capped(policy.next_k() if policy else spec.num_speculative_tokens, produced)
+        proposal = prefetch.take(*last, k) if prefetch is not None else None
+        stats.branch_hits += proposal is not None
+        if proposal is None:
+            started = time.perf_counter()
+            proposal = drafter.propose(context, k, params, seed) if k > 0 else Proposal.empty()
+            stats.draft_time_s += time.perf_counter() - started
+        if mirror is not None and len(proposal):
+            alpha = policy.alpha if policy else (stats.accepted + 2) / (stats.accepted + stats.rejected + 3)
+            prefetch = mirror.verify_while_drafting(verifier, drafter, context, proposal, params, seed, alpha,
+                                                    k_after(len(proposal)))
+            verdict = prefetch.verdict
+            stats.verify_time_s += prefetch.verify_time_s
+            stats.draft_time_off_path_s += prefetch.draft_time_s
+            stats.mirror_windows += 1
+            stats.branches_drafted += len(prefetch.branches)
+        else:
+            prefetch = None
+            started = time.perf_counter()
+            verdict = verifier.verify(context, proposal, params, seed)
+            stats.verify_time_s += time.perf_counter() - started
         stats.record(len(proposal), verdict.num_accepted)
         if policy:
             policy.observe(len(proposal), verdict.num_accepted)
+        last = (verdict.num_accepted, verdict.next_token)
 
         tokens = [*proposal.tokens[:verdict.num_accepted], verdict.next_token]
         finish = None
@@ -229,6 +278,7 @@ def generate(
     seed: int | None = None,
     proposal_top_k: int = 0,
     adaptive: AdaptiveKConfig | bool | None = None,
+    mirror: MirrorConfig | bool | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
 ) -> GenerationResult:
     """Generate with speculative decoding, exactly as the target alone would.
@@ -246,6 +296,8 @@ def generate(
         adaptive: ``True`` (default costs) or an ``AdaptiveKConfig`` chooses K per window in
             [0, num_speculative_tokens] from the acceptance seen so far, switching speculation
             off where it does not pay; exactness is unaffected.
+        mirror: ``True`` or a ``MirrorConfig`` drafts the next window's likely branches while the
+            target verifies (``mirrorspec.mirror``); the output is the same as without it.
         on_tokens: called with each window's committed tokens as soon as they are known.
 
     Greedy output is token-identical to target-only greedy decoding; sampled output has exactly
@@ -264,14 +316,17 @@ def generate(
     stats = GenerationStats()
     tokens: list[int] = []
     finish = "length"
+    pipeline = MirrorPipeline(MirrorConfig() if mirror is True else mirror) if mirror and drafter else None
     started = time.perf_counter()
     try:
-        for event in decode_windows(drafter, TargetVerifier(session), prompt, params, spec, seed, stats):
+        for event in decode_windows(drafter, TargetVerifier(session), prompt, params, spec, seed, stats, pipeline):
             tokens += event.tokens
             if on_tokens is not None:
                 on_tokens(event.tokens)
             finish = event.finish_reason or finish
     finally:
+        if pipeline is not None:
+            pipeline.close()
         if drafter is not None and not isinstance(draft, Drafter):
             drafter.release()
     return GenerationResult(token_ids=tokens, finish_reason=finish, seed=seed, stats=stats,

@@ -17,7 +17,9 @@ import pytest
 
 import mirrorspec.sampling.rejection as rejection_module
 from mirrorspec import SamplingParams, generate
-from mirrorspec.config import AdaptiveKConfig
+import mirrorspec.engine as engine_module
+from mirrorspec.config import AdaptiveKConfig, MirrorConfig
+from mirrorspec.mirror import Branch, MirrorPipeline
 from mirrorspec.drafting import DraftModelDrafter, Drafter, NgramDrafter, Proposal
 from mirrorspec.models import KVSession
 from mirrorspec.sampling import ProposalRows
@@ -42,6 +44,7 @@ class Case:
     bug: str = "lying_q"  # the planted bug this case must catch
     prompt: tuple[int, ...] = tuple(PROMPT)
     adaptive: AdaptiveKConfig | None = None  # K chosen per window from acceptance so far
+    mirror: MirrorConfig | None = None  # next window drafted on branches during the verify
 
 
 CASES = [
@@ -64,6 +67,12 @@ CASES = [
     # tokens come from windows of different lengths
     Case("t1.0-k3-adaptive-sparse", 1.0, 3, proposal_top_k=3,
          adaptive=AdaptiveKConfig(draft_cost=0.3, pass_cost_per_token=0.2, decay=0.3, probe_every=1)),
+    # K = 1, so the second window (fed by a branch when the guess hits) lies inside the first three
+    # tokens; every branch is drafted whatever the timing, so hits do not depend on the machine.
+    # The prompt is one where the first draft is nearly always rejected and the drafter is unsure
+    # of the next token (found by scanning), so there is room for a biased pick to show.
+    Case("t1.0-k1-mirror-dense", 1.0, 1, bug="peeking_branch", prompt=(0, 7, 3, 0),
+         mirror=MirrorConfig(max_branches=8, alternatives=7, stop_at_verdict=False)),
 ]
 
 
@@ -82,6 +91,22 @@ class LyingDrafter(Drafter):
         return Proposal(tokens=proposal.tokens, q=lie)
 
 
+class PeekingPipeline(MirrorPipeline):
+    """Planted bug: branch selection that peeks at branch tokens. Each branch is drafted eight
+    times with independent randomness and the copy whose first draft the drafter was surest of
+    is kept. Every copy alone is a fair draw from its q; choosing among them by their tokens is
+    not, and the output drifts towards the drafter's favourite tokens."""
+
+    def verify_while_drafting(self, verifier, drafter, context, proposal, params, seed, alpha, k_after):
+        fair = super().verify_while_drafting(verifier, drafter, context, proposal, params, seed, alpha, k_after)
+        for key, branch in fair.branches.items():
+            head = [*context, *proposal.tokens[:branch.num_accepted], branch.next_token]
+            copies = [branch.proposal] + [drafter.propose(head, branch.k, params, seed + 7919 * i) for i in range(1, 8)]
+            surest = max(copies, key=lambda p: float(p.q.dense(8)[0, p.tokens[0]]) if p.tokens else 0.0)
+            fair.branches[key] = Branch(branch.num_accepted, branch.next_token, branch.k, surest)
+        return fair
+
+
 def residual_is_p(p, q):
     """Planted bug: on rejection, resample from p instead of norm(max(0, p - q))."""
     return p
@@ -96,7 +121,8 @@ def make_drafter(case: Case, target: MemoSession, draft: MemoSession) -> Drafter
     if case.drafter == "ngram":
         return NgramDrafter(max_ngram=2)
     source = target if case.drafter == "self" else draft
-    return DraftModelDrafter(source, proposal_top_k=case.proposal_top_k)
+    # mirror cases guess every token, so each rejection outcome has a branch and verdicts hit
+    return DraftModelDrafter(source, proposal_top_k=case.proposal_top_k, num_alternatives=8 if case.mirror else 3)
 
 
 def sample_first_tokens(target, drafter: Drafter, case: Case, samples: int = SAMPLES) -> list[tuple[int, ...]]:
@@ -106,7 +132,7 @@ def sample_first_tokens(target, drafter: Drafter, case: Case, samples: int = SAM
     out = []
     for seed in range(samples):
         result = generate(target, drafter, case.prompt, params, num_speculative_tokens=case.k, seed=seed,
-                          adaptive=case.adaptive)
+                          adaptive=case.adaptive, mirror=case.mirror)
         out.append(tuple(result.token_ids[:DEPTH]))
     return out
 
@@ -131,6 +157,8 @@ def test_planted_bug_is_caught(case, sessions, monkeypatch):
     drafter = make_drafter(case, target, draft)
     if case.bug == "lying_q":
         drafter = LyingDrafter(drafter)
+    elif case.bug == "peeking_branch":
+        monkeypatch.setattr(engine_module, "MirrorPipeline", PeekingPipeline)
     else:
         monkeypatch.setattr(rejection_module, "recovery_distribution", residual_is_p)
     pvalue = pvalue_for(case, target, drafter, target)
@@ -158,3 +186,41 @@ def test_exactness_through_real_kv_caches(tiny_dir):
     expected = exact_joint(MemoSession(target_model), PROMPT, DEPTH, case.temperature)
     samples = sample_first_tokens(KVSession(target_model), DraftModelDrafter(draft_model, proposal_top_k=6), case)
     assert chi_square_pvalue(samples, expected) > PASS_ABOVE
+
+
+class ColumnAddressedQ(Drafter):
+    """Planted bug for sub-vocabulary drafts: tokens are vocabulary ids, but q is reported in
+    the draft's own column numbering (the re-addressing step forgotten)."""
+
+    def __init__(self, inner: DraftModelDrafter):
+        self.inner = inner
+        self.column_of = {int(v): c for c, v in enumerate(inner.vocab_ids)}
+
+    def propose(self, context, k, params, seed):
+        proposal = self.inner.propose(context, k, params, seed)
+        if not proposal.tokens:
+            return proposal
+        columns = proposal.q.ids.clone().apply_(lambda v: self.column_of[v])
+        return Proposal(tokens=proposal.tokens, q=ProposalRows(probs=proposal.q.probs, ids=columns))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("planted", [False, True], ids=["exact", "column-addressed-q-bug"])
+def test_exactness_of_a_sub_vocabulary_draft(tiny_dir, planted):
+    """A draft that proposes from 6 of 16 ids (as the demo draft does from 8k of 49k), real KV
+    caches on both sides; the planted bug must be rejected."""
+    import support
+    from mirrorspec.drafting.draft_model import DRAFT_VOCAB_KEY
+
+    target_model, draft_model = support.load(tiny_dir["target16"]), support.load(tiny_dir["draft16"])
+    setattr(draft_model.config, DRAFT_VOCAB_KEY, [1, 3, 4, 8, 10, 13])
+    drafter = DraftModelDrafter(draft_model, proposal_top_k=4)
+    if planted:
+        drafter = ColumnAddressedQ(drafter)
+    case = Case("sub-vocab-t1.0-k3-sparse", 1.0, 3, proposal_top_k=4)
+    expected = exact_joint(MemoSession(target_model), PROMPT, DEPTH, case.temperature)
+    pvalue = chi_square_pvalue(sample_first_tokens(KVSession(target_model), drafter, case), expected)
+    if planted:
+        assert pvalue < CAUGHT_BELOW, f"column-addressed q went unnoticed (p={pvalue:.2e})"
+    else:
+        assert pvalue > PASS_ABOVE, f"chi-square p={pvalue:.2e}"

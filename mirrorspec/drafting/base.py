@@ -24,6 +24,9 @@ class Proposal:
 
     tokens: tuple[int, ...]
     q: ProposalRows | None
+    # the drafter's most likely tokens at each drafted position, best first (may include the
+    # drafted token itself): guesses of the target's token where it rejects, for mirror branches
+    alternatives: tuple[tuple[int, ...], ...] = ()
 
     @staticmethod
     def empty() -> Proposal:

@@ -34,10 +34,11 @@ class DraftModelDrafter(Drafter):
 
     name = "draft-model"
 
-    def __init__(self, model: torch.nn.Module | LogitSession, proposal_top_k: int = 0):
+    def __init__(self, model: torch.nn.Module | LogitSession, proposal_top_k: int = 0, num_alternatives: int = 3):
         self.vocab_ids = draft_vocabulary(model) if isinstance(model, torch.nn.Module) else None  # [m] or None
         self.session = KVSession(model, self.vocab_ids) if isinstance(model, torch.nn.Module) else model
         self.proposal_top_k = proposal_top_k
+        self.num_alternatives = num_alternatives  # top tokens kept per position, for mirror branch guesses
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, seed: int) -> Proposal:
         if k <= 0:
@@ -46,13 +47,20 @@ class DraftModelDrafter(Drafter):
         u = uniforms(seed, range(start, start + k), Stream.DRAFT)  # [k]
         sequence = list(context)
         rows: list[ProposalRows] = []
+        alternatives = []
         for i in range(k):
             logits = self.session.logits_for(sequence, 1)  # [1, vocab]
             q = self._in_vocabulary_ids(proposal_distribution(logits, params, self.proposal_top_k))
             token = int(sample_proposal(q, u[i:i + 1]).item())
             rows.append(q)
+            alternatives.append(self._top_ids(logits))
             sequence.append(token)
-        return Proposal(tokens=tuple(sequence[start:]), q=ProposalRows.stack(rows))
+        return Proposal(tokens=tuple(sequence[start:]), q=ProposalRows.stack(rows), alternatives=tuple(alternatives))
+
+    def _top_ids(self, logits: torch.Tensor) -> tuple[int, ...]:
+        columns = logits[0].topk(min(self.num_alternatives, logits.shape[-1])).indices  # [n]
+        ids = columns if self.vocab_ids is None else self.vocab_ids.to(columns.device)[columns]
+        return tuple(ids.tolist())
 
     def _in_vocabulary_ids(self, q: ProposalRows) -> ProposalRows:
         """q over sub-vocabulary columns, re-addressed to vocabulary ids."""

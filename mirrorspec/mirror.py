@@ -1,0 +1,113 @@
+"""Mirror-style pipelining: draft the next window while the target verifies this one.
+
+While the target scores window t, the drafter drafts window t+1 on *branches*, each a guess
+(j, c) of the verdict: j drafts accepted, then token c (recovered at a rejection, or the bonus
+when all were accepted). When the verdict (n, x) arrives, the branch keyed (n, x), if drafted,
+is window t+1's proposal and drafting has left the critical path; otherwise the drafter drafts
+afresh (Mirror-SD, arXiv 2510.13161; PEARL's pre-verify).
+
+Why it stays exact: a branch is picked by the verdict alone, by its key, never by its tokens.
+Its context is then exactly the true context, and ``propose`` draws from the DRAFT stream at
+absolute positions (counter-based randomness), so the branch is the very proposal a fresh draft
+would make: same tokens, same q. Mirror mode changes *when* drafting happens, not what is drafted.
+
+Guesses, best first: for each rejection point j < K, the drafter's own runner-up tokens at j
+(a rejected draft is never the recovered token: the residual is 0 there); for "all accepted",
+the drafter's greedy next token after its last draft. Ranked by P(n = j) under the running
+acceptance estimate. Early-exit hints from the target (#5's served path) slot in as more guesses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from mirrorspec.config import MirrorConfig, SamplingParams
+from mirrorspec.drafting import Drafter, Proposal
+from mirrorspec.sampling import WindowVerdict
+
+GREEDY = SamplingParams(max_new_tokens=1)
+
+
+@dataclass(frozen=True)
+class Branch:
+    """A pre-drafted window t+1 for the verdict (num_accepted, next_token) of window t."""
+
+    num_accepted: int
+    next_token: int
+    k: int  # the K it was drafted with: used only if window t+1 asks for the same K
+    proposal: Proposal
+
+
+@dataclass
+class Prefetch:
+    """What one overlapped window produced: the verdict, its verify time, the branches."""
+
+    verdict: WindowVerdict
+    verify_time_s: float
+    draft_time_s: float  # branch drafting, all of it off the critical path
+    branches: dict[tuple[int, int], Branch]
+
+    def take(self, num_accepted: int, next_token: int, k: int) -> Proposal | None:
+        """The branch matching the verdict, by key alone; None on a miss."""
+        branch = self.branches.get((num_accepted, next_token))
+        return branch.proposal if branch is not None and branch.k == k else None
+
+
+def guesses(proposal: Proposal, alpha: float, alternatives: int) -> list[tuple[float, int, int | None]]:
+    """(score, j, c) for every guess; c None = "the drafter's greedy token after all K drafts"."""
+    k = len(proposal)
+    out: list[tuple[float, int, int | None]] = [(alpha ** k, k, None)]
+    for j, (draft, tops) in enumerate(zip(proposal.tokens, proposal.alternatives)):
+        p_reject_here = alpha ** j * (1 - alpha)
+        runners_up = [t for t in tops if t != draft][:alternatives]
+        out += [(p_reject_here / (rank + 1), j, c) for rank, c in enumerate(runners_up)]
+    return sorted(out, key=lambda g: -g[0])
+
+
+class MirrorPipeline:
+    """Runs the verify in a worker thread and drafts branches in the caller's meanwhile.
+
+    Drafter and verifier must not share state (each has its own model session); torch releases
+    the GIL inside kernels, so the two really run at once. Give each side its own cores: on a
+    2-core machine, one torch thread each.
+    """
+
+    def __init__(self, config: MirrorConfig | None = None):
+        self.config = config or MirrorConfig()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="mirror-verify")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def verify_while_drafting(self, verifier, drafter: Drafter, context: Sequence[int], proposal: Proposal,
+                              params: SamplingParams, seed: int, alpha: float,
+                              k_after: Callable[[int, int], int]) -> Prefetch:
+        """Verify ``proposal``; meanwhile draft branches. ``k_after(n, produced_tokens)`` is the K
+        window t+1 would get after verdict n (0: no next window worth drafting)."""
+        future = self._pool.submit(_timed, verifier.verify, context, proposal, params, seed)
+        branches: dict[tuple[int, int], Branch] = {}
+        started = time.perf_counter()
+        for _, j, c in guesses(proposal, alpha, self.config.alternatives):
+            if len(branches) >= self.config.max_branches or (self.config.stop_at_verdict and future.done()):
+                break
+            head = [*context, *proposal.tokens[:j]]
+            if c is None:  # all accepted: guess the bonus token as the drafter's greedy choice
+                bonus = drafter.propose(head, 1, GREEDY, seed)
+                if not bonus.tokens:
+                    continue
+                c = bonus.tokens[0]
+            k = k_after(j, j + 1)
+            if k > 0 and (j, c) not in branches:
+                branches[(j, c)] = Branch(j, c, k, drafter.propose([*head, c], k, params, seed))
+        draft_time = time.perf_counter() - started
+        verdict, verify_time = future.result()
+        return Prefetch(verdict, verify_time, draft_time, branches)
+
+
+def _timed(fn, *args):
+    started = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - started
