@@ -86,9 +86,10 @@ def register_mode(name: str, *, uses_k: bool, needs_draft_model: bool = False,
 # --------------------------------------------------------------------------------------- modes
 
 def _mirrorspec(target: LoadedModel, draft: Any, ids: list[int], params: SamplingParams,
-                k: int, seed: int, adaptive: bool = False) -> RunOutput:
+                k: int, seed: int, adaptive: bool = False, mirror: bool = False) -> RunOutput:
     started = time.perf_counter()
-    result = generate(target.model, draft, ids, params, num_speculative_tokens=k, seed=seed, adaptive=adaptive)
+    result = generate(target.model, draft, ids, params, num_speculative_tokens=k, seed=seed, adaptive=adaptive,
+                      mirror=mirror)
     return RunOutput(result.token_ids, time.perf_counter() - started, result.finish_reason, result.stats)
 
 
@@ -129,6 +130,24 @@ def mirrorspec_draft_adaptive(target: LoadedModel, drafts: Drafts, ids: list[int
                               k: int, seed: int) -> RunOutput:
     """mirrorspec with the draft model and adaptive K in [0, K]."""
     return _mirrorspec(target, drafts.model, ids, params, k, seed, adaptive=True)
+
+
+@register_mode("mirrorspec-draft-mirror", uses_k=True, needs_draft_model=True)
+def mirrorspec_draft_mirror(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
+                            k: int, seed: int) -> RunOutput:
+    """mirrorspec with the draft model, mirror-style: branches drafted while the target verifies.
+
+    Drafter and target then run at once in two threads of this process, each with the torch
+    thread count of the run: compare it with mirrorspec-draft at --threads 1 (one core each).
+    """
+    return _mirrorspec(target, drafts.model, ids, params, k, seed, mirror=True)
+
+
+@register_mode("mirrorspec-ngram-mirror", uses_k=True)
+def mirrorspec_ngram_mirror(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
+                            k: int, seed: int) -> RunOutput:
+    """mirrorspec n-gram drafting, mirror-style."""
+    return _mirrorspec(target, NgramDrafter(), ids, params, k, seed, mirror=True)
 
 
 def _served(client, ids: list[int], params: SamplingParams, k: int, seed: int) -> RunOutput:

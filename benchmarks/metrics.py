@@ -51,6 +51,7 @@ class Summary:
     verify_s_per_window: float | None = None
     pass_cost: float | None = None  # verify time per window / target-only's time per target step
     per_position_acceptance: list[float] | None = None
+    branch_hit_rate: float | None = None  # mirror modes: windows whose draft was ready at the verdict
     identical: bool | None = None  # greedy only: all prompts token-identical to target-only
 
 
@@ -61,8 +62,11 @@ def _spec_fields(stats: list[dict], k: int) -> dict:
     windows = sum(s["windows"] for s in stats)
     draft_time = sum(s["draft_time_s"] for s in stats)
     verify_time = sum(s["verify_time_s"] for s in stats)
+    mirror_windows = sum(s.get("mirror_windows", 0) for s in stats)
     out: dict = {"mean_accepted_length": (accepted + windows) / windows if windows else None,
-                 "verify_s_per_window": verify_time / windows if windows else None}
+                 "verify_s_per_window": verify_time / windows if windows else None,
+                 "branch_hit_rate": (sum(s.get("branch_hits", 0) for s in stats) / mirror_windows
+                                     if mirror_windows else None)}
     if k == 0 or drafted == 0:
         return out
     tests = accepted + sum(s.get("rejected", 0) for s in stats)

@@ -24,7 +24,7 @@ from benchmarks.harness import TARGET_ONLY, RunRecord
 from benchmarks.metrics import Summary
 
 COLUMNS = ("dataset", "T", "mode", "K", "tok/s", "x base", "accept", "alpha", "tok/pass", "cost c", "pass x", "bound",
-           "identical")
+           "hits", "identical")
 
 
 def _version(dist: str) -> str | None:
@@ -117,7 +117,8 @@ def _row(s: Summary) -> tuple[str, ...]:
     return (s.dataset, f"{s.temperature:g}", s.mode, str(s.k) if s.k else "-", _fmt(s.tokens_per_s, ".1f"),
             _fmt(s.speedup), _fmt(s.acceptance_rate), _fmt(s.token_acceptance),
             _fmt(s.mean_accepted_length if s.k else None),
-            _fmt(s.cost_ratio, ".3f"), _fmt(s.pass_cost), _fmt(s.speedup_bound), _fmt(s.identical))
+            _fmt(s.cost_ratio, ".3f"), _fmt(s.pass_cost), _fmt(s.speedup_bound), _fmt(s.branch_hit_rate),
+            _fmt(s.identical))
 
 
 def format_table(summaries: Sequence[Summary]) -> str:
