@@ -101,10 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", type=_csv(_choice(list(MODES), "mode")), default=list(MODES),
                    help="comma-separated (default: all); target-only always runs as the baseline")
     p.add_argument("--target", default="demo-target", help="hub id, local path, .gguf, or demo-target (default)")
-    p.add_argument("--draft", type=_draft, default="none",
-                   help="'none' (default; draft-model modes are skipped), a model path / hub id sharing the "
-                        "target's tokenizer, or 'truncate:N' = the target cut to its first N layers "
-                        "(a smoke/debug draft: it runs the draft-model paths but accepts little)")
+    p.add_argument("--draft", type=_draft, default="demo-draft",
+                   help="'demo-draft' (default: the draft mirrorspec distils from the demo target), 'none' "
+                        "(draft-model modes are skipped), a model path / hub id sharing the target's tokenizer, "
+                        "or 'truncate:N' = the target cut to its first N layers (a smoke/debug draft: it runs "
+                        "the draft-model paths but accepts little)")
     p.add_argument("--threads", type=_positive, default=len(os.sched_getaffinity(0)),
                    help="torch intra-op threads (default: all usable cores)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")

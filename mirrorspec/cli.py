@@ -13,15 +13,19 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mirrorspec.config import InvalidRequest, SamplingParams, SpeculationConfig
+from mirrorspec.config import AdaptiveKConfig, InvalidRequest, SamplingParams, SpeculationConfig
 
 if TYPE_CHECKING:  # the services are imported when used, so `mirrorspec --help` stays fast
     from drafter_service.servicer import DrafterConfig
     from mirrorspec.models import LoadedModel
     from mirrorspec.serving.server import BackgroundServer
     from target_service.servicer import TargetConfig
+
+DRAFT_HELP = ("draft: 'auto' (the demo draft for the demo target, else 'ngram'), 'demo-draft', 'ngram' "
+              "(prompt lookup), a model path / hub id sharing the target's tokenizer, or 'none'")
 
 # Which flag carries which validated field, so errors from deep inside name what the user typed.
 FLAG_FOR_FIELD = {
@@ -40,6 +44,8 @@ FLAG_FOR_FIELD = {
     "ngram": "--draft",
     "threads": "--threads",
     "local": "--local",
+    "teacher_prompts": "--teacher-prompts",
+    "epochs": "--epochs",
     "server": "--server",
 }
 
@@ -53,8 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--local", action="store_true", help="run the in-process engine instead of calling a server")
     gen.add_argument("--server", default="127.0.0.1:50051", help="front door address (without --local)")
     gen.add_argument("--target", default="demo-target", help="target model: hub id, path, .gguf, or demo-target")
-    gen.add_argument("--draft", default="ngram",
-                     help="draft: 'ngram' (prompt lookup), a model path / hub id, or 'none'")
+    gen.add_argument("--draft", default="auto", help=DRAFT_HELP)
     gen.add_argument("--max-tokens", type=int, default=128, help="maximum new tokens")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -63,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--k", type=int, default=4, help="speculative tokens per window")
     gen.add_argument("--proposal-top-k", type=int, default=0, help="draft-model q restricted to its top-k (0 = dense)")
     gen.add_argument("--no-speculate", action="store_true", help="target-only decoding (the baseline)")
+    gen.add_argument("--adaptive", action="store_true",
+                     help="with --local: choose K per window in [0, --k] from acceptance (off where it does not pay)")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--json", action="store_true", help="print text, token ids and statistics as JSON")
     gen.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
@@ -74,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="front door host (backends always bind 127.0.0.1)")
     srv.add_argument("--port", type=int, default=50051, help="front door port")
     srv.add_argument("--target", default="demo-target", help="target model: hub id, path, .gguf, or demo-target")
-    srv.add_argument("--draft", default="ngram", help="'ngram', a draft model path / hub id, or 'none'")
+    srv.add_argument("--draft", default="auto", help=DRAFT_HELP)
     srv.add_argument("--k", type=int, default=4, help="default speculative tokens per window")
+    srv.add_argument("--adaptive", action="store_true", help="choose K per window in [0, K] from acceptance")
     srv.add_argument("--proposal-top-k", type=int, default=32, help="sparse q width for draft models (0 = dense)")
     srv.add_argument("--max-sessions", type=int, default=64, help="sessions per replica")
     srv.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
@@ -83,6 +91,20 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--device", default="auto")
     srv.add_argument("--dtype", default="auto")
     srv.set_defaults(handler=cmd_serve, subparser=srv)
+
+    demo = commands.add_parser("demo", help="the demo draft: provenance, a side-by-side run, or --rebuild it")
+    demo.add_argument("--prompt", default="Write a Python function that checks whether a string is a palindrome.",
+                      help="the prompt of the side-by-side run")
+    demo.add_argument("--max-tokens", type=int, default=96, help="maximum new tokens of the side-by-side run")
+    demo.add_argument("--k", type=int, default=4, help="speculative tokens per window")
+    demo.add_argument("--rebuild", action="store_true",
+                      help="retrain the draft from the target (teacher data ~1 h on 2 CPU cores, then distillation)")
+    demo.add_argument("--teacher-prompts", type=int, default=None, help="with --rebuild: training prompts to use")
+    demo.add_argument("--epochs", type=float, default=None, help="with --rebuild: distillation epochs")
+    demo.add_argument("--out", type=Path, default=None,
+                      help="with --rebuild: where to write draft.safetensors (default: the cache)")
+    demo.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    demo.set_defaults(handler=cmd_demo, subparser=demo)
 
     # listed for --help; main() hands everything after "bench" to the harness's own parser
     commands.add_parser("bench", help="benchmark decoding modes side by side (mirrorspec bench --help)")
@@ -136,13 +158,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
     _quiet_transformers()
+    args.draft = resolve_draft(args.draft, args.target)
     target = load_causal_lm(args.target, dtype=args.dtype, device=args.device)
     draft = None if args.no_speculate or args.draft == "none" else _load_draft(args)
     ids = encode_prompt(target.tokenizer, args.prompt, chat=not args.raw)
     params = dataclasses.replace(params, stop_token_ids=target.stop_token_ids())
     printer = None if args.json else _StreamPrinter(target.tokenizer)
     result = generate(target.model, draft, ids, params, num_speculative_tokens=0 if draft is None else args.k,
-                      seed=args.seed, proposal_top_k=args.proposal_top_k,
+                      seed=args.seed, proposal_top_k=args.proposal_top_k, adaptive=args.adaptive,
                       on_tokens=printer.push if printer else None)
     text = target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     if args.json:
@@ -254,6 +277,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
     _quiet_transformers()
+    args.draft = resolve_draft(args.draft, args.target)
     target = load_causal_lm(args.target, dtype=args.dtype, device=args.device)
     drafter = None
     if args.draft != "none":
@@ -263,7 +287,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                 proposal_top_k=args.proposal_top_k)
     stack = start_local_stack(TargetConfig(model=target.source, max_sessions=args.max_sessions), drafter,
                               target_model=target, host=args.host, port=args.port, num_speculative_tokens=args.k,
-                              metrics_port=args.metrics_port)
+                              metrics_port=args.metrics_port, adaptive=AdaptiveKConfig() if args.adaptive else None)
     print(f"mirrorspec: serving on {args.host}:{stack.front.port} (target {args.target}, draft {args.draft}, "
           f"K={args.k}); Ctrl-C stops", flush=True)
     stop = threading.Event()
@@ -273,6 +297,73 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     stack.stop()
+    return 0
+
+
+def resolve_draft(draft: str, target: str) -> str:
+    """``auto``: the trained demo draft for the demo target, prompt lookup for any other target."""
+    from mirrorspec.models import DEMO_DRAFT, DEMO_TARGET
+
+    if draft != "auto":
+        return draft
+    return DEMO_DRAFT if target == DEMO_TARGET else "ngram"
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Show the shipped demo draft at work next to the target alone, or rebuild it."""
+    _check_threads(args)
+    SpeculationConfig(num_speculative_tokens=args.k)
+    params = SamplingParams(max_new_tokens=args.max_tokens)
+    if args.teacher_prompts is not None and args.teacher_prompts < 1:
+        raise InvalidRequest(f"must be >= 1, got {args.teacher_prompts}", field="teacher_prompts")
+    if args.epochs is not None and not args.epochs > 0:
+        raise InvalidRequest(f"must be > 0, got {args.epochs}", field="epochs")
+    import torch
+
+    torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
+    _quiet_transformers()
+    if args.rebuild:
+        return _rebuild_demo_draft(args)
+    from mirrorspec.engine import generate
+    from mirrorspec.models import DEMO_DRAFT, encode_prompt, load_causal_lm
+    from mirrorspec.models.demo_draft import SHIPPED_WEIGHTS
+
+    provenance = json.loads(SHIPPED_WEIGHTS.with_suffix(".json").read_text())
+    print(f"demo draft: {SHIPPED_WEIGHTS} ({SHIPPED_WEIGHTS.stat().st_size / 1e6:.1f} MB), "
+          f"{provenance['recipe']['student_layers']} layers over the target's embedding and head, "
+          f"{provenance['recipe']['draft_vocab_size']}-token sub-vocabulary; distilled from "
+          f"{provenance['teacher_tokens']:,} target-written tokens; held-out top-1 agreement "
+          f"{provenance['held_out_top1_agreement']['after']:.2f}")
+    target = load_causal_lm("demo-target")
+    draft = load_causal_lm(DEMO_DRAFT, tokenizer=False).model
+    ids = encode_prompt(target.tokenizer, args.prompt)
+    params = dataclasses.replace(params, stop_token_ids=target.stop_token_ids())
+    generate(target.model, draft, ids, dataclasses.replace(params, max_new_tokens=4))  # warm-up
+    alone = generate(target.model, None, ids, params)
+    spec = generate(target.model, draft, ids, params, num_speculative_tokens=args.k)
+    print(target.tokenizer.decode(spec.token_ids, skip_special_tokens=True))
+    s = spec.stats
+    print(f"\ntarget alone      {alone.tokens_per_second:6.1f} tok/s\n"
+          f"with demo draft   {spec.tokens_per_second:6.1f} tok/s  ({spec.tokens_per_second / alone.tokens_per_second:.2f}x), "
+          f"K={args.k}, alpha {s.token_acceptance_rate:.2f}, {s.mean_accepted_length:.2f} tokens/pass\n"
+          f"greedy output identical to the target alone: {'yes' if spec.token_ids == alone.token_ids else 'NO'}")
+    return 0 if spec.token_ids == alone.token_ids else 1
+
+
+def _rebuild_demo_draft(args: argparse.Namespace) -> int:
+    from mirrorspec.config import DistillRecipe
+    from mirrorspec.distill.build import student_stage, teacher_stage
+    from mirrorspec.models.demo_draft import SHIPPED_WEIGHTS, weights_digest
+    from mirrorspec.models.demo_target import cache_root
+
+    shipped = json.loads(SHIPPED_WEIGHTS.with_suffix(".json").read_text())["recipe"]
+    overrides = {k: v for k, v in (("teacher_prompts", args.teacher_prompts), ("epochs", args.epochs)) if v is not None}
+    recipe = dataclasses.replace(DistillRecipe(**shipped), **overrides)
+    out = args.out or cache_root() / "demo-draft-rebuild" / "draft.safetensors"
+    provenance = student_stage(recipe, teacher_stage(recipe), out)
+    same = weights_digest(out) == weights_digest(SHIPPED_WEIGHTS)
+    print(f"wrote {out}: held-out top-1 agreement {provenance['held_out_top1_agreement']['after']:.3f}; "
+          f"{'bit-identical to' if same else 'differs from'} the shipped {SHIPPED_WEIGHTS.name}")
     return 0
 
 

@@ -62,7 +62,8 @@ def _run(tmp_path: Path, *argv: str) -> dict:
 
 @pytest.mark.slow
 def test_tiny_benchmark_runs_every_mode_and_greedy_is_identical(tmp_path, capsys):
-    modes = ["target-only", "mirrorspec-ngram", "mirrorspec-draft", "hf-assisted", "served-ngram", "served-draft"]
+    modes = ["target-only", "mirrorspec-ngram", "mirrorspec-draft", "mirrorspec-draft-adaptive",
+             "mirrorspec-draft-mirror", "hf-assisted", "served-ngram", "served-draft"]
     out = _run(tmp_path, "--datasets", "mtbench,humaneval,code-edit", "--num-prompts", "1", "--max-tokens", "8",
                "--k", "2", "--temperatures", "0", "--modes", ",".join(modes), "--draft", "truncate:2")
     records = out["records"]
@@ -83,6 +84,6 @@ def test_tiny_benchmark_runs_every_mode_and_greedy_is_identical(tmp_path, capsys
 @pytest.mark.slow
 def test_draft_model_modes_are_skipped_without_a_draft(tmp_path):
     out = _run(tmp_path, "--datasets", "mtbench", "--num-prompts", "1", "--max-tokens", "4", "--k", "2",
-               "--temperatures", "0", "--modes", "mirrorspec-draft,hf-assisted")
+               "--temperatures", "0", "--modes", "mirrorspec-draft,hf-assisted", "--draft", "none")
     assert {r["mode"] for r in out["records"]} == {"target-only"}
     assert any("mirrorspec-draft" in note for note in out["notes"])

@@ -20,6 +20,8 @@ from mirrorspec.cli import main
     (["generate", "hi", "--local", "--threads", "0"], "--threads"),
     (["generate", "hi", "--server", "127.0.0.1:1"], "--server"),
     (["serve", "--k", "-1"], "--k"),
+    (["demo", "--k", "99"], "--k"),
+    (["demo", "--rebuild", "--epochs", "0"], "--epochs"),
 ])
 def test_bad_flags_are_named(argv, flag, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -40,9 +42,10 @@ def test_local_greedy_is_identical_with_and_without_speculation():
     base = json.loads(run_cli("generate", prompt, "--local", "--max-tokens", "40", "--json", "--threads", "1",
                               "--no-speculate").stdout)
     assert spec["token_ids"] == base["token_ids"] and len(spec["token_ids"]) > 0
-    assert spec["draft"] == "ngram" and base["draft"] == "none"
-    for key in ("drafted", "accepted", "acceptance_rate", "mean_accepted_length", "per_position_acceptance",
-                "draft_time_s", "verify_time_s"):
+    assert spec["draft"] == "demo-draft" and base["draft"] == "none"  # the trained draft is the default
+    assert spec["stats"]["accepted"] > 0
+    for key in ("drafted", "accepted", "acceptance_rate", "token_acceptance_rate", "mean_accepted_length",
+                "per_position_acceptance", "draft_time_s", "verify_time_s"):
         assert key in spec["stats"]
 
 
@@ -68,3 +71,11 @@ def test_serve_then_generate_against_it():
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_demo_runs_the_shipped_draft_beside_the_target():
+    out = run_cli("demo", "--max-tokens", "32", "--threads", "1")
+    assert out.returncode == 0, out.stderr
+    assert "greedy output identical to the target alone: yes" in out.stdout
+    assert "held-out top-1 agreement" in out.stdout

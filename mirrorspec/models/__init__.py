@@ -1,6 +1,7 @@
 """Model loading, the demo target, and the KV-cache session the engine drives."""
 
 from mirrorspec.models.loading import (
+    DEMO_DRAFT,
     DEMO_TARGET,
     LoadedModel,
     encode_chat,
@@ -12,6 +13,7 @@ from mirrorspec.models.loading import (
 from mirrorspec.models.session import KVSession, LogitSession, common_prefix_length
 
 __all__ = [
+    "DEMO_DRAFT",
     "DEMO_TARGET",
     "KVSession",
     "LoadedModel",

@@ -13,6 +13,7 @@ import importlib.metadata
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,25 +45,34 @@ def locate_demo_gguf() -> Path:
     return path
 
 
-def ensure_demo_target(*, verbose: bool = True) -> Path:
-    """Path of the cached plain checkpoint, converting from GGUF the first time."""
-    out = cache_root() / CHECKPOINT_NAME
-    if (out / "config.json").is_file() and (out / "CONVERTED_OK").is_file():
+def build_once(out: Path, marker: str, build: Callable[[Path], None], message: str) -> Path:
+    """``out``, built by ``build(tmp_dir)`` the first time and moved into place atomically.
+
+    ``build`` writes ``marker`` last, so a directory holding it is complete; a concurrent builder
+    that won the race leaves ``out`` in place and this one's work is dropped.
+    """
+    if (out / "config.json").is_file() and (out / marker).is_file():
         return out
-    if verbose:
-        print(f"mirrorspec: converting the demo target from GGUF once, into {out} ...", flush=True)
+    print(f"mirrorspec: {message} once, into {out} ...", flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{CHECKPOINT_NAME}-", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
-        convert_gguf_checkpoint(locate_demo_gguf(), tmp)
+        build(tmp)
         try:
-            os.replace(tmp, out)  # atomic; a concurrent converter that won leaves `out` in place
+            os.replace(tmp, out)
         except OSError:
-            if not (out / "CONVERTED_OK").is_file():
+            if not (out / marker).is_file():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def ensure_demo_target() -> Path:
+    """Path of the cached plain checkpoint, converting from GGUF the first time."""
+    return build_once(cache_root() / CHECKPOINT_NAME, "CONVERTED_OK",
+                      lambda tmp: convert_gguf_checkpoint(locate_demo_gguf(), tmp),
+                      "converting the demo target from GGUF")
 
 
 def convert_gguf_checkpoint(gguf_path: Path, out_dir: Path) -> None:

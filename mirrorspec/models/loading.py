@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from mirrorspec.config import InvalidRequest
 
 DEMO_TARGET = "demo-target"
+DEMO_DRAFT = "demo-draft"  # the draft mirrorspec distils from the demo target (mirrorspec demo)
 
 
 @dataclass
@@ -54,11 +55,16 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_causal_lm(source: str, *, dtype: str = "auto", device: str = "auto", tokenizer: bool = True) -> LoadedModel:
-    """Load a model for inference from a hub id, a local path, a ``.gguf`` file or ``demo-target``."""
+    """Load a model for inference from a hub id, a local path, a ``.gguf`` file, ``demo-target``
+    or ``demo-draft``."""
     if source == DEMO_TARGET:
         from mirrorspec.models.demo_target import ensure_demo_target
 
         source = str(ensure_demo_target())
+    elif source == DEMO_DRAFT:
+        from mirrorspec.models.demo_draft import ensure_demo_draft
+
+        source = str(ensure_demo_draft())
     dev = resolve_device(device)
     kwargs: dict = {"dtype": resolve_dtype(dtype, dev)}
     path = Path(source)

@@ -1,0 +1,41 @@
+"""The demo draft: a 2-layer student distilled from the demo target, shipped as a few MB.
+
+Only the trained layers, the final norm and the sub-vocabulary are committed
+(``demo_draft/draft.safetensors``, with its recipe and measured provenance in ``draft.json``);
+the embedding and tied head are the target's own. On first use the plain checkpoint is
+assembled from the two and cached, keyed by the weights' hash, so it then loads with the normal
+``from_pretrained`` like any other draft (and HF assisted generation can use it too).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from mirrorspec.config import InvalidRequest
+from mirrorspec.models.demo_target import build_once, cache_root
+
+SHIPPED_WEIGHTS = Path(__file__).parent / "demo_draft" / "draft.safetensors"
+
+
+def weights_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def ensure_demo_draft(weights: Path = SHIPPED_WEIGHTS) -> Path:
+    """Path of the assembled draft checkpoint for ``weights``, assembling it the first time."""
+    if not weights.is_file():
+        raise InvalidRequest(f"demo draft weights {weights} are missing; run `mirrorspec demo --rebuild` "
+                             "or pass another --draft", field="draft")
+    digest = weights_digest(weights)
+
+    def assemble(tmp: Path) -> None:
+        from mirrorspec.distill.student import assemble_draft
+        from mirrorspec.models.loading import load_causal_lm
+
+        target = load_causal_lm("demo-target", dtype="float32", device="cpu", tokenizer=False)
+        assemble_draft(target.model, weights, tmp)
+        (tmp / "ASSEMBLED_OK").write_text(f"weights={weights}\nsha256={digest}\n")
+
+    return build_once(cache_root() / f"demo-draft-{digest[:12]}", "ASSEMBLED_OK", assemble,
+                      "assembling the demo draft from the target and its shipped weights")

@@ -1,0 +1,51 @@
+import torch
+
+from mirrorspec.distill.teacher import TeacherShard, generate_batch, write_teacher_data
+
+PROMPTS = [[0, 3, 5, 2], [1, 4], [2, 6, 1, 3, 3, 5, 4]]
+
+
+def test_greedy_rows_match_hf_generate_despite_left_padding(tiny_target):
+    eos = tiny_target.generation_config.eos_token_id  # HF stops there too
+    shard = generate_batch(tiny_target, PROMPTS, max_new_tokens=6, stop_ids=[eos], temperature=0.0, top_k=4,
+                           generator=torch.Generator().manual_seed(0))
+    for prompt, tokens, start in zip(PROMPTS, shard.tokens, shard.starts):
+        reference = tiny_target.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0].tolist()
+        assert start == len(prompt)
+        assert tokens.tolist() == reference
+
+
+def test_top_k_rows_are_the_targets_log_probabilities(tiny_target):
+    shard = generate_batch(tiny_target, PROMPTS[:1], max_new_tokens=3, stop_ids=[], temperature=0.0, top_k=4,
+                           generator=torch.Generator().manual_seed(0))
+    tokens = shard.tokens[0].long()
+    with torch.inference_mode():
+        logp = torch.log_softmax(tiny_target(tokens[None, :-1]).logits[0, len(PROMPTS[0]) - 1:], -1)
+    top = logp.topk(4, dim=-1)
+    assert torch.equal(shard.top_ids.long(), top.indices)
+    assert torch.allclose(shard.top_logp.float(), top.values, atol=2e-3)
+
+
+def test_rows_stop_at_a_stop_token_and_leave_the_batch(tiny_target):
+    greedy = generate_batch(tiny_target, PROMPTS, max_new_tokens=6, stop_ids=[], temperature=0.0, top_k=2,
+                            generator=torch.Generator().manual_seed(0))
+    stop = int(greedy.tokens[0][len(PROMPTS[0]) + 1])  # row 0's second answer token
+    shard = generate_batch(tiny_target, PROMPTS, max_new_tokens=6, stop_ids=[stop], temperature=0.0, top_k=2,
+                           generator=torch.Generator().manual_seed(0))
+    answer = shard.tokens[0][shard.starts[0]:].tolist()
+    assert answer[-1] == stop and stop not in answer[:-1]
+    assert shard.num_generated == sum(len(t) - s for t, s in zip(shard.tokens, shard.starts))
+
+
+def test_shards_are_reproducible_and_resumable(tiny_target, tmp_path):
+    prompts = PROMPTS * 3
+    kwargs = dict(batch_size=2, max_new_tokens=4, stop_ids=[7], top_k=3, seed=1, shard_batches=2)
+    first = write_teacher_data(tiny_target, prompts, tmp_path / "a", **kwargs)
+    first[-1].unlink()  # an interrupted run: the last shard is missing
+    again = write_teacher_data(tiny_target, prompts, tmp_path / "a", **kwargs)
+    fresh = write_teacher_data(tiny_target, prompts, tmp_path / "b", **kwargs)
+    assert len(again) == len(fresh) == 3
+    for a, b in zip(again, fresh):
+        sa, sb = TeacherShard.load(a), TeacherShard.load(b)
+        assert [t.tolist() for t in sa.tokens] == [t.tolist() for t in sb.tokens]
+        assert torch.equal(sa.top_ids, sb.top_ids)
