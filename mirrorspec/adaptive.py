@@ -7,9 +7,8 @@ the K in [0, max] with the most expected tokens per unit of time; K = 0 is plain
 stretch of easy text turns it back on.
 
 Costs come from configuration (``draft_cost``: one draft step over one target step, by default
-the drafter's own ``step_cost``;
-``pass_cost_per_token``: extra target-pass cost per extra scored token, measured ~0.1 on CPU for
-the demo target and ~0 on a GPU), not from wall-clock timings: K is then a function of the
+the drafter's own ``step_cost``; ``pass_costs``: a target pass over K drafts, in one-token steps,
+measured ~1.5-1.9 on a 2-core CPU for the demo target and ~1 on a GPU), not from wall-clock timings: K is then a function of the
 request's own history only, so a seeded request stays reproducible. Exactness does not depend on
 K at all: every window is exact for whatever K it was given, as long as K is chosen before the
 window's random draws are looked at, which it is.
@@ -30,11 +29,21 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+def pass_cost(k: int, config: AdaptiveKConfig) -> float:
+    """A target pass over K drafts in one-token steps: the measured table, then linear."""
+    if k == 0:
+        return 1.0
+    table = config.pass_costs
+    if k <= len(table):
+        return table[k - 1]
+    return (table[-1] if table else 1.0) + (k - len(table)) * config.pass_cost_per_token
+
+
 def window_cost(k: int, config: AdaptiveKConfig, draft_cost: float = 0.1) -> float:
     """Time of a window in target-step units: K draft steps plus a (K+1)-token target pass.
     ``draft_cost`` is used where the config leaves it to the drafter."""
     step = draft_cost if config.draft_cost is None else config.draft_cost
-    return k * step + 1.0 + k * config.pass_cost_per_token
+    return k * step + pass_cost(k, config)
 
 
 def best_k(alpha: float, max_k: int, config: AdaptiveKConfig, draft_cost: float = 0.1) -> int:
@@ -66,8 +75,14 @@ class AdaptiveK:
             self.windows_off += 1
             if self.windows_off >= self.config.probe_every:  # look again: text may have become easy
                 self.windows_off = 0
-                return min(self.config.probe_k, self.max_k)
+                return self.probe_k()
         return k
+
+    def probe_k(self) -> int:
+        """K of a probe window: the configured one, else the K whose window costs least."""
+        if self.config.probe_k is not None:
+            return min(self.config.probe_k, self.max_k)
+        return min(range(1, self.max_k + 1), key=lambda k: window_cost(k, self.config, self.draft_cost))
 
     def peek(self, num_drafted: int, num_accepted: int) -> int:
         """The K ``next_k`` would give after observing this window, leaving this state alone

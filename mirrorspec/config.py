@@ -59,28 +59,41 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+# Target pass over K = 1, 2, ... drafts, in one-token steps: the demo target, float32, 2 CPU threads
+# (measured by benchmarks/pass_cost.py).
+DEMO_CPU_PASS_COSTS = (1.66, 1.88, 1.48, 1.24, 1.39, 1.76, 1.42, 1.57)
+
+
 @dataclass(frozen=True)
 class AdaptiveKConfig:
     """How adaptive K weighs speculation against plain decoding (see ``mirrorspec.adaptive``).
 
-    Defaults are the demo pair measured on a 2-core CPU: a draft step costs ~0.1 of a target
-    step, and each extra token in a target pass ~0.12 of a step (a 5-token pass ~1.5 steps).
+    ``pass_costs[K - 1]`` is the cost of a target pass over K drafts (K + 1 tokens) in one-token
+    steps; past the table, each extra token adds ``pass_cost_per_token``. The default table was
+    measured for the demo target on a 2-core CPU (float32, 2 threads), where any multi-token pass
+    jumps to ~1.5-2 steps (the kernels change with the shape), so short windows cost nearly as
+    much as long ones. On a GPU a pass over a few tokens costs about one step: pass_costs=() and
+    pass_cost_per_token ~0.
     """
 
     draft_cost: float | None = None  # None: the drafter's own step_cost (0.1 for a draft model, 0 for n-gram)
-    pass_cost_per_token: float = 0.12
+    pass_costs: tuple[float, ...] = DEMO_CPU_PASS_COSTS
+    pass_cost_per_token: float = 0.05
     prior_accepted: float = 2.0  # Beta prior on alpha: start optimistic enough to try drafting
     prior_rejected: float = 1.0
     decay: float = 0.9  # per window: the last ~10 windows dominate the estimate
     probe_every: int = 8  # windows spent target-only before drafting again to re-measure
-    probe_k: int = 2
+    probe_k: int | None = None  # None: the K whose window is cheapest (on the CPU table, K = 4)
 
     def __post_init__(self) -> None:
         if (self.draft_cost is not None and self.draft_cost < 0) or self.pass_cost_per_token < 0:
             raise InvalidRequest("draft_cost and pass_cost_per_token must be >= 0", field="adaptive")
+        if any(not c >= 1.0 for c in self.pass_costs):
+            raise InvalidRequest(f"pass_costs are in one-token steps and must be >= 1, got {self.pass_costs}",
+                                 field="adaptive")
         if not 0 < self.decay <= 1 or self.prior_accepted <= 0 or self.prior_rejected <= 0:
             raise InvalidRequest("decay must be in (0, 1] and the priors > 0", field="adaptive")
-        if self.probe_every < 1 or self.probe_k < 1:
+        if self.probe_every < 1 or (self.probe_k is not None and self.probe_k < 1):
             raise InvalidRequest("probe_every and probe_k must be >= 1", field="adaptive")
 
 

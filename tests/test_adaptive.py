@@ -30,12 +30,12 @@ def test_chosen_k_is_the_argmax_of_tokens_per_cost():
 
 
 def test_free_drafting_on_a_gpu_like_cost_model_drafts_the_maximum():
-    free = AdaptiveKConfig(draft_cost=0.0, pass_cost_per_token=0.0)
+    free = AdaptiveKConfig(draft_cost=0.0, pass_costs=(), pass_cost_per_token=0.0)
     assert best_k(0.3, 5, free) == 5
 
 
 def test_policy_switches_off_then_probes_again():
-    policy = AdaptiveK(AdaptiveKConfig(probe_every=3, probe_k=2), max_k=4)
+    policy = AdaptiveK(AdaptiveKConfig(probe_every=3, probe_k=2, pass_costs=(), pass_cost_per_token=0.12), max_k=4)
     first = policy.next_k()
     assert first > 0
     for _ in range(10):
@@ -83,7 +83,8 @@ def test_adaptive_greedy_output_is_identical_to_target_only(tiny_target, tiny_dr
     params = SamplingParams(max_new_tokens=40)
     reference = generate(tiny_target, None, [0, 3, 5], params).token_ids
     drafter = CountingDrafter(DraftModelDrafter(tiny_draft))
-    result = generate(tiny_target, drafter, [0, 3, 5], params, num_speculative_tokens=5, adaptive=True)
+    linear = AdaptiveKConfig(pass_costs=(), pass_cost_per_token=0.12)  # the CPU table would pin K at 4
+    result = generate(tiny_target, drafter, [0, 3, 5], params, num_speculative_tokens=5, adaptive=linear)
     assert result.token_ids == reference
     assert len(set(drafter.ks)) > 1  # K really varied
 
@@ -103,6 +104,30 @@ def test_a_useless_drafter_is_switched_off(tiny_target):
 def test_free_drafters_get_longer_windows_than_model_drafters():
     from mirrorspec.drafting import DraftModelDrafter, NgramDrafter
 
+    linear = AdaptiveKConfig(pass_costs=(), pass_cost_per_token=0.12)
     assert NgramDrafter.step_cost == 0.0 < DraftModelDrafter.step_cost
-    assert best_k(0.6, 8, CPU, draft_cost=0.0) > best_k(0.6, 8, CPU, draft_cost=0.1)
-    assert best_k(0.6, 8, AdaptiveKConfig(draft_cost=0.1), draft_cost=0.0) == best_k(0.6, 8, CPU, draft_cost=0.1)
+    assert best_k(0.6, 8, linear, draft_cost=0.0) > best_k(0.6, 8, linear, draft_cost=0.1)
+    pinned = AdaptiveKConfig(draft_cost=0.1, pass_costs=(), pass_cost_per_token=0.12)
+    assert best_k(0.6, 8, pinned, draft_cost=0.0) == best_k(0.6, 8, linear, draft_cost=0.1)
+
+
+def test_pass_cost_follows_the_table_then_grows_linearly():
+    from mirrorspec.adaptive import pass_cost
+
+    config = AdaptiveKConfig(pass_costs=(1.8, 1.9), pass_cost_per_token=0.1)
+    assert [pass_cost(k, config) for k in range(5)] == pytest.approx([1.0, 1.8, 1.9, 2.0, 2.1])
+    with pytest.raises(InvalidRequest, match="pass_costs"):
+        AdaptiveKConfig(pass_costs=(0.5,))
+
+
+def test_on_the_measured_cpu_costs_a_weak_draft_is_switched_off():
+    # a multi-token pass costs ~1.5-1.9 steps there, so alpha ~0.35 (the demo draft on MT-Bench)
+    # cannot pay for it, while n-gram copying (alpha ~0.75, free drafts) takes long windows
+    assert best_k(0.35, 8, CPU, draft_cost=0.1) == 0
+    assert best_k(0.76, 8, CPU, draft_cost=0.0) >= 4
+
+
+def test_probes_use_the_cheapest_window_unless_told():
+    assert AdaptiveK(CPU, max_k=8, draft_cost=0.1).probe_k() == 4  # the 5-token pass is the cheapest there
+    assert AdaptiveK(AdaptiveKConfig(probe_k=2), max_k=8).probe_k() == 2
+    assert AdaptiveK(CPU, max_k=2, draft_cost=0.1).probe_k() in (1, 2)

@@ -66,7 +66,7 @@ CASES = [
     # K varies window to window (a jumpy policy: fast decay, costly drafts), so the first three
     # tokens come from windows of different lengths
     Case("t1.0-k3-adaptive-sparse", 1.0, 3, proposal_top_k=3,
-         adaptive=AdaptiveKConfig(draft_cost=0.3, pass_cost_per_token=0.2, decay=0.3, probe_every=1)),
+         adaptive=AdaptiveKConfig(draft_cost=0.3, pass_costs=(), pass_cost_per_token=0.2, decay=0.3, probe_every=1)),
     # K = 1, so the second window (fed by a branch when the guess hits) lies inside the first three
     # tokens; every branch is drafted whatever the timing, so hits do not depend on the machine.
     # The prompt is one where the first draft is nearly always rejected and the drafter is unsure

@@ -1,0 +1,67 @@
+"""What a target pass over K drafts costs, in one-token steps: the table adaptive K plans with.
+
+    python -m benchmarks.pass_cost [--target demo-target] [--threads 2] [--max-k 8] [--reps 30]
+
+For each K it times the very call verification makes (``KVSession.logits_for`` over the last
+K + 1 positions of a cached context, then the roll-back), interleaving K values so a slow stretch
+of a shared machine hits them all alike, and prints medians over a one-token step plus the tuple
+to put in ``AdaptiveKConfig.pass_costs``. On CPU the table is far from linear: kernels change
+with the shape, so a 2-token pass can cost as much as a 5-token one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from mirrorspec.models import KVSession, encode_prompt, load_causal_lm
+
+
+def measure(model: torch.nn.Module, context: list[int], max_k: int, reps: int) -> dict[int, float]:
+    session = KVSession(model)
+    session.logits_for(context, 1)  # prefill once
+    times: dict[int, list[float]] = {k: [] for k in range(max_k + 1)}
+    drafts = [context[i % len(context)] for i in range(max_k)]
+    for _ in range(reps):
+        for k in range(max_k + 1):
+            window = context + drafts[:k]
+            started = time.perf_counter()
+            session.logits_for(window, k + 1)
+            times[k].append(time.perf_counter() - started)
+            session.rollback(len(context) - 1)  # the next call re-feeds the last context token too
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.pass_cost", description=__doc__.split("\n")[0])
+    p.add_argument("--target", default="demo-target")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-k", type=int, default=8)
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    target = load_causal_lm(args.target)
+    context = encode_prompt(target.tokenizer, "Write a Python function that merges two sorted lists.")
+    medians = measure(target.model, context, args.max_k, args.reps)
+    step = medians[0]
+    costs = {k: medians[k] / step for k in medians}
+    for k, c in costs.items():
+        print(f"K={k}: {medians[k] * 1e3:6.1f} ms  {c:4.2f} steps")
+    table = tuple(round(costs[k], 2) for k in range(1, args.max_k + 1))
+    print(f"AdaptiveKConfig(pass_costs={table})")
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / f"pass-cost-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps({"target": args.target, "threads": args.threads, "step_s": step,
+                               "median_s": medians, "pass_costs": table}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
