@@ -29,6 +29,13 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+def posterior_alpha(accepted: float, rejected: float, config: AdaptiveKConfig) -> float:
+    """Posterior mean of alpha from (possibly decayed) counts of passed and failed draft tests,
+    under the config's Beta prior."""
+    a0, r0 = config.prior_accepted, config.prior_rejected
+    return (accepted + a0) / (accepted + rejected + a0 + r0)
+
+
 def pass_cost(k: int, config: AdaptiveKConfig) -> float:
     """A target pass over K drafts in one-token steps: the measured table, then linear."""
     if k == 0:
@@ -65,9 +72,8 @@ class AdaptiveK:
 
     @property
     def alpha(self) -> float:
-        """Posterior mean of alpha under a Beta(prior) start, recent windows weighing most."""
-        a0, r0 = self.config.prior_accepted, self.config.prior_rejected
-        return (self.accepted + a0) / (self.accepted + self.rejected + a0 + r0)
+        """Posterior mean of alpha, recent windows weighing most."""
+        return posterior_alpha(self.accepted, self.rejected, self.config)
 
     def next_k(self) -> int:
         k = best_k(self.alpha, self.max_k, self.config, self.draft_cost)

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from mirrorspec.adaptive import AdaptiveK
+from mirrorspec.adaptive import AdaptiveK, posterior_alpha
 from mirrorspec.mirror import MirrorPipeline
 from mirrorspec.config import (
     AdaptiveKConfig,
@@ -205,7 +205,7 @@ def decode_windows(
             proposal = drafter.propose(context, k, params, seed) if k > 0 else Proposal.empty()
             stats.draft_time_s += time.perf_counter() - started
         if mirror is not None and len(proposal):
-            alpha = policy.alpha if policy else (stats.accepted + 2) / (stats.accepted + stats.rejected + 3)
+            alpha = policy.alpha if policy else posterior_alpha(stats.accepted, stats.rejected, AdaptiveKConfig())
             prefetch = mirror.verify_while_drafting(verifier, drafter, context, proposal, params, seed, alpha,
                                                     k_after(len(proposal)))
             verdict = prefetch.verdict
