@@ -225,41 +225,48 @@ def _generate_remote(args: argparse.Namespace) -> int:
 
 @dataclass
 class LocalStack:
-    """A target, an optional drafter and the front door, each a gRPC server in this process."""
+    """Target replicas, drafter replicas and the front door, each a gRPC server in this process."""
 
-    target: BackgroundServer
-    drafter: BackgroundServer | None
+    targets: list[BackgroundServer]
+    drafters: list[BackgroundServer]
     front: BackgroundServer
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.front.port}"
 
+    @property
+    def target(self) -> BackgroundServer:
+        return self.targets[0]
+
+    @property
+    def drafter(self) -> BackgroundServer | None:
+        return self.drafters[0] if self.drafters else None
+
     def stop(self) -> None:
-        for server in (self.front, self.drafter, self.target):
-            if server is not None:
-                server.stop()
+        for server in (self.front, *self.drafters, *self.targets):
+            server.stop()
 
 
 def start_local_stack(target: TargetConfig, drafter: DrafterConfig | None, *, target_model: LoadedModel | None = None,
-                      draft_model: LoadedModel | None = None, **front_options) -> LocalStack:
-    """Start target, drafter (unless None) and the orchestrator wired to them; ``front_options``
-    are OrchestratorConfig fields (host, port, num_speculative_tokens, ...). Models already
-    loaded in this process can be shared instead of loaded again."""
+                      draft_model: LoadedModel | None = None, target_replicas: int = 1, drafter_replicas: int = 1,
+                      **front_options) -> LocalStack:
+    """Start target and drafter replicas (no drafter if None) and the orchestrator routing over
+    them; ``front_options`` are OrchestratorConfig fields (host, port, num_speculative_tokens, ...).
+    Models already loaded in this process can be shared instead of loaded again."""
     from drafter_service.servicer import serve as serve_drafter
     from mirrorspec.serving.server import BackgroundServer
     from orchestrator.servicer import OrchestratorConfig
     from orchestrator.servicer import serve as serve_orchestrator
     from target_service.servicer import serve as serve_target
 
-    target_server = BackgroundServer(lambda: serve_target(target, loaded=target_model), "target").start()
-    drafter_server = None
-    if drafter is not None:
-        drafter_server = BackgroundServer(lambda: serve_drafter(drafter, loaded=draft_model), "drafter").start()
-    front = OrchestratorConfig(target=f"127.0.0.1:{target_server.port}",
-                               drafter=f"127.0.0.1:{drafter_server.port}" if drafter_server else None, **front_options)
-    return LocalStack(target_server, drafter_server,
-                      BackgroundServer(lambda: serve_orchestrator(front), "orchestrator").start())
+    targets = [BackgroundServer(lambda: serve_target(target, loaded=target_model), "target").start()
+               for _ in range(target_replicas)]
+    drafters = [BackgroundServer(lambda: serve_drafter(drafter, loaded=draft_model), "drafter").start()
+                for _ in range(drafter_replicas if drafter is not None else 0)]
+    front = OrchestratorConfig(target=",".join(f"127.0.0.1:{t.port}" for t in targets),
+                               drafter=",".join(f"127.0.0.1:{d.port}" for d in drafters) or None, **front_options)
+    return LocalStack(targets, drafters, BackgroundServer(lambda: serve_orchestrator(front), "orchestrator").start())
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

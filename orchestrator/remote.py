@@ -1,22 +1,26 @@
-"""The core's ``Drafter`` and ``Verifier`` interfaces, implemented over gRPC.
+"""The core's ``Drafter`` and ``Verifier`` interfaces, implemented over gRPC replica pools.
 
 With these, the orchestrator runs the very same ``decode_windows`` loop as the in-process engine.
-Both send only what was committed since their last call; the orchestrator's context is the
-authoritative token log, so a lost session is reopened from it at any time.
+Both send only what was committed since their last call. The orchestrator's context is the
+authoritative token log, so a session can be reopened from it at any time, on any replica: when
+its session expired, when its replica was drained out of the pool, or when the replica died.
+Randomness is addressed by (seed, position), so a replayed session draws exactly what the lost
+one would have: moving never changes the output.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import grpc
 
 from mirrorspec.config import InvalidRequest, SamplingParams
 from mirrorspec.drafting import Drafter, Proposal
 from mirrorspec.sampling import WindowVerdict
+from mirrorspec.serving.errors import SessionLimitReached
 from mirrorspec.serving.convert import (
     TOKEN_KIND_FROM_PROTO,
     params_to_proto,
@@ -24,8 +28,13 @@ from mirrorspec.serving.convert import (
     proposal_to_proto,
 )
 from mirrorspec.v1 import common_pb2, drafter_pb2, target_pb2
+from orchestrator.pool import NoReplicaAvailable, Replica, ReplicaPool
 
 log = logging.getLogger(__name__)
+
+# Statuses after which the session goes to another replica: the replica is gone or its session is.
+_REPLICA_GONE = grpc.StatusCode.UNAVAILABLE
+_SESSION_GONE = grpc.StatusCode.NOT_FOUND
 
 
 @dataclass
@@ -40,110 +49,210 @@ class CallTimes:
         return max(self.call_s - self.server_s, 0.0)
 
 
+class PooledSession:
+    """One request's session on some replica of a pool, replayed elsewhere when it has to move."""
+
+    max_moves_per_call = 4
+
+    def __init__(self, pool: ReplicaPool, prompt: Sequence[int], params: SamplingParams, seed: int,
+                 timeout_s: float | None, replacement_wait_s: float):
+        self.pool = pool
+        self.prompt_length = len(prompt)
+        self.params = params
+        self.seed = seed
+        self.timeout_s = timeout_s
+        self.replacement_wait_s = replacement_wait_s
+        self.times = CallTimes()
+        self.replica: Replica | None = None
+        self.session_id: str | None = None
+        self.sent = 0
+        self.moves = 0  # reopenings after the first open
+
+    def open_request(self, context: Sequence[int], params: SamplingParams):
+        raise NotImplementedError
+
+    def open(self, context: Sequence[int], avoid: set[str] | None = None) -> None:
+        """Open on the least-loaded replica, trying others while replicas refuse or are down."""
+        tried = set(avoid or ())
+        # the budget left to this request, so a replayed (longer) prompt passes the context check
+        params = replace(self.params, max_new_tokens=max(self.params.max_new_tokens
+                                                         - (len(context) - self.prompt_length), 1))
+        full: set[str] = set()
+        while True:
+            try:  # wait for a replacement replica only if none refused for being full
+                replica = self.pool.acquire(tried, wait_s=0.0 if full else self.replacement_wait_s)
+            except NoReplicaAvailable:
+                if full:
+                    raise SessionLimitReached(
+                        f"every {self.pool.name} replica that answered is at its session limit "
+                        f"({', '.join(sorted(full))}); retry later or scale the {self.pool.name} pool up") from None
+                raise
+            try:
+                response = replica.stub.OpenSession(self.open_request(context, params), timeout=self.timeout_s)
+            except grpc.RpcError as err:
+                self.pool.release(replica)
+                if err.code() == _REPLICA_GONE:
+                    self.pool.report_failure(replica)
+                elif err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    full.add(replica.address)
+                else:
+                    raise
+                tried.add(replica.address)
+                continue
+            self.replica, self.session_id, self.sent = replica, response.session_id, len(context)
+            return
+
+    def call(self, context: Sequence[int], rpc: Callable[[Replica, str, list[int]], object]):
+        """``rpc(replica, session_id, commit_tokens)``, moving the session first if its replica
+        left the pool, and again (at most ``max_moves_per_call`` times) if the call finds the
+        replica or the session gone."""
+        for _ in range(self.max_moves_per_call):
+            if not self.pool.is_member(self.replica):
+                log.info("%s replica %s left the pool; moving its session", self.pool.name, self.replica.address)
+                self.move(context)
+            try:
+                result = rpc(self.replica, self.session_id, list(context[self.sent:]))
+            except grpc.RpcError as err:
+                if err.code() == _REPLICA_GONE:
+                    log.warning("%s replica %s is unreachable; replaying the session elsewhere",
+                                self.pool.name, self.replica.address)
+                    self.pool.report_failure(self.replica)
+                    self.move(context, avoid={self.replica.address})
+                elif err.code() == _SESSION_GONE:
+                    log.info("%s session %s is gone; reopening it from the token log", self.pool.name, self.session_id)
+                    self.move(context)
+                else:
+                    raise
+                continue
+            self.sent = len(context)
+            return result
+        raise NoReplicaAvailable(f"the {self.pool.name} session moved {self.max_moves_per_call} times in one "
+                                 f"window without an answer; the {self.pool.name} pool is unhealthy")
+
+    def move(self, context: Sequence[int], avoid: set[str] | None = None) -> None:
+        self._let_go()
+        self.moves += 1
+        self.open(context, avoid)
+
+    def _let_go(self) -> None:
+        if self.replica is None:
+            return
+        if self.pool.is_member(self.replica):
+            _close_quietly(self.replica.stub, self.session_id)
+        else:  # drained: closing still frees its KV cache so the drain can finish
+            _close_quietly(self.replica.stub, self.session_id, timeout=1)
+        self.pool.release(self.replica)
+        self.replica = self.session_id = None
+
+    def release(self) -> None:
+        self._let_go()
+
+
 class RemoteDrafter(Drafter):
-    """A drafter session on a DrafterService replica. Any failure turns it off for the rest of
-    the request: windows then carry no drafts, i.e. the request goes on target-only, unharmed."""
+    """A drafter session on a DrafterService pool. If no drafter can serve it any more, it turns
+    off for the rest of the request: windows then carry no drafts, i.e. the request goes on
+    target-only, unharmed."""
 
     name = "remote"
 
-    def __init__(self, stub, prompt: Sequence[int], params: SamplingParams, seed: int, vocab_size: int,
+    def __init__(self, pool: ReplicaPool, prompt: Sequence[int], params: SamplingParams, seed: int, vocab_size: int,
                  timeout_s: float | None = None, step_cost: float = Drafter.step_cost):
-        self.stub = stub
         self.step_cost = step_cost  # of the replica's strategy, for adaptive K
         self.vocab_size = vocab_size
-        self.timeout_s = timeout_s
-        self.times = CallTimes()
         self.failure: str | None = None
-        self.session_id: str | None = None
-        self.sent = len(prompt)
-        try:
-            request = drafter_pb2.OpenDraftSessionRequest(prompt_ids=list(prompt), params=params_to_proto(params),
-                                                          seed=seed)
-            self.session_id = stub.OpenSession(request, timeout=timeout_s).session_id
-        except grpc.RpcError as err:
-            self._fail(err)
+        # drafts are optional: never wait for a drafter to come up, go on target-only instead
+        self.session = _DraftSession(pool, prompt, params, seed, timeout_s, replacement_wait_s=0.0)
+        self._guard(lambda: self.session.open(prompt))
+
+    @property
+    def times(self) -> CallTimes:
+        return self.session.times
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, seed: int) -> Proposal:
         if self.failure is not None or k <= 0:
             return Proposal.empty()
-        request = drafter_pb2.DraftRequest(session_id=self.session_id, commit_tokens=list(context[self.sent:]),
-                                           context_length=len(context), k=k)
+        return self._guard(lambda: self._draft(context, k)) or Proposal.empty()
+
+    def _draft(self, context: Sequence[int], k: int) -> Proposal:
+        def rpc(replica: Replica, session_id: str, commit: list[int]):
+            request = drafter_pb2.DraftRequest(session_id=session_id, commit_tokens=commit,
+                                               context_length=len(context), k=k)
+            return replica.stub.Draft(request, timeout=self.session.timeout_s)
+
         started = time.perf_counter()
-        try:
-            response = self.stub.Draft(request, timeout=self.timeout_s)
-            proposal = proposal_from_proto(response.tokens, response.q, self.vocab_size)
-        except (grpc.RpcError, InvalidRequest) as err:
-            self._fail(err)
-            return Proposal.empty()
+        response = self.session.call(context, rpc)
+        proposal = proposal_from_proto(response.tokens, response.q, self.vocab_size)
         self.times.call_s += time.perf_counter() - started
         self.times.server_s += response.draft_time_s
-        self.sent = len(context)
         return proposal
 
-    def _fail(self, err: Exception) -> None:
-        detail = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else str(err)
-        self.failure = detail
-        log.warning("drafter failed (%s); continuing target-only", detail)
+    def _guard(self, fn: Callable):
+        try:
+            return fn()
+        except (grpc.RpcError, InvalidRequest, NoReplicaAvailable, SessionLimitReached) as err:
+            detail = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else str(err)
+            self.failure = detail
+            log.warning("drafter failed (%s); continuing target-only", detail)
+            return None
+
+    @property
+    def moves(self) -> int:
+        return self.session.moves
 
     def release(self) -> None:
-        if self.session_id is not None and self.failure is None:
-            _close_quietly(self.stub, self.session_id)
+        self.session.release()
 
 
-class RemoteVerifier:
-    """A target session on a TargetService replica. If the session is gone (expired, evicted,
-    replica restarted), it is reopened from the orchestrator's context and the window retried."""
+class _DraftSession(PooledSession):
+    def open_request(self, context: Sequence[int], params: SamplingParams):
+        return drafter_pb2.OpenDraftSessionRequest(prompt_ids=list(context), params=params_to_proto(params),
+                                                   seed=self.seed)
 
-    def __init__(self, stub, prompt: Sequence[int], params: SamplingParams, seed: int, vocab_size: int,
-                 timeout_s: float | None = None):
-        self.stub = stub
-        self.params = params
-        self.seed = seed
+
+class RemoteVerifier(PooledSession):
+    """A target session on a TargetService pool. Wherever the session moves, the window is
+    retried there; the request fails only if no target replica comes back in time."""
+
+    def __init__(self, pool: ReplicaPool, prompt: Sequence[int], params: SamplingParams, seed: int, vocab_size: int,
+                 timeout_s: float | None = None, replacement_wait_s: float = 60.0):
+        super().__init__(pool, prompt, params, seed, timeout_s, replacement_wait_s)
         self.vocab_size = vocab_size
-        self.timeout_s = timeout_s
-        self.times = CallTimes()
-        self._open(prompt)
+        self.open(prompt)
 
-    def _open(self, context: Sequence[int]) -> None:
-        request = target_pb2.OpenTargetSessionRequest(prompt_ids=list(context), params=params_to_proto(self.params),
-                                                      seed=self.seed)
-        self.session_id = self.stub.OpenSession(request, timeout=self.timeout_s).session_id
-        self.sent = len(context)
+    def open_request(self, context: Sequence[int], params: SamplingParams):
+        return target_pb2.OpenTargetSessionRequest(prompt_ids=list(context), params=params_to_proto(params),
+                                                   seed=self.seed)
 
     def verify(self, context: Sequence[int], proposal: Proposal, params: SamplingParams, seed: int) -> WindowVerdict:
-        try:
-            return self._verify_once(context, proposal)
-        except grpc.RpcError as err:
-            if err.code() != grpc.StatusCode.NOT_FOUND:
-                raise
-            log.info("target session %s is gone; reopening from the token log", self.session_id)
-            self._open(context)
-            return self._verify_once(context, proposal)
+        def rpc(replica: Replica, session_id: str, commit: list[int]):
+            request = target_pb2.VerifyRequest(session_id=session_id, commit_tokens=commit,
+                                               context_length=len(context), draft_tokens=proposal.tokens)
+            if proposal.tokens:
+                request.q.CopyFrom(proposal_to_proto(proposal.q))
+            return _verdict_of(replica.stub.Verify(request, timeout=self.timeout_s))
 
-    def _verify_once(self, context: Sequence[int], proposal: Proposal) -> WindowVerdict:
-        request = target_pb2.VerifyRequest(session_id=self.session_id, commit_tokens=list(context[self.sent:]),
-                                           context_length=len(context), draft_tokens=proposal.tokens)
-        if proposal.tokens:
-            request.q.CopyFrom(proposal_to_proto(proposal.q))
         started = time.perf_counter()
-        verdict = None
-        for event in self.stub.Verify(request, timeout=self.timeout_s):
-            if event.HasField("verdict"):
-                verdict = event.verdict
-        if verdict is None:
-            raise RuntimeError("the target's Verify stream ended without a verdict")
+        verdict = self.call(context, rpc)
         self.times.call_s += time.perf_counter() - started
         self.times.server_s += verdict.verify_time_s
-        self.sent = len(context)
         return WindowVerdict(num_accepted=verdict.num_accepted, next_token=verdict.next_token,
                              next_kind=TOKEN_KIND_FROM_PROTO[verdict.next_kind])
 
-    def release(self) -> None:
-        _close_quietly(self.stub, self.session_id)
+
+def _verdict_of(events) -> target_pb2.Verdict:
+    verdict = None
+    for event in events:
+        if event.HasField("verdict"):
+            verdict = event.verdict
+    if verdict is None:
+        raise RuntimeError("the target's Verify stream ended without a verdict")
+    return verdict
 
 
-def _close_quietly(stub, session_id: str) -> None:
+def _close_quietly(stub, session_id: str | None, timeout: float = 5) -> None:
+    if session_id is None:
+        return
     try:
-        stub.CloseSession(common_pb2.CloseSessionRequest(session_id=session_id), timeout=5)
+        stub.CloseSession(common_pb2.CloseSessionRequest(session_id=session_id), timeout=timeout)
     except grpc.RpcError as err:
         log.info("closing session %s failed: %s", session_id, err.code().name)

@@ -34,13 +34,14 @@ from mirrorspec.v1 import (
     target_pb2_grpc,
 )
 from orchestrator.metrics import SpecDecodeMetrics
+from orchestrator.pool import ReplicaPool, parse_addresses
 from orchestrator.remote import RemoteDrafter, RemoteVerifier
 
 
 @dataclass(frozen=True)
 class OrchestratorConfig:
-    target: str  # host:port of a TargetService
-    drafter: str | None  # host:port of a DrafterService; None = target-only
+    target: str  # host:port of a TargetService, or several, comma-separated (a pool)
+    drafter: str | None  # host:port of a DrafterService, or several; None = target-only
     host: str = "127.0.0.1"
     port: int = 50051
     tokenizer: str | None = None  # default: the target's own model source, if it has a tokenizer
@@ -49,6 +50,7 @@ class OrchestratorConfig:
     default_max_new_tokens: int = 128
     max_concurrent_requests: int = 64
     backend_timeout_s: float = 120.0
+    replacement_wait_s: float = 60.0  # how long a request waits for a target replica to (re)appear
     metrics_port: int | None = None  # Prometheus text endpoint on host:metrics_port
     adaptive: AdaptiveKConfig | None = None  # K per window in [0, requested K]; None = fixed K
 
@@ -68,6 +70,8 @@ class RequestOutcome:
     finish_reason: str = "length"
     stats: GenerationStats = field(default_factory=GenerationStats)
     drafter_fallback: bool = False
+    target_moves: int = 0
+    drafter_moves: int = 0
     network_s: float = 0.0
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -85,8 +89,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.metrics = metrics
         self.vocab_size = int(target_info.model.vocab_size)
         self.max_context = int(target_info.model.max_context)
-        self._target = target_pb2_grpc.TargetServiceStub(_channel(config.target))
-        self._drafter = drafter_pb2_grpc.DrafterServiceStub(_channel(config.drafter)) if config.drafter else None
+        self.targets = ReplicaPool("target", parse_addresses(config.target), target_pb2_grpc.TargetServiceStub)
+        self.drafters = ReplicaPool("drafter", parse_addresses(config.drafter), drafter_pb2_grpc.DrafterServiceStub)
         self._workers = ThreadPoolExecutor(max_workers=config.max_concurrent_requests,
                                            thread_name_prefix="request")
         self.eos_ids = tuple(_eos_ids(tokenizer))
@@ -190,12 +194,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     def _drive(self, prepared: PreparedRequest, outcome: RequestOutcome, timeout: float,
                cancelled: threading.Event, emit) -> None:
-        verifier = RemoteVerifier(self._target, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
-                                  timeout_s=timeout)
+        verifier = RemoteVerifier(self.targets, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
+                                  timeout_s=timeout, replacement_wait_s=min(timeout, self.config.replacement_wait_s))
         drafter = None
-        if self._drafter is not None and prepared.spec.num_speculative_tokens > 0:
+        if self.drafter_info is not None and prepared.spec.num_speculative_tokens > 0:
             step_cost = NgramDrafter.step_cost if self.drafter_info.strategy == "ngram" else Drafter.step_cost
-            drafter = RemoteDrafter(self._drafter, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
+            drafter = RemoteDrafter(self.drafters, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
                                     timeout_s=timeout, step_cost=step_cost)
         stop_check = _StopStrings(self.tokenizer, prepared.stop_strings) if prepared.stop_strings else None
         try:
@@ -216,6 +220,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     return
         finally:
             outcome.drafter_fallback = drafter is not None and drafter.failure is not None
+            outcome.target_moves = verifier.moves
+            outcome.drafter_moves = drafter.moves if drafter is not None else 0
             outcome.network_s = verifier.times.network_s + (drafter.times.network_s if drafter else 0.0)
             verifier.release()
             if drafter is not None:
@@ -234,6 +240,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             mean_accepted_length=s.mean_accepted_length, per_position_acceptance=s.per_position_acceptance,
             draft_time_s=s.draft_time_s, verify_time_s=s.verify_time_s, network_time_s=outcome.network_s,
             drafter_fallback=outcome.drafter_fallback, time_to_first_token_s=ttft,
+            target_moves=outcome.target_moves, drafter_moves=outcome.drafter_moves,
             total_time_s=time.perf_counter() - outcome.started)
 
 
@@ -277,12 +284,16 @@ def _load_tokenizer(source: str | None):
 
 async def serve(config: OrchestratorConfig):
     """Connect to the backends, then start the front door."""
-    target_stub = target_pb2_grpc.TargetServiceStub(_channel(config.target))
+    targets = parse_addresses(config.target)
+    if not targets:
+        raise InvalidRequest("the orchestrator needs at least one target address (host:port)", field="target")
+    # every replica of a pool serves the same model: the first one describes them all
+    target_stub = target_pb2_grpc.TargetServiceStub(_channel(targets[0]))
     target_info = await asyncio.to_thread(target_stub.Info, common_pb2.InfoRequest(), timeout=60,
                                           wait_for_ready=True)
     drafter_info = None
     if config.drafter:
-        drafter_stub = drafter_pb2_grpc.DrafterServiceStub(_channel(config.drafter))
+        drafter_stub = drafter_pb2_grpc.DrafterServiceStub(_channel(parse_addresses(config.drafter)[0]))
         drafter_info = await asyncio.to_thread(drafter_stub.Info, common_pb2.InfoRequest(), timeout=60,
                                                wait_for_ready=True)
     tokenizer = await asyncio.to_thread(_load_tokenizer, config.tokenizer or target_info.model.source)

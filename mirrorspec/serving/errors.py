@@ -30,6 +30,10 @@ class ContextMismatch(RuntimeError):
     """The caller's view of a session's context disagrees with the server's."""
 
 
+class NoReplicaAvailable(RuntimeError):
+    """No replica of a pool could take a session (none registered, all failed or full)."""
+
+
 def status_for(err: BaseException) -> grpc.StatusCode:
     if isinstance(err, OutOfRange):
         return grpc.StatusCode.OUT_OF_RANGE
@@ -41,6 +45,8 @@ def status_for(err: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(err, ContextMismatch):
         return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(err, NoReplicaAvailable):
+        return grpc.StatusCode.UNAVAILABLE
     if isinstance(err, grpc.RpcError) and hasattr(err, "code"):
         # a backend refused or failed: pass on what the caller can act on, else UNAVAILABLE
         return err.code() if err.code() in _PASS_THROUGH else grpc.StatusCode.UNAVAILABLE

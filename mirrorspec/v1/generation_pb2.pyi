@@ -48,7 +48,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., raw_text: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
 
 class RequestStats(_message.Message):
-    __slots__ = ("windows", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "per_position_acceptance", "draft_time_s", "verify_time_s", "network_time_s", "drafter_fallback", "time_to_first_token_s", "total_time_s", "rejected", "token_acceptance_rate")
+    __slots__ = ("windows", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "per_position_acceptance", "draft_time_s", "verify_time_s", "network_time_s", "drafter_fallback", "time_to_first_token_s", "total_time_s", "rejected", "token_acceptance_rate", "target_moves", "drafter_moves")
     WINDOWS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,8 @@ class RequestStats(_message.Message):
     TOTAL_TIME_S_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MOVES_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_MOVES_FIELD_NUMBER: _ClassVar[int]
     windows: int
     drafted: int
     accepted: int
@@ -77,7 +79,9 @@ class RequestStats(_message.Message):
     total_time_s: float
     rejected: int
     token_acceptance_rate: float
-    def __init__(self, windows: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., per_position_acceptance: _Optional[_Iterable[float]] = ..., draft_time_s: _Optional[float] = ..., verify_time_s: _Optional[float] = ..., network_time_s: _Optional[float] = ..., drafter_fallback: _Optional[bool] = ..., time_to_first_token_s: _Optional[float] = ..., total_time_s: _Optional[float] = ..., rejected: _Optional[int] = ..., token_acceptance_rate: _Optional[float] = ...) -> None: ...
+    target_moves: int
+    drafter_moves: int
+    def __init__(self, windows: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., per_position_acceptance: _Optional[_Iterable[float]] = ..., draft_time_s: _Optional[float] = ..., verify_time_s: _Optional[float] = ..., network_time_s: _Optional[float] = ..., drafter_fallback: _Optional[bool] = ..., time_to_first_token_s: _Optional[float] = ..., total_time_s: _Optional[float] = ..., rejected: _Optional[int] = ..., token_acceptance_rate: _Optional[float] = ..., target_moves: _Optional[int] = ..., drafter_moves: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "seed", "stats", "prompt_tokens")

@@ -104,7 +104,7 @@ def test_drafter_failure_mid_request_falls_back_without_losing_it(tiny_dir):
         assert tokens == target_only(model, [0, 7, 3], 60)
         assert rest[-1].finish_reason == "length" and rest[-1].stats.drafter_fallback
     finally:
-        s.drafter = None
+        s.drafters.clear()
         s.stop()
 
 

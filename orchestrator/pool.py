@@ -1,0 +1,130 @@
+"""Replica pools: which drafter or target replica holds a request's session.
+
+Routing is sticky per request (a session stays on the replica it was opened on) and least loaded
+across requests. Membership changes at run time: the Ray controller scales, drains and replaces
+replicas and pushes the new address list with ``set_members``. A session whose replica left the
+pool, or failed a call, moves at its next window by replaying the orchestrator's token log on
+another replica; the pool only says where to go, the callers in ``remote.py`` do the replay.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import grpc
+
+from mirrorspec.serving.errors import NoReplicaAvailable
+from mirrorspec.serving.server import CHANNEL_OPTIONS
+
+__all__ = ["NoReplicaAvailable", "Replica", "ReplicaPool", "parse_addresses"]
+
+
+@dataclass
+class Replica:
+    address: str
+    channel: grpc.Channel
+    stub: object
+    sessions: int = 0  # sessions this orchestrator holds on it
+    retired: bool = False  # left the pool; its channel closes once its last session has moved
+
+
+def parse_addresses(spec: str | Iterable[str] | None) -> list[str]:
+    """``"h:p,h:p"`` or a list of addresses -> a list without blanks or repeats, in order."""
+    if spec is None:
+        return []
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    return list(dict.fromkeys(a.strip() for a in items if a.strip()))
+
+
+class ReplicaPool:
+    """Thread-safe: request worker threads acquire and release while the controller's updates
+    arrive on another thread."""
+
+    def __init__(self, name: str, addresses: Iterable[str], make_stub: Callable[[grpc.Channel], object],
+                 failure_cooldown_s: float = 5.0):
+        self.name = name
+        self._make_stub = make_stub
+        self._cooldown_s = failure_cooldown_s
+        self._changed = threading.Condition()
+        self._members: dict[str, Replica] = {}
+        self._failed_at: dict[str, float] = {}
+        self.set_members(addresses)
+
+    @property
+    def addresses(self) -> list[str]:
+        with self._changed:
+            return list(self._members)
+
+    def set_members(self, addresses: Iterable[str]) -> None:
+        """The pool's replicas from now on. Sessions on replicas that left move at their next call."""
+        wanted = parse_addresses(addresses)
+        with self._changed:
+            for address in list(self._members):
+                if address not in wanted:
+                    self._retire(self._members.pop(address))
+            for address in wanted:
+                if address not in self._members:
+                    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                    self._members[address] = Replica(address, channel, self._make_stub(channel))
+                    self._failed_at.pop(address, None)
+            self._changed.notify_all()
+
+    def is_member(self, replica: Replica) -> bool:
+        with self._changed:
+            return self._members.get(replica.address) is replica
+
+    def acquire(self, avoid: Iterable[str] = (), wait_s: float = 0.0) -> Replica:
+        """The least-loaded healthy member not in ``avoid``; waits up to ``wait_s`` for one to join
+        (a replacement starting up) before giving up."""
+        avoid = set(avoid)
+        deadline = time.monotonic() + wait_s
+        with self._changed:
+            while True:
+                replica = self._least_loaded(avoid)
+                if replica is not None:
+                    replica.sessions += 1
+                    return replica
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise NoReplicaAvailable(self._why_none(avoid))
+                self._changed.wait(min(left, 0.25))
+
+    def _least_loaded(self, avoid: set[str]) -> Replica | None:
+        now = time.monotonic()
+        healthy = [r for a, r in self._members.items()
+                   if a not in avoid and now - self._failed_at.get(a, -1e9) > self._cooldown_s]
+        return min(healthy, key=lambda r: r.sessions, default=None)
+
+    def _why_none(self, avoid: set[str]) -> str:
+        if not self._members:
+            return f"no {self.name} replica is registered; scale the {self.name} pool up (mirrorspec scale {self.name} 1)"
+        return (f"all {len(self._members)} {self.name} replicas failed recently or were tried already "
+                f"({', '.join(sorted(avoid | set(self._failed_at)))}); retry shortly")
+
+    def release(self, replica: Replica) -> None:
+        with self._changed:
+            replica.sessions = max(replica.sessions - 1, 0)
+            if replica.retired and replica.sessions == 0:
+                replica.channel.close()
+
+    @staticmethod
+    def _retire(replica: Replica) -> None:
+        """In-flight calls and the closing of moved sessions still need the channel."""
+        replica.retired = True
+        if replica.sessions == 0:
+            replica.channel.close()
+
+    def report_failure(self, replica: Replica) -> None:
+        """Keep new sessions off this replica for a cooldown; the controller replaces dead ones."""
+        with self._changed:
+            self._failed_at[replica.address] = time.monotonic()
+
+    def load(self) -> dict[str, int]:
+        with self._changed:
+            return {a: r.sessions for a, r in self._members.items()}
+
+    def close(self) -> None:
+        self.set_members([])

@@ -1,0 +1,130 @@
+"""Replica pools: least-loaded routing, membership changes, and sessions that move without
+changing a single token (drain, replica death), over real loopback gRPC servers."""
+
+import threading
+import time
+
+import pytest
+
+from mirrorspec.client import Client
+from mirrorspec.serving.errors import NoReplicaAvailable
+from orchestrator.pool import ReplicaPool, parse_addresses
+from served_stack import start_stack
+from support import load
+from test_generation_service import target_only
+
+
+def stub_pool(*addresses, cooldown=5.0):
+    return ReplicaPool("target", addresses, make_stub=lambda channel: object(), failure_cooldown_s=cooldown)
+
+
+def test_parse_addresses_drops_blanks_and_repeats():
+    assert parse_addresses(" a:1, ,b:2,a:1 ") == ["a:1", "b:2"]
+    assert parse_addresses(None) == [] and parse_addresses(["x:1"]) == ["x:1"]
+
+
+def test_acquire_is_least_loaded_and_release_gives_back():
+    pool = stub_pool("a:1", "b:2")
+    first, second = pool.acquire(), pool.acquire()
+    assert {first.address, second.address} == {"a:1", "b:2"}
+    pool.release(first)
+    assert pool.acquire().address == first.address
+    assert pool.load() == {"a:1": 1, "b:2": 1}
+
+
+def test_a_replica_that_leaves_is_no_longer_a_member_and_gets_no_new_sessions():
+    pool = stub_pool("a:1", "b:2")
+    held = pool.acquire(avoid={"b:2"})
+    pool.set_members(["b:2"])
+    assert not pool.is_member(held)
+    assert pool.acquire().address == "b:2"
+    pool.set_members(["a:1", "b:2"])  # rejoining is a new member: the old handle stays retired
+    assert not pool.is_member(held)
+
+
+def test_failed_replicas_cool_down_and_an_empty_pool_says_how_to_fix_it():
+    pool = stub_pool("a:1", cooldown=60)
+    pool.report_failure(pool.acquire())
+    with pytest.raises(NoReplicaAvailable, match="failed recently"):
+        pool.acquire()
+    with pytest.raises(NoReplicaAvailable, match="mirrorspec scale target 1"):
+        stub_pool().acquire()
+
+
+def test_acquire_waits_for_a_replacement_to_join():
+    pool = stub_pool()
+    threading.Timer(0.3, lambda: pool.set_members(["new:1"])).start()
+    started = time.monotonic()
+    assert pool.acquire(wait_s=10).address == "new:1"
+    assert time.monotonic() - started < 5
+
+
+@pytest.fixture
+def pooled(tiny_dir):
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, target_replicas=2, drafter_replicas=2)
+    yield s
+    s.stop()
+
+
+def holder(pool) -> str:
+    (address,) = [a for a, n in pool.load().items() if n]
+    return address
+
+
+def server_at(servers, address):
+    return next(s for s in servers if address.endswith(f":{s.port}"))
+
+
+def stream_with(stack, prompt, max_tokens, interrupt):
+    """Stream one request, call ``interrupt`` after its first window, return (tokens, last chunk)."""
+    with Client(stack.address) as client:
+        stream = client.stream(prompt, max_tokens=max_tokens)
+        first = next(stream)
+        interrupt()
+        rest = list(stream)
+    return list(first.token_ids) + [t for c in rest for t in c.token_ids], rest[-1]
+
+
+def test_concurrent_requests_spread_over_target_replicas(pooled):
+    opened = {}
+    for server in pooled.targets:
+        store = server.servicer.sessions
+        store.open = (lambda open_, port: lambda state: opened.setdefault(port, []).append(1) or open_(state))(
+            store.open, server.port)
+    with Client(pooled.address) as client:
+        threads = [threading.Thread(target=client.generate, args=([i, 3, 1],), kwargs=dict(max_tokens=100))
+                   for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert sum(map(len, opened.values())) == 4 and len(opened) == 2
+
+
+def test_killing_the_target_replica_mid_request_moves_the_session_and_changes_nothing(pooled, tiny_dir):
+    targets = pooled.front.servicer.targets
+    tokens, last = stream_with(pooled, [0, 7, 3], 60, lambda: server_at(pooled.targets, holder(targets)).stop())
+    assert tokens == target_only(load(tiny_dir["target16"]), [0, 7, 3], 60)
+    assert last.finish_reason == "length" and last.stats.target_moves >= 1
+
+
+def test_draining_a_target_replica_moves_its_session_and_frees_the_replica(pooled, tiny_dir):
+    targets = pooled.front.servicer.targets
+
+    def drain():
+        drained = holder(targets)
+        targets.set_members([a for a in targets.addresses if a != drained])
+        drain.server = server_at(pooled.targets, drained)
+
+    tokens, last = stream_with(pooled, [2, 2, 5], 50, drain)
+    assert tokens == target_only(load(tiny_dir["target16"]), [2, 2, 5], 50)
+    assert last.stats.target_moves == 1
+    assert len(drain.server.servicer.sessions) == 0  # closed on the way out, not left to the TTL
+
+
+def test_killing_a_drafter_replica_moves_drafting_to_another_one(pooled, tiny_dir):
+    drafters = pooled.front.servicer.drafters
+    tokens, last = stream_with(pooled, [1, 4, 4], 60, lambda: server_at(pooled.drafters, holder(drafters)).stop())
+    assert tokens == target_only(load(tiny_dir["target16"]), [1, 4, 4], 60)
+    assert last.stats.drafter_moves >= 1 and not last.stats.drafter_fallback
+    assert last.stats.drafted > 0
