@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mirrorspec.config import OutOfRange, ReplicaConfig
 from mirrorspec.engine import TargetVerifier, validate_prompt
-from mirrorspec.models import KVSession, LoadedModel, load_causal_lm
+from mirrorspec.models import KVSession, LoadedModel, LogitSession, load_causal_lm
 from mirrorspec.serving.convert import (
     TOKEN_KIND_TO_PROTO,
     check_token_ids,
@@ -34,11 +35,17 @@ class TargetSession:
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, loaded: LoadedModel, config: TargetConfig):
+    """``new_session`` makes one sequence's KV-cache session: a plain ``KVSession``, or a
+    tensor-parallel one whose every step the other ranks replay."""
+
+    def __init__(self, loaded: LoadedModel, config: TargetConfig,
+                 new_session: Callable[[], LogitSession] | None = None):
         self.loaded = loaded
         self.config = config
         self.vocab_size = int(loaded.model.config.vocab_size)
-        self.sessions: SessionStore[TargetSession] = SessionStore(config.max_sessions, config.session_ttl_s)
+        self.new_session = new_session or (lambda: KVSession(loaded.model))
+        self.sessions: SessionStore[TargetSession] = SessionStore(
+            config.max_sessions, config.session_ttl_s, on_evict=lambda s: s.verifier.session.close())
         self.lane = ComputeLane("target-compute")
 
     async def OpenSession(self, request, context):
@@ -47,7 +54,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         prompt = validate_prompt(request.prompt_ids, self.vocab_size, self.loaded.max_context, params,
                                  field="prompt_ids")
         session = TargetSession(SequenceState(prompt, params, int(request.seed)),
-                                TargetVerifier(KVSession(self.loaded.model)))
+                                TargetVerifier(self.new_session()))
         session_id = self.sessions.open(session)
         started = time.perf_counter()
         try:
@@ -88,12 +95,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                      max_speculative_tokens=self.config.max_speculative_tokens)
 
 
-async def serve(config: TargetConfig, loaded: LoadedModel | None = None):
+async def serve(config: TargetConfig, loaded: LoadedModel | None = None,
+                new_session: Callable[[], LogitSession] | None = None):
     """Load the target (unless given) and start its gRPC server."""
     if loaded is None:
         loaded = await asyncio.to_thread(load_causal_lm, config.model, dtype=config.dtype, device=config.device,
                                          tokenizer=False)
-    servicer = TargetServicer(loaded, config)
+    servicer = TargetServicer(loaded, config, new_session)
     service = Service(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer,
                       target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name)
     return await start_grpc_server([service], config.host, config.port)

@@ -66,6 +66,9 @@ class MemoSession:
     def rollback(self, length: int) -> None:
         pass
 
+    def close(self) -> None:
+        pass
+
 
 def reference_probs(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
     """Plain-sampling distribution, the textbook way: temperature, top-k, then nucleus."""

@@ -28,6 +28,8 @@ class LogitSession(Protocol):
 
     def rollback(self, length: int) -> None: ...
 
+    def close(self) -> None: ...
+
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
@@ -94,3 +96,7 @@ class KVSession:
 
     def reset(self) -> None:
         self.rollback(0)
+
+    def close(self) -> None:
+        """Free the cache (a closed session's memory goes back at once, not at garbage collection)."""
+        self.reset()
