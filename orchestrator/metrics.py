@@ -44,6 +44,14 @@ class SpecDecodeMetrics:
             if len(outcome.tokens) > 1:
                 self.inter_token.observe((total - (outcome.first_token_at - outcome.started)) / (len(outcome.tokens) - 1))
 
+    def summary(self) -> dict:
+        """The headline figures, for ``mirrorspec status``."""
+        drafted, accepted = self.num_draft_tokens._value.get(), self.num_accepted_tokens._value.get()
+        requests = sum(sample.value for metric in self.requests.collect() for sample in metric.samples
+                       if sample.name.endswith("_total"))
+        return {"requests": int(requests), "draft_tokens": int(drafted), "accepted_tokens": int(accepted),
+                "acceptance_rate": accepted / drafted if drafted else 0.0}
+
     def text(self) -> str:
         return generate_latest(self.registry).decode()
 

@@ -1,0 +1,301 @@
+"""The controller: a named, detached actor that owns the drafter pool and the target pool.
+
+It launches replicas with their pool's resources (pending ones are what make the Ray autoscaler
+add nodes of the matching type), promotes them to the pool once they serve, pings them, replaces
+the dead, and drains on scale-down: a draining replica leaves the membership at once, the front
+door moves its sessions at their next window by replaying its token log elsewhere, and the
+replica is stopped once it holds no session (or after ``drain_timeout_s``). Front doors follow
+the membership by long-polling ``membership``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from cluster.replicas import DrafterReplica, FrontDoor, TargetFollower, TargetReplica
+from cluster.spec import CONTROLLER_NAMESPACE, POOLS, PoolResources, StackSpec, check_pool
+from mirrorspec.config import InvalidRequest
+
+log = logging.getLogger(__name__)
+
+SUPERVISE_EVERY_S = 0.5
+PING_TIMEOUT_S = 10.0
+
+
+@dataclass
+class ReplicaRecord:
+    pool: str
+    replica_id: str
+    actor: object
+    ready: object  # ObjectRef of the address, resolved once the replica serves
+    followers: list = field(default_factory=list)  # target ranks 1..tp-1
+    group: object = None  # the replica's placement group (tp bundles for a target)
+    state: str = "starting"  # starting -> serving -> draining; removed when stopped or dead
+    address: str | None = None
+    node: str | None = None
+    resources: str = ""
+    since: float = field(default_factory=time.time)
+
+    @property
+    def actors(self) -> list:
+        return [self.actor, *self.followers]
+
+
+def role_resources(pool: str, res: PoolResources) -> dict:
+    """One replica's (or target rank's) request; zero amounts are left out, as Ray wants."""
+    wanted = {"CPU": res.cpus, "GPU": res.gpus, pool: 1}
+    return {k: v for k, v in wanted.items() if v}
+
+
+class Controller:
+    def __init__(self, spec: StackSpec):
+        self.spec = spec
+        self._changed = threading.Condition()
+        self._replicas: dict[str, ReplicaRecord] = {}
+        self._wanted = {"drafter": spec.drafters, "target": spec.targets}
+        self._ids = itertools.count(1)
+        self._version = 0
+        self._front = None
+        self._front_address: str | None = None
+        self._stopped = threading.Event()
+        self._reconcile()
+        threading.Thread(target=self._supervise, name="supervise", daemon=True).start()
+
+    # ---- the operator's API ----------------------------------------------------------------
+    def start(self, front_node: str, timeout_s: float = 600.0) -> str:
+        """Wait for each pool's first replica, then start the front door on ``front_node``."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            ready = self._changed.wait_for(lambda: all(self._serving(p) for p in POOLS if self._wanted[p]),
+                                           timeout=timeout_s)
+            if not ready:
+                raise TimeoutError(f"no replica came up within {timeout_s:.0f} s: {self._pending_summary()}; "
+                                   f"check `ray status` for pending resources")
+            members, version = self._members(), self._version
+        placement = NodeAffinitySchedulingStrategy(node_id=front_node, soft=False)
+        self._front = ray.remote(FrontDoor).options(num_cpus=0, scheduling_strategy=placement).remote(
+            self.spec, members, version, self.spec.controller_name)
+        self._front_address = ray.get(self._front.address.remote(), timeout=max(deadline - time.monotonic(), 30))
+        return self._front_address
+
+    def scale(self, pool: str, replicas: int, wait_s: float = 0.0) -> list[dict]:
+        """Grow or shrink one pool. Returns once shrinking replicas are drained and stopped, and
+        after up to ``wait_s`` for new ones to serve (pending ones wait for the autoscaler)."""
+        check_pool(pool)
+        if replicas < (1 if pool == "target" else 0):
+            raise InvalidRequest(f"the {pool} pool cannot go below {1 if pool == 'target' else 0} replicas, "
+                                 f"got {replicas}", field="replicas")
+        with self._changed:
+            self._wanted[pool] = replicas
+            active = [r for r in self._replicas.values() if r.pool == pool and r.state != "draining"]
+            # stop replicas still starting first, then the least busy ones
+            active.sort(key=lambda r: (r.state == "serving", r.since))
+            victims = active[:max(len(active) - replicas, 0)]
+            for victim in victims:
+                victim.state = "draining"
+            self._bump()
+        self._reconcile()
+        for victim in victims:
+            self._drain_and_stop(victim)
+        with self._changed:
+            self._changed.wait_for(lambda: self._count(pool, "serving") >= replicas, timeout=wait_s)
+        return self.status()
+
+    def drain(self, replica_id: str) -> list[dict]:
+        """Take one replica out (e.g. its node is going away); a replacement keeps the pool's size."""
+        with self._changed:
+            record = self._replicas.get(replica_id)
+            if record is None:
+                raise InvalidRequest(f"no replica {replica_id!r}; `mirrorspec status` lists them", field="replica")
+            record.state = "draining"
+            self._bump()
+        self._reconcile()
+        self._drain_and_stop(record)
+        return self.status()
+
+    def membership(self, since_version: int = -1, wait_s: float = 0.0) -> tuple[int, dict[str, list[str]]]:
+        """The serving replicas' addresses; waits up to ``wait_s`` for a version newer than ``since_version``."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._version != since_version, timeout=wait_s)
+            return self._version, self._members()
+
+    def status(self) -> list[dict]:
+        with self._changed:
+            records = list(self._replicas.values())
+        rows = []
+        for r in records:
+            rows.append({"replica": r.replica_id, "pool": r.pool, "state": self._shown_state(r),
+                         "address": r.address or "-", "node": (r.node or "-")[:12], "resources": r.resources,
+                         "sessions": self._sessions(r) if r.state != "starting" else None})
+        if self._front is not None:
+            try:
+                front = ray.get(self._front.stats.remote(), timeout=5)
+            except Exception:  # noqa: BLE001 - shown as unknown, status must not fail
+                front = {}
+            rows.append({"replica": "front-door", "pool": "orchestrator", "state": "serving",
+                         "address": self._front_address, "node": "-", "resources": "CPU 0",
+                         "sessions": sum(front.get("load", {}).get("target", {}).values()) if front else None,
+                         "requests": front.get("requests"), "acceptance_rate": front.get("acceptance_rate")})
+        return rows
+
+    def wanted(self) -> dict[str, int]:
+        with self._changed:
+            return dict(self._wanted)
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        with self._changed:
+            records = list(self._replicas.values())
+            self._replicas.clear()
+            self._bump()
+        if self._front is not None:
+            ray.kill(self._front)
+        for record in records:
+            self._stop(record)
+
+    # ---- supervision -----------------------------------------------------------------------------
+    def _supervise(self) -> None:
+        while not self._stopped.wait(SUPERVISE_EVERY_S):
+            try:
+                self._promote_started()
+                self._replace_dead()
+                self._reconcile()
+            except Exception:  # noqa: BLE001 - the supervisor must outlive any one bad replica
+                log.exception("supervision pass failed")
+
+    def _promote_started(self) -> None:
+        with self._changed:
+            starting = [r for r in self._replicas.values() if r.state == "starting"]
+        for record in starting:
+            done, _ = ray.wait([record.ready], timeout=0)
+            if not done:
+                continue
+            try:
+                address = ray.get(record.ready)
+                node = ray.get(record.actor.node.remote(), timeout=PING_TIMEOUT_S)
+            except Exception as err:  # noqa: BLE001 - a replica that cannot start is replaced
+                log.error("%s failed to start: %s", record.replica_id, err)
+                self._forget(record)
+                continue
+            with self._changed:
+                if record.state == "starting":
+                    record.address, record.node, record.state = address, node, "serving"
+                    self._bump()
+
+    def _replace_dead(self) -> None:
+        with self._changed:
+            serving = [r for r in self._replicas.values() if r.state == "serving"]
+        for record in serving:
+            try:
+                ray.get([a.ping.remote() for a in record.actors], timeout=PING_TIMEOUT_S)
+            except Exception as err:  # noqa: BLE001 - dead or wedged: either way it is replaced
+                log.warning("%s at %s is down (%s); replacing it", record.replica_id, record.address,
+                            type(err).__name__)
+                self._forget(record)
+
+    def _reconcile(self) -> None:
+        """Launch replicas until each pool has the number wanted (starting ones count)."""
+        with self._changed:
+            for pool in POOLS:
+                active = [r for r in self._replicas.values() if r.pool == pool and r.state != "draining"]
+                for _ in range(self._wanted[pool] - len(active)):
+                    record = self._launch(pool)
+                    self._replicas[record.replica_id] = record
+
+    def _launch(self, pool: str) -> ReplicaRecord:
+        """Every replica is a placement group (1 bundle for a drafter, tp for a target), so the
+        state says honestly whether Ray has granted its resources yet."""
+        replica_id = f"{pool}-{next(self._ids)}"
+        ranks = self.spec.tp if pool == "target" else 1
+        want = role_resources(pool, self.spec.target_resources if pool == "target" else self.spec.drafter_resources)
+        group = placement_group([want] * ranks, strategy="STRICT_PACK", name=replica_id)
+
+        def on(rank: int, cls, *args):
+            strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank)
+            return ray.remote(cls).options(num_cpus=want.get("CPU", 0), num_gpus=want.get("GPU", 0),
+                                           resources={pool: 1}, scheduling_strategy=strategy, max_restarts=0,
+                                           max_concurrency=2, name=f"{self.spec.name}-{replica_id}-rank{rank}",
+                                           namespace=CONTROLLER_NAMESPACE).remote(*args)
+
+        described = _describe(want) if ranks == 1 else f"{ranks} x ({_describe(want)})"
+        if pool == "drafter":
+            actor = on(0, DrafterReplica, self.spec)
+            return ReplicaRecord(pool, replica_id, actor, actor.address.remote(), group=group, resources=described)
+        rank0 = on(0, TargetReplica, self.spec)
+        followers = [on(rank, TargetFollower, self.spec, rank) for rank in range(1, ranks)]
+        if followers:
+            rendezvous = rank0.rendezvous.remote()
+            for follower in followers:
+                follower.follow.remote(rendezvous)
+        return ReplicaRecord(pool, replica_id, rank0, rank0.start.remote(), followers, group, resources=described)
+
+    def _drain_and_stop(self, record: ReplicaRecord) -> None:
+        deadline = time.monotonic() + self.spec.drain_timeout_s
+        while record.address is not None and time.monotonic() < deadline:
+            if self._sessions(record) in (0, None):
+                break
+            time.sleep(0.2)
+        self._forget(record)
+
+    def _forget(self, record: ReplicaRecord) -> None:
+        with self._changed:
+            if self._replicas.pop(record.replica_id, None) is not None and record.state != "starting":
+                self._bump()
+        self._stop(record)
+
+    @staticmethod
+    def _stop(record: ReplicaRecord) -> None:
+        if record.followers:  # release the followers' loop before the processes go
+            try:
+                ray.get(record.actor.stop.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - killed below anyway
+                pass
+        for actor in record.actors:
+            ray.kill(actor, no_restart=True)
+        remove_placement_group(record.group)
+
+    # ---- helpers -----------------------------------------------------------------------------------
+    def _bump(self) -> None:
+        self._version += 1
+        self._changed.notify_all()
+
+    def _members(self) -> dict[str, list[str]]:
+        return {pool: [r.address for r in self._replicas.values() if r.pool == pool and r.state == "serving"]
+                for pool in POOLS}
+
+    def _serving(self, pool: str) -> bool:
+        return self._count(pool, "serving") > 0
+
+    def _count(self, pool: str, state: str) -> int:
+        return sum(r.pool == pool and r.state == state for r in self._replicas.values())
+
+    def _pending_summary(self) -> str:
+        pending = [f"{r.replica_id} ({r.resources})" for r in self._replicas.values() if r.state == "starting"]
+        return "still starting: " + (", ".join(pending) or "none")
+
+    @staticmethod
+    def _shown_state(record: ReplicaRecord) -> str:
+        if record.state != "starting":
+            return record.state
+        # resources not granted yet: what makes the autoscaler add a node of this pool's type
+        placed, _ = ray.wait([record.group.ready()], timeout=0)
+        return "starting" if placed else "pending"
+
+    @staticmethod
+    def _sessions(record: ReplicaRecord) -> int | None:
+        try:
+            return ray.get(record.actor.sessions.remote(), timeout=5)
+        except Exception:  # noqa: BLE001 - unreachable: unknown
+            return None
+
+
+def _describe(resources: dict) -> str:
+    return ", ".join(f"{k} {v:g}" for k, v in resources.items())

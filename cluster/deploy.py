@@ -1,0 +1,65 @@
+"""Launching and finding a deployment: what ``mirrorspec serve``, ``scale`` and ``status`` call."""
+
+from __future__ import annotations
+
+import os
+
+import ray
+
+from cluster.controller import Controller
+from cluster.spec import CONTROLLER_NAMESPACE, POOLS, StackSpec
+from mirrorspec.config import InvalidRequest
+
+
+def connect(address: str | None = None, num_cpus: int | None = None) -> None:
+    """Join the Ray cluster at ``address``, or start a local one sized for this machine that
+    advertises both roles (every replica fits on it, as on a one-node cluster)."""
+    if ray.is_initialized():
+        return
+    if address:
+        try:
+            ray.init(address=address, namespace=CONTROLLER_NAMESPACE, log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as err:
+            raise InvalidRequest(f"cannot join the Ray cluster at {address!r} ({err}); start one with "
+                                 f"`ray start --head` or `ray up cluster/<config>.yaml`, or leave out "
+                                 f"--address to run a local one", field="address") from None
+        return
+    cpus = num_cpus or len(os.sched_getaffinity(0))
+    ray.init(num_cpus=cpus, resources={pool: cpus for pool in POOLS}, include_dashboard=False,
+             namespace=CONTROLLER_NAMESPACE, log_to_driver=False)
+
+
+def deploy(spec: StackSpec, timeout_s: float = 600.0):
+    """Start the detached controller and wait for its front door; returns (controller, address)."""
+    try:
+        ray.get_actor(spec.controller_name, namespace=CONTROLLER_NAMESPACE)
+    except ValueError:
+        pass
+    else:
+        raise InvalidRequest(f"a deployment named {spec.name!r} already runs on this cluster; scale it with "
+                             f"`mirrorspec scale`, or pick another --name", field="name")
+    controller = ray.remote(Controller).options(
+        name=spec.controller_name, namespace=CONTROLLER_NAMESPACE, lifetime="detached", num_cpus=0,
+        max_concurrency=32).remote(spec)
+    node = ray.get_runtime_context().get_node_id()
+    try:
+        address = ray.get(controller.start.remote(node, timeout_s))
+    except BaseException:
+        teardown(controller)
+        raise
+    return controller, address
+
+
+def find_controller(name: str = "mirrorspec"):
+    try:
+        return ray.get_actor(f"{name}-controller", namespace=CONTROLLER_NAMESPACE)
+    except ValueError:
+        raise InvalidRequest(f"no mirrorspec deployment named {name!r} runs on this Ray cluster; start one "
+                             f"with `mirrorspec serve`", field="name") from None
+
+
+def teardown(controller) -> None:
+    try:
+        ray.get(controller.shutdown.remote(), timeout=60)
+    finally:
+        ray.kill(controller, no_restart=True)

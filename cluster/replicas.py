@@ -1,0 +1,164 @@
+"""The actors: one per drafter replica, one per target rank, and the front door.
+
+Each hosts the very server ``python -m <service>`` would run (through ``BackgroundServer``), so
+a replica in an actor and a replica in a terminal are the same code. Actors are created by the
+controller with the resources of their pool (see ``controller.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+
+import ray
+import torch
+
+from cluster.spec import CONTROLLER_NAMESPACE, StackSpec
+
+log = logging.getLogger(__name__)
+
+
+def _bind_host(spec: StackSpec) -> str:
+    return ray.util.get_node_ip_address() if spec.replica_host == "auto" else spec.replica_host
+
+
+def _node() -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+class _ServerActor:
+    """What every replica answers: where it listens, where it runs, and how busy it is."""
+
+    server = None
+    host = ""
+
+    def address(self) -> str:
+        return f"{self.host}:{self.server.port}"
+
+    def node(self) -> str:
+        return _node()
+
+    def sessions(self) -> int:
+        store = self.server.servicer.sessions
+        store.evict_expired()
+        return len(store)
+
+    def ping(self) -> bool:
+        return True
+
+
+class DrafterReplica(_ServerActor):
+    def __init__(self, spec: StackSpec):
+        from drafter_service.servicer import DrafterConfig, serve
+        from mirrorspec.serving.server import BackgroundServer
+
+        torch.set_num_threads(spec.threads)
+        self.host = _bind_host(spec)
+        strategy = "ngram" if spec.draft == "ngram" else "draft-model"
+        config = DrafterConfig(strategy=strategy, model=None if strategy == "ngram" else spec.draft, dtype=spec.dtype,
+                               device=spec.device, host=self.host, port=0, max_sessions=spec.max_sessions,
+                               proposal_top_k=spec.proposal_top_k)
+        self.server = BackgroundServer(lambda: serve(config), "drafter").start(timeout=600)
+
+
+class TargetReplica(_ServerActor):
+    """Rank 0 of a target replica: serves gRPC and, with tp > 1, drives the follower ranks."""
+
+    def __init__(self, spec: StackSpec):
+        torch.set_num_threads(spec.threads)
+        self.spec = spec
+        self.host = _bind_host(spec)
+        self._rendezvous = None
+        self._driver = None
+
+    def rendezvous(self) -> str:
+        """The process group's init address, on this rank's node (STRICT_PACK keeps ranks together)."""
+        with socket.socket() as s:
+            s.bind((self.host, 0))
+            self._rendezvous = f"tcp://{self.host}:{s.getsockname()[1]}"
+        return self._rendezvous
+
+    def start(self) -> str:
+        from mirrorspec.serving.server import BackgroundServer
+        from target_service.servicer import TargetConfig, serve
+
+        spec = self.spec
+        config = TargetConfig(model=spec.target, dtype=spec.dtype, device=spec.device, host=self.host, port=0,
+                              max_sessions=spec.max_sessions)
+        if spec.tp == 1:
+            self.server = BackgroundServer(lambda: serve(config), "target").start(timeout=600)
+        else:
+            from mirrorspec.models.tensor_parallel import ShardDriver, load_shard
+
+            loaded = load_shard(spec.target, 0, spec.tp, self._rendezvous, spec.dtype, spec.device)
+            self._driver = ShardDriver(loaded.model)
+            self.server = BackgroundServer(lambda: serve(config, loaded, new_session=self._driver.session),
+                                           "target").start(timeout=600)
+        return self.address()
+
+    def stop(self) -> None:
+        """Stop serving and release the followers (they leave their loop and exit)."""
+        if self.server is not None:
+            self.server.stop()
+        if self._driver is not None:
+            self._driver.stop()
+
+
+class TargetFollower:
+    """Rank r > 0 of a target replica: replays rank 0's session operations on its shard."""
+
+    def __init__(self, spec: StackSpec, rank: int):
+        self.spec = spec
+        self.rank = rank
+
+    def follow(self, rendezvous: str) -> None:
+        from mirrorspec.models.tensor_parallel import run_follower
+
+        run_follower(self.spec.target, self.rank, self.spec.tp, rendezvous, self.spec.threads, self.spec.dtype,
+                     self.spec.device)
+
+    def ping(self) -> bool:
+        return True
+
+
+class FrontDoor:
+    """The orchestrator's GenerationService, following the controller's pool membership."""
+
+    def __init__(self, spec: StackSpec, members: dict[str, list[str]], version: int, controller_name: str):
+        from mirrorspec.serving.server import BackgroundServer
+        from orchestrator.servicer import OrchestratorConfig, serve
+
+        config = OrchestratorConfig(target=",".join(members["target"]), drafter=",".join(members["drafter"]) or None,
+                                    host=spec.host, port=spec.port, num_speculative_tokens=spec.num_speculative_tokens,
+                                    adaptive=spec.adaptive)
+        self.server = BackgroundServer(lambda: serve(config), "orchestrator").start(timeout=600)
+        self.host = spec.host
+        self._version = version
+        self._controller = ray.get_actor(controller_name, namespace=CONTROLLER_NAMESPACE)
+        threading.Thread(target=self._follow_membership, name="membership", daemon=True).start()
+
+    def _follow_membership(self) -> None:
+        servicer = self.server.servicer
+        while True:
+            try:
+                version, members = ray.get(self._controller.membership.remote(self._version, 10.0))
+            except Exception as err:  # noqa: BLE001 - the controller restarting; keep the last membership
+                log.warning("membership update failed (%s); retrying", err)
+                threading.Event().wait(1.0)
+                continue
+            if version != self._version:
+                servicer.targets.set_members(members["target"])
+                servicer.drafters.set_members(members["drafter"])
+                self._version = version
+
+    def address(self) -> str:
+        return f"{self.host}:{self.server.port}"
+
+    def stats(self) -> dict:
+        servicer = self.server.servicer
+        return {"load": {"target": servicer.targets.load(), "drafter": servicer.drafters.load()},
+                **servicer.metrics.summary()}
+
+    def ping(self) -> bool:
+        return True

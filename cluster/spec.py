@@ -1,0 +1,62 @@
+"""What a deployment on Ray is: typed, validated up front, and the same for every launcher."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mirrorspec.config import AdaptiveKConfig, InvalidRequest
+
+POOLS = ("drafter", "target")
+CONTROLLER_NAMESPACE = "mirrorspec"
+
+
+@dataclass(frozen=True)
+class PoolResources:
+    """What one replica (one rank, for targets) asks Ray for, besides its role resource."""
+
+    cpus: float = 1.0
+    gpus: float = 0.0  # drafters: 0 (CPU) or a fraction of a small GPU; target ranks: 0 or 1
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    target: str = "demo-target"
+    draft: str = "demo-draft"  # a draft model, or "ngram"
+    drafters: int = 1
+    targets: int = 1
+    tp: int = 1  # target ranks per replica, one STRICT_PACK placement group of tp bundles
+    drafter_resources: PoolResources = field(default_factory=lambda: PoolResources(cpus=1.0))
+    target_resources: PoolResources = field(default_factory=lambda: PoolResources(cpus=1.0))
+    threads: int = 1  # torch threads per replica process
+    dtype: str = "auto"
+    device: str = "auto"
+    num_speculative_tokens: int = 4
+    adaptive: AdaptiveKConfig | None = None
+    proposal_top_k: int = 32
+    max_sessions: int = 64
+    host: str = "127.0.0.1"  # the front door
+    port: int = 50051
+    replica_host: str = "auto"  # where replicas bind: "auto" = their node's IP
+    name: str = "mirrorspec"  # the controller actor is "<name>-controller"
+    drain_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for pool, count in (("drafters", self.drafters), ("targets", self.targets)):
+            if count < 0:
+                raise InvalidRequest(f"{pool} must be >= 0, got {count}", field=pool)
+        if self.targets < 1:
+            raise InvalidRequest("a deployment needs at least one target replica", field="targets")
+        if self.tp < 1:
+            raise InvalidRequest(f"tp must be >= 1, got {self.tp}", field="tp")
+        if self.threads < 1:
+            raise InvalidRequest(f"threads must be >= 1, got {self.threads}", field="threads")
+
+    @property
+    def controller_name(self) -> str:
+        return f"{self.name}-controller"
+
+
+def check_pool(pool: str) -> str:
+    if pool not in POOLS:
+        raise InvalidRequest(f"unknown pool {pool!r}; choose one of {', '.join(POOLS)}", field="pool")
+    return pool
