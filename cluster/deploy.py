@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
 
 import ray
 
@@ -17,16 +19,30 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> None:
     if ray.is_initialized():
         return
     if address:
+        _check_reachable(address)
         try:
-            ray.init(address=address, namespace=CONTROLLER_NAMESPACE, log_to_driver=False)
+            ray.init(address=address, namespace=CONTROLLER_NAMESPACE, log_to_driver=False, logging_level=logging.ERROR)
         except (ConnectionError, RuntimeError, ValueError) as err:
-            raise InvalidRequest(f"cannot join the Ray cluster at {address!r} ({err}); start one with "
-                                 f"`ray start --head` or `ray up cluster/<config>.yaml`, or leave out "
-                                 f"--address to run a local one", field="address") from None
+            raise InvalidRequest(f"cannot join the Ray cluster at {address!r} ({err}); is one running? "
+                                 f"`mirrorspec serve` starts a local one, `ray start --head` or "
+                                 f"`ray up cluster/<config>.yaml` a real one", field="address") from None
         return
     cpus = num_cpus or len(os.sched_getaffinity(0))
     ray.init(num_cpus=cpus, resources={pool: cpus for pool in POOLS}, include_dashboard=False,
-             namespace=CONTROLLER_NAMESPACE, log_to_driver=False)
+             namespace=CONTROLLER_NAMESPACE, log_to_driver=False, logging_level=logging.ERROR)
+
+
+def _check_reachable(address: str) -> None:
+    """ray.init retries an address that does not answer for minutes; say so in seconds instead."""
+    if address == "auto" or address.startswith("ray://"):
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except (OSError, ValueError) as err:
+        raise InvalidRequest(f"nothing answers at {address!r} ({err}); pass the head's host:port "
+                             f"(`ray start --head` prints it), 'auto' on a cluster node, or leave out --address "
+                             f"to run a local Ray", field="address") from None
 
 
 def deploy(spec: StackSpec, timeout_s: float = 600.0):

@@ -36,6 +36,7 @@ class StackSpec:
     max_sessions: int = 64
     host: str = "127.0.0.1"  # the front door
     port: int = 50051
+    metrics_port: int | None = None  # Prometheus text endpoint of the front door
     replica_host: str = "auto"  # where replicas bind: "auto" = their node's IP
     name: str = "mirrorspec"  # the controller actor is "<name>-controller"
     drain_timeout_s: float = 60.0

@@ -47,6 +47,14 @@ FLAG_FOR_FIELD = {
     "teacher_prompts": "--teacher-prompts",
     "epochs": "--epochs",
     "server": "--server",
+    "address": "--address",
+    "name": "--name",
+    "drafters": "--drafters",
+    "targets": "--targets",
+    "tp": "--tp",
+    "replicas": "REPLICAS",
+    "detach": "--detach",
+    "replica_cpus": "--replica-cpus",
 }
 
 
@@ -77,20 +85,52 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
     gen.set_defaults(handler=cmd_generate, subparser=gen)
 
-    srv = commands.add_parser("serve", help="start drafter, target and the orchestrator's front door locally")
-    srv.add_argument("--host", default="127.0.0.1", help="front door host (backends always bind 127.0.0.1)")
+    srv = commands.add_parser("serve", help="serve on Ray (a local one by default): drafter and target replicas "
+                                            "as actors, and the orchestrator's front door")
+    srv.add_argument("--address", default=None,
+                     help="join this Ray cluster ('auto' = the one on this machine) instead of starting a local one")
+    srv.add_argument("--in-process", action="store_true",
+                     help="no Ray: the three servers as threads of this process (one replica each)")
+    srv.add_argument("--host", default="127.0.0.1", help="front door host")
     srv.add_argument("--port", type=int, default=50051, help="front door port")
     srv.add_argument("--target", default="demo-target", help="target model: hub id, path, .gguf, or demo-target")
     srv.add_argument("--draft", default="auto", help=DRAFT_HELP)
+    srv.add_argument("--drafters", type=int, default=1, help="drafter replicas (Ray)")
+    srv.add_argument("--targets", type=int, default=1, help="target replicas (Ray)")
+    srv.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per target replica (Ray; Llama family)")
+    srv.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs each replica (each target rank) asks Ray for")
+    srv.add_argument("--replica-gpus", type=float, default=None,
+                     help="GPUs per replica/rank (default: 1 per target rank and 0 per drafter where Ray has GPUs)")
+    srv.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray (default: this machine's)")
+    srv.add_argument("--name", default="mirrorspec", help="deployment name (Ray): scale and status find it by it")
+    srv.add_argument("--detach", action="store_true",
+                     help="with --address: leave the deployment running on the cluster and exit")
+    srv.add_argument("--start-timeout", type=float, default=600.0,
+                     help="seconds to wait for the first replicas (on a fresh cluster: for the autoscaler's nodes)")
     srv.add_argument("--k", type=int, default=4, help="default speculative tokens per window")
     srv.add_argument("--adaptive", action="store_true", help="choose K per window in [0, K] from acceptance")
     srv.add_argument("--proposal-top-k", type=int, default=32, help="sparse q width for draft models (0 = dense)")
     srv.add_argument("--max-sessions", type=int, default=64, help="sessions per replica")
     srv.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
-    srv.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    srv.add_argument("--threads", type=int, default=None,
+                     help="torch threads per replica (default: 1 on Ray, all cores in-process)")
     srv.add_argument("--device", default="auto")
     srv.add_argument("--dtype", default="auto")
     srv.set_defaults(handler=cmd_serve, subparser=srv)
+
+    scale = commands.add_parser("scale", help="grow or shrink a pool of a deployment on Ray (drains on the way down)")
+    scale.add_argument("pool", choices=["drafter", "target"], help="which pool")
+    scale.add_argument("replicas", type=int, help="replicas wanted")
+    scale.add_argument("--address", default="auto", help="the Ray cluster ('auto' = the one on this machine)")
+    scale.add_argument("--name", default="mirrorspec", help="deployment name")
+    scale.add_argument("--wait", type=float, default=300.0, help="seconds to wait for new replicas to serve")
+    scale.set_defaults(handler=cmd_scale, subparser=scale)
+
+    status = commands.add_parser("status", help="a deployment's replicas: state, node, resources, sessions")
+    status.add_argument("--address", default="auto", help="the Ray cluster ('auto' = the one on this machine)")
+    status.add_argument("--name", default="mirrorspec", help="deployment name")
+    status.add_argument("--json", action="store_true", help="print the rows as JSON")
+    status.set_defaults(handler=cmd_status, subparser=status)
 
     demo = commands.add_parser("demo", help="the demo draft: provenance, a side-by-side run, or --rebuild it")
     demo.add_argument("--prompt", default="Write a Python function that checks whether a string is a palindrome.",
@@ -270,12 +310,75 @@ def start_local_stack(target: TargetConfig, drafter: DrafterConfig | None, *, ta
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Three servers in this process: target, drafter, and the front door."""
     _check_threads(args)
     SpeculationConfig(num_speculative_tokens=args.k, proposal_top_k=args.proposal_top_k)
+    if args.in_process:
+        return _serve_in_process(args)
+    if args.detach and not args.address:
+        raise InvalidRequest("needs --address: a local Ray ends with this process", field="detach")
+    if args.replica_cpus < 0:
+        raise InvalidRequest(f"must be >= 0, got {args.replica_cpus}", field="replica_cpus")
+    spec = _stack_spec(args)  # validates counts before Ray starts
+    from cluster.deploy import connect, deploy, teardown
+
+    connect(args.address, num_cpus=_local_cpus(args, spec))
+    controller, address = deploy(spec, timeout_s=args.start_timeout)
+    print(f"mirrorspec: serving on {address} (Ray; deployment {spec.name!r}: {spec.drafters} drafter x "
+          f"{spec.targets} target replicas, tp={spec.tp}, target {spec.target}, draft {spec.draft}, K={spec.num_speculative_tokens}{' adaptive' if spec.adaptive else ''}); "
+          + ("detached" if args.detach else "Ctrl-C stops"), flush=True)
+    if args.detach:
+        return 0
+    _wait_for_stop()
+    teardown(controller)
+    return 0
+
+
+def _stack_spec(args: argparse.Namespace):
+    from cluster.spec import PoolResources, StackSpec
+
+    draft = resolve_draft(args.draft, args.target)
+    if draft == "none":
+        raise InvalidRequest("on Ray, serve with a draft; use --in-process for target-only", field="draft")
+    gpus = args.replica_gpus
+    return StackSpec(target=args.target, draft=draft, drafters=args.drafters, targets=args.targets, tp=args.tp,
+                     drafter_resources=PoolResources(cpus=args.replica_cpus, gpus=gpus or 0.0),
+                     target_resources=PoolResources(cpus=args.replica_cpus, gpus=_target_gpus(gpus)),
+                     threads=args.threads or 1, dtype=args.dtype, device=args.device,
+                     num_speculative_tokens=args.k, adaptive=AdaptiveKConfig() if args.adaptive else None,
+                     proposal_top_k=args.proposal_top_k, max_sessions=args.max_sessions, host=args.host,
+                     port=args.port, name=args.name, metrics_port=args.metrics_port)
+
+
+def _target_gpus(requested: float | None) -> float:
+    if requested is not None:
+        return requested
+    import torch
+
+    return 1.0 if torch.cuda.is_available() else 0.0
+
+
+def _local_cpus(args: argparse.Namespace, spec) -> int:
+    """A local Ray big enough for what was asked (CPUs are Ray's accounting, threads are ours)."""
+    import math
+
+    wanted = spec.drafters * spec.drafter_resources.cpus + spec.targets * spec.tp * spec.target_resources.cpus
+    return args.num_cpus or max(len(os.sched_getaffinity(0)), math.ceil(wanted))
+
+
+def _wait_for_stop() -> None:
     import signal
     import threading
 
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+
+
+def _serve_in_process(args: argparse.Namespace) -> int:
+    """Three servers in this process: target, drafter, and the front door."""
     import torch
 
     from drafter_service.servicer import DrafterConfig
@@ -295,16 +398,55 @@ def cmd_serve(args: argparse.Namespace) -> int:
     stack = start_local_stack(TargetConfig(model=target.source, max_sessions=args.max_sessions), drafter,
                               target_model=target, host=args.host, port=args.port, num_speculative_tokens=args.k,
                               metrics_port=args.metrics_port, adaptive=AdaptiveKConfig() if args.adaptive else None)
-    print(f"mirrorspec: serving on {args.host}:{stack.front.port} (target {args.target}, draft {args.draft}, "
-          f"K={args.k}); Ctrl-C stops", flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        stop.wait()
-    except KeyboardInterrupt:
-        pass
+    print(f"mirrorspec: serving on {args.host}:{stack.front.port} (in-process; target {args.target}, "
+          f"draft {args.draft}, K={args.k}); Ctrl-C stops", flush=True)
+    _wait_for_stop()
     stack.stop()
     return 0
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    import ray
+
+    from cluster.deploy import connect, find_controller
+
+    if args.replicas < (1 if args.pool == "target" else 0):
+        raise InvalidRequest(f"the {args.pool} pool cannot go below {1 if args.pool == 'target' else 0} replicas, "
+                             f"got {args.replicas}", field="replicas")
+    connect(args.address)
+    rows = ray.get(find_controller(args.name).scale.remote(args.pool, args.replicas, args.wait))
+    print(format_status(rows))
+    serving = sum(r["pool"] == args.pool and r["state"] == "serving" for r in rows)
+    if serving != args.replicas:
+        print(f"mirrorspec scale: {serving} of {args.replicas} {args.pool} replicas serve after {args.wait:g} s; "
+              f"the rest wait for resources (see `ray status`)", file=sys.stderr)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import ray
+
+    from cluster.deploy import connect, find_controller
+
+    connect(args.address)
+    rows = ray.get(find_controller(args.name).status.remote())
+    print(json.dumps(rows, indent=2) if args.json else format_status(rows))
+    return 0
+
+
+def format_status(rows: list[dict]) -> str:
+    columns = ["replica", "pool", "state", "address", "node", "resources", "sessions", "requests", "acceptance_rate"]
+    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.upper().ljust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
 
 
 def resolve_draft(draft: str, target: str) -> str:

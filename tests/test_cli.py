@@ -20,6 +20,11 @@ from mirrorspec.cli import main
     (["generate", "hi", "--local", "--threads", "0"], "--threads"),
     (["generate", "hi", "--server", "127.0.0.1:1"], "--server"),
     (["serve", "--k", "-1"], "--k"),
+    (["serve", "--tp", "0"], "--tp"),
+    (["serve", "--targets", "0"], "--targets"),
+    (["serve", "--detach"], "--detach"),
+    (["serve", "--address", "127.0.0.1:1"], "--address"),
+    (["scale", "target", "0"], "REPLICAS"),
     (["demo", "--k", "99"], "--k"),
     (["demo", "--rebuild", "--epochs", "0"], "--epochs"),
 ])
@@ -50,15 +55,18 @@ def test_local_greedy_is_identical_with_and_without_speculation():
 
 
 @pytest.mark.slow
-def test_serve_then_generate_against_it():
-    server = subprocess.Popen([sys.executable, "-m", "mirrorspec", "serve", "--port", "50593", "--threads", "1"],
+def test_serve_on_local_ray_then_generate_scale_and_status():
+    """The embedded default: `mirrorspec serve` starts a local Ray with one drafter and one target
+    actor on the demo models; `generate`, `scale` and `status` are separate processes."""
+    server = subprocess.Popen([sys.executable, "-m", "mirrorspec", "serve", "--port", "50593", "--replica-cpus", "0.5"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 300
         line = ""
         while "serving on" not in line and time.monotonic() < deadline:
             line = server.stdout.readline()
             assert line or server.poll() is None, "server exited before serving"
+        assert "(Ray; deployment 'mirrorspec'" in line
         prompt = "Name three colors."
         served = json.loads(run_cli("generate", prompt, "--server", "127.0.0.1:50593", "--max-tokens", "24",
                                     "--json").stdout)
@@ -68,9 +76,22 @@ def test_serve_then_generate_against_it():
         assert served["text"] == local["text"]
         streamed = run_cli("generate", prompt, "--server", "127.0.0.1:50593", "--max-tokens", "24")
         assert streamed.returncode == 0 and streamed.stdout.strip() == local["text"].strip()
+
+        scaled = run_cli("scale", "drafter", "2", "--wait", "240")
+        assert scaled.returncode == 0, scaled.stderr
+        assert scaled.stdout.count("serving") == 4  # 2 drafters, the target, the front door
+        rows = json.loads(run_cli("status", "--json").stdout)
+        assert sorted(r["pool"] for r in rows if r["state"] == "serving") == ["drafter", "drafter", "orchestrator",
+                                                                             "target"]
+        assert next(r for r in rows if r["pool"] == "orchestrator")["requests"] == 2
+        assert run_cli("scale", "drafter", "1").stdout.count("drafter-") == 1
+        again = json.loads(run_cli("generate", prompt, "--server", "127.0.0.1:50593", "--max-tokens", "24",
+                                   "--json").stdout)
+        assert again["token_ids"] == local["token_ids"]
     finally:
         server.terminate()
-        server.wait(timeout=30)
+        server.wait(timeout=60)
+    assert server.returncode == 0
 
 
 @pytest.mark.slow

@@ -321,3 +321,19 @@ def test_ray_start_rejects_gpu_inside_resources():
     # Why local.yaml gives target hosts --num-gpus=8 rather than --resources='{"GPU": 8, ...}'.
     with pytest.raises(AssertionError, match="`GPU` cannot be a custom resource"):
         parse_ray_start(["--address=192.0.2.10:6379", '--resources={"target": 8, "GPU": 8}'])
+
+
+@pytest.mark.parametrize("name", ["aws.yaml", "local.yaml"])
+def test_the_head_launches_the_serving_stack_with_flags_the_cli_accepts(name):
+    import shlex
+
+    from mirrorspec.cli import build_parser
+
+    config = load(ROOT / "cluster" / name)
+    (command,) = [c for c in config["head_start_ray_commands"] if "mirrorspec serve" in c]
+    argv = shlex.split(command.split(">")[0])[2:]  # after `nohup mirrorspec`
+    args = build_parser().parse_args(argv)
+    assert args.command == "serve" and args.address == "auto" and args.detach and args.host == "0.0.0.0"
+    # it comes after `ray start`, which it joins
+    starts = [i for i, c in enumerate(config["head_start_ray_commands"]) if "ray start" in c]
+    assert starts and starts[0] < config["head_start_ray_commands"].index(command)
