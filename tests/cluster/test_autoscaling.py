@@ -2,7 +2,6 @@
 on the fake multi-node provider (extra raylets on this machine), driven by `cluster/fake_multinode.yaml`."""
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,17 +20,14 @@ CONFIG = Path(__file__).resolve().parents[2] / "cluster" / "fake_multinode.yaml"
 RAY = str(Path(sys.executable).with_name("ray"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def fake_cluster():
     if ray.is_initialized():
         ray.shutdown()
-    port = free_port()
+    port = 6379  # the fake provider starts its nodes against the head at Ray's default port
+    # a throwaway cluster on loopback (the fake nodes' raylets are not given Ray's auth token)
+    saved_mode = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
     env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
     subprocess.run([RAY, "start", "--head", f"--port={port}", "--num-cpus=0", "--num-gpus=0",
                     f"--autoscaling-config={CONFIG}", "--include-dashboard=false"],
@@ -40,6 +36,10 @@ def fake_cluster():
     yield
     ray.shutdown()
     subprocess.run([RAY, "stop", "--force"], capture_output=True, timeout=120)
+    if saved_mode is None:
+        del os.environ["RAY_AUTH_MODE"]
+    else:
+        os.environ["RAY_AUTH_MODE"] = saved_mode
 
 
 def nodes_of_type() -> dict[str, int]:
