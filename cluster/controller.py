@@ -96,9 +96,11 @@ class Controller:
         with self._changed:
             self._wanted[pool] = replicas
             active = [r for r in self._replicas.values() if r.pool == pool and r.state != "draining"]
-            # stop replicas still starting first, then the least busy ones
-            active.sort(key=lambda r: (r.state == "serving", r.since))
-            victims = active[:max(len(active) - replicas, 0)]
+        # stop replicas still starting first, then the ones holding the fewest sessions
+        load = {r.replica_id: (self._sessions(r) or 0) if r.state == "serving" else -1 for r in active}
+        active.sort(key=lambda r: load[r.replica_id])
+        with self._changed:
+            victims = [r for r in active[:max(len(active) - replicas, 0)] if r.replica_id in self._replicas]
             for victim in victims:
                 victim.state = "draining"
             self._bump()

@@ -55,6 +55,8 @@ FLAG_FOR_FIELD = {
     "replicas": "REPLICAS",
     "detach": "--detach",
     "replica_cpus": "--replica-cpus",
+    "drafter_gpus": "--drafter-gpus",
+    "target_gpus": "--target-gpus",
 }
 
 
@@ -99,8 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--targets", type=int, default=1, help="target replicas (Ray)")
     srv.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per target replica (Ray; Llama family)")
     srv.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs each replica (each target rank) asks Ray for")
-    srv.add_argument("--replica-gpus", type=float, default=None,
-                     help="GPUs per replica/rank (default: 1 per target rank and 0 per drafter where Ray has GPUs)")
+    srv.add_argument("--drafter-gpus", type=float, default=0.0,
+                     help="GPUs per drafter replica: 0 (CPU) or a fraction of a small GPU")
+    srv.add_argument("--target-gpus", type=float, default=None,
+                     help="GPUs per target rank (default: 1 where the Ray cluster or this machine has GPUs, else 0)")
     srv.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray (default: this machine's)")
     srv.add_argument("--name", default="mirrorspec", help="deployment name (Ray): scale and status find it by it")
     srv.add_argument("--detach", action="store_true",
@@ -318,10 +322,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InvalidRequest("needs --address: a local Ray ends with this process", field="detach")
     if args.replica_cpus < 0:
         raise InvalidRequest(f"must be >= 0, got {args.replica_cpus}", field="replica_cpus")
-    spec = _stack_spec(args)  # validates counts before Ray starts
+    for flag, value in (("drafter_gpus", args.drafter_gpus), ("target_gpus", args.target_gpus)):
+        if value is not None and value < 0:
+            raise InvalidRequest(f"must be >= 0, got {value}", field=flag)
+    spec = _stack_spec(args, target_gpus=0.0)  # validates counts before Ray starts
     from cluster.deploy import connect, deploy, teardown
 
     connect(args.address, num_cpus=_local_cpus(args, spec))
+    spec = _stack_spec(args, target_gpus=_target_gpus(args.target_gpus))
     controller, address = deploy(spec, timeout_s=args.start_timeout)
     print(f"mirrorspec: serving on {address} (Ray; deployment {spec.name!r}: {spec.drafters} drafter x "
           f"{spec.targets} target replicas, tp={spec.tp}, target {spec.target}, draft {spec.draft}, K={spec.num_speculative_tokens}{' adaptive' if spec.adaptive else ''}); "
@@ -333,16 +341,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stack_spec(args: argparse.Namespace):
+def _stack_spec(args: argparse.Namespace, target_gpus: float):
     from cluster.spec import PoolResources, StackSpec
 
     draft = resolve_draft(args.draft, args.target)
     if draft == "none":
         raise InvalidRequest("on Ray, serve with a draft; use --in-process for target-only", field="draft")
-    gpus = args.replica_gpus
     return StackSpec(target=args.target, draft=draft, drafters=args.drafters, targets=args.targets, tp=args.tp,
-                     drafter_resources=PoolResources(cpus=args.replica_cpus, gpus=gpus or 0.0),
-                     target_resources=PoolResources(cpus=args.replica_cpus, gpus=_target_gpus(gpus)),
+                     drafter_resources=PoolResources(cpus=args.replica_cpus, gpus=args.drafter_gpus),
+                     target_resources=PoolResources(cpus=args.replica_cpus, gpus=target_gpus),
                      threads=args.threads or 1, dtype=args.dtype, device=args.device,
                      num_speculative_tokens=args.k, adaptive=AdaptiveKConfig() if args.adaptive else None,
                      proposal_top_k=args.proposal_top_k, max_sessions=args.max_sessions, host=args.host,
@@ -350,11 +357,14 @@ def _stack_spec(args: argparse.Namespace):
 
 
 def _target_gpus(requested: float | None) -> float:
+    """Called once Ray is up. A cluster whose GPU nodes the autoscaler has not started yet shows
+    none: pass --target-gpus 1 there (the ray up configs do)."""
     if requested is not None:
         return requested
+    import ray
     import torch
 
-    return 1.0 if torch.cuda.is_available() else 0.0
+    return 1.0 if ray.cluster_resources().get("GPU", 0) > 0 or torch.cuda.is_available() else 0.0
 
 
 def _local_cpus(args: argparse.Namespace, spec) -> int:

@@ -25,6 +25,8 @@ from mirrorspec.cli import main
     (["serve", "--detach"], "--detach"),
     (["serve", "--address", "127.0.0.1:1"], "--address"),
     (["scale", "target", "0"], "REPLICAS"),
+    (["serve", "--target-gpus", "-1"], "--target-gpus"),
+    (["serve", "--replica-cpus", "-1"], "--replica-cpus"),
     (["demo", "--k", "99"], "--k"),
     (["demo", "--rebuild", "--epochs", "0"], "--epochs"),
 ])
