@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from mirrorspec.config import AdaptiveKConfig
+from mirrorspec.config import DRAFT_MODEL_STEP_COST, AdaptiveKConfig
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -46,14 +46,14 @@ def pass_cost(k: int, config: AdaptiveKConfig) -> float:
     return (table[-1] if table else 1.0) + (k - len(table)) * config.pass_cost_per_token
 
 
-def window_cost(k: int, config: AdaptiveKConfig, draft_cost: float = 0.1) -> float:
+def window_cost(k: int, config: AdaptiveKConfig, draft_cost: float = DRAFT_MODEL_STEP_COST) -> float:
     """Time of a window in target-step units: K draft steps plus a (K+1)-token target pass.
     ``draft_cost`` is used where the config leaves it to the drafter."""
     step = draft_cost if config.draft_cost is None else config.draft_cost
     return k * step + pass_cost(k, config)
 
 
-def best_k(alpha: float, max_k: int, config: AdaptiveKConfig, draft_cost: float = 0.1) -> int:
+def best_k(alpha: float, max_k: int, config: AdaptiveKConfig, draft_cost: float = DRAFT_MODEL_STEP_COST) -> int:
     """The K with the most expected tokens per unit time (0 = don't speculate)."""
     return max(range(max_k + 1),
                key=lambda k: (expected_tokens(alpha, k) / window_cost(k, config, draft_cost), -k))
@@ -65,7 +65,7 @@ class AdaptiveK:
 
     config: AdaptiveKConfig
     max_k: int
-    draft_cost: float = 0.1  # the drafter's step_cost, unless the config sets one
+    draft_cost: float = DRAFT_MODEL_STEP_COST  # the drafter's step_cost, unless the config sets one
     accepted: float = 0.0
     rejected: float = 0.0
     windows_off: int = 0

@@ -59,6 +59,10 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+# One drafted token of a small draft model over one target step, where nothing better is known
+# (the demo draft measured 0.10 on this CPU): ``Drafter.step_cost`` and adaptive K's default.
+DRAFT_MODEL_STEP_COST = 0.1
+
 # Target pass over K = 1, 2, ... drafts, in one-token steps: the demo target, float32, 2 CPU threads
 # (measured by benchmarks/pass_cost.py).
 DEMO_CPU_PASS_COSTS = (1.66, 1.88, 1.48, 1.24, 1.39, 1.76, 1.42, 1.57)

@@ -10,6 +10,7 @@ reopened from the log. Cancellation and deadlines stop the loop and close both s
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -36,6 +37,8 @@ from mirrorspec.v1 import (
 from orchestrator.metrics import SpecDecodeMetrics
 from orchestrator.pool import ReplicaPool, parse_addresses
 from orchestrator.remote import RemoteDrafter, RemoteVerifier
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -197,7 +200,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         verifier = RemoteVerifier(self.targets, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
                                   timeout_s=timeout, replacement_wait_s=min(timeout, self.config.replacement_wait_s))
         drafter = None
-        if self.drafter_info is not None and prepared.spec.num_speculative_tokens > 0:
+        if prepared.spec.num_speculative_tokens > 0 and self._describe_drafters() is not None:
             step_cost = NgramDrafter.step_cost if self.drafter_info.strategy == "ngram" else Drafter.step_cost
             drafter = RemoteDrafter(self.drafters, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
                                     timeout_s=timeout, step_cost=step_cost)
@@ -226,6 +229,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             verifier.release()
             if drafter is not None:
                 drafter.release()
+
+    def _describe_drafters(self):
+        """The drafter pool's Info, asked of its first replica once one exists: a deployment
+        started with no drafter starts drafting as soon as the pool is scaled up."""
+        if self.drafter_info is None and self.drafters.addresses:
+            replica = self.drafters.acquire()
+            try:
+                self.drafter_info = replica.stub.Info(common_pb2.InfoRequest(), timeout=10)
+            except grpc.RpcError as err:
+                log.warning("drafter %s did not describe itself (%s); drafting off for now", replica.address,
+                            err.code().name)
+            finally:
+                self.drafters.release(replica)
+        return self.drafter_info
 
     # ---- responses ----------------------------------------------------------------------------
     def _text(self, tokens: list[int]) -> str:

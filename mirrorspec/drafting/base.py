@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mirrorspec.config import SamplingParams
+from mirrorspec.config import DRAFT_MODEL_STEP_COST, SamplingParams
 from mirrorspec.sampling import ProposalRows
 
 
@@ -51,7 +51,7 @@ class Drafter(ABC):
 
     name: str = "drafter"
     # one drafted token's cost over one target step: adaptive K weighs drafting with it
-    step_cost: float = 0.1
+    step_cost: float = DRAFT_MODEL_STEP_COST
 
     @abstractmethod
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, seed: int) -> Proposal: ...

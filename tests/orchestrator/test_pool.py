@@ -128,3 +128,24 @@ def test_killing_a_drafter_replica_moves_drafting_to_another_one(pooled, tiny_di
     assert tokens == target_only(load(tiny_dir["target16"]), [1, 4, 4], 60)
     assert last.stats.drafter_moves >= 1 and not last.stats.drafter_fallback
     assert last.stats.drafted > 0
+
+
+def test_a_stack_started_without_drafters_drafts_once_one_joins(tiny_dir):
+    from drafter_service.servicer import DrafterConfig
+    from drafter_service.servicer import serve as serve_drafter
+    from mirrorspec.serving.server import BackgroundServer
+
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, drafter_replicas=0)
+    drafter = BackgroundServer(lambda: serve_drafter(DrafterConfig(strategy="draft-model",
+                                                                   model=str(tiny_dir["draft16"]),
+                                                                   proposal_top_k=4))).start()
+    try:
+        with Client(s.address) as client:
+            assert client.generate([0, 7, 3], max_tokens=20).stats.drafted == 0
+            s.front.servicer.drafters.set_members([f"127.0.0.1:{drafter.port}"])
+            joined = client.generate([0, 7, 3], max_tokens=20)
+        assert joined.stats.drafted > 0
+        assert joined.token_ids == target_only(load(tiny_dir["target16"]), [0, 7, 3], 20)
+    finally:
+        drafter.stop()
+        s.stop()
