@@ -7,6 +7,7 @@ The reference distribution code here is written independently of ``mirrorspec.sa
 from __future__ import annotations
 
 import itertools
+import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -126,3 +127,13 @@ def chi_square_pvalue(samples: Sequence[tuple[int, ...]], expected: dict[tuple[i
         wanted.append(rest_expected)
     wanted = np.array(wanted) * (sum(observed) / np.sum(wanted))  # guard float drift
     return float(stats.chisquare(observed, wanted).pvalue)
+
+
+def wait_until(condition, timeout: float = 10.0, every: float = 0.05) -> bool:
+    """Poll ``condition`` until it holds (True) or ``timeout`` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(every)
+    return False

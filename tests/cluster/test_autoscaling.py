@@ -4,7 +4,6 @@ on the fake multi-node provider (extra raylets on this machine), driven by `clus
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import ray
 from cluster.deploy import deploy, teardown
 from cluster.spec import CONTROLLER_NAMESPACE, PoolResources, StackSpec
 from mirrorspec.client import Client
+from support import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -51,15 +51,6 @@ def nodes_of_type() -> dict[str, int]:
     return counts
 
 
-def wait_for(predicate, timeout=240):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(1)
-    return False
-
-
 def serving(controller, pool) -> int:
     return sum(r["pool"] == pool and r["state"] == "serving" for r in ray.get(controller.status.remote()))
 
@@ -83,7 +74,7 @@ def test_scaling_a_pool_adds_nodes_of_its_type_only(fake_cluster, tiny_dir):
             assert len(client.generate([0, 7, 3], max_tokens=12).token_ids) == 12
         # scaling down frees nodes, which the autoscaler gives back after the idle timeout
         ray.get(controller.scale.remote("drafter", 1))
-        assert wait_for(lambda: nodes_of_type()["drafter"] == 1, timeout=120)
+        assert wait_until(lambda: nodes_of_type()["drafter"] == 1, timeout=120, every=1)
         assert nodes_of_type()["target"] == 2
     finally:
         teardown(controller)

@@ -13,7 +13,7 @@ from cluster.deploy import deploy, find_controller, teardown
 from cluster.spec import CONTROLLER_NAMESPACE, PoolResources, StackSpec
 from mirrorspec import SamplingParams, generate
 from mirrorspec.client import Client
-from support import load
+from support import load, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -52,15 +52,6 @@ def rows(controller, pool=None):
     return [r for r in ray.get(controller.status.remote()) if pool is None or r["pool"] == pool]
 
 
-def wait_until(predicate, timeout=120, every=0.25):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(every)
-    return False
-
-
 def test_greedy_output_through_ray_actors_is_identical_to_target_only(deployment, reference):
     _, address = deployment
     with Client(address) as client:
@@ -76,7 +67,7 @@ def test_replicas_are_placed_on_their_pool_resource(deployment):
     ray.get(controller.scale.remote("drafter", DRAFTER_SLOTS + 1), timeout=300)
     # three fit; the fourth waits for a "drafter" resource (on a real cluster: the autoscaler's cue)
     assert wait_until(lambda: sorted(r["state"] for r in rows(controller, "drafter"))
-                      == ["pending"] + ["serving"] * DRAFTER_SLOTS)
+                      == ["pending"] + ["serving"] * DRAFTER_SLOTS, timeout=120, every=0.25)
     ray.get(controller.scale.remote("drafter", 1), timeout=300)
     assert [r["state"] for r in rows(controller, "drafter")] == ["serving"]
 
@@ -151,7 +142,7 @@ def test_killing_a_replica_actor_mid_request_loses_nothing_and_it_is_replaced(de
     moves = completion.stats.target_moves if pool == "target" else completion.stats.drafter_moves
     assert moves >= 1 or completion.stats.drafter_fallback
     assert wait_until(lambda: [r["state"] for r in rows(controller, pool)] == ["serving"]
-                      and victim not in {r["replica"] for r in rows(controller, pool)})
+                      and victim not in {r["replica"] for r in rows(controller, pool)}, timeout=120, every=0.25)
 
 
 def test_a_tp2_target_replica_on_ray_is_identical_to_tp1(cluster_ray, tiny_dir, reference):

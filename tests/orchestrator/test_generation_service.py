@@ -11,7 +11,7 @@ from mirrorspec import SamplingParams, generate
 from mirrorspec.client import AsyncClient, Client
 from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
 from served_stack import start_stack
-from support import MemoSession, chi_square_pvalue, exact_joint, load
+from support import MemoSession, chi_square_pvalue, exact_joint, load, wait_until
 
 
 def target_only(model, prompt, max_tokens, **params):
@@ -64,22 +64,13 @@ def open_sessions(stack) -> tuple[int, int]:
             drafter.Info(common_pb2.InfoRequest()).open_sessions)
 
 
-def wait_for(condition, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_cancellation_frees_the_sessions_on_both_services(stack):
     with Client(stack.address) as client:
         stream = client.stream([0, 1, 2], max_tokens=100)
         next(stream)
         assert open_sessions(stack) == (1, 1)
         stream.cancel()
-    assert wait_for(lambda: open_sessions(stack) == (0, 0))
+    assert wait_until(lambda: open_sessions(stack) == (0, 0))
 
 
 def test_deadline_frees_the_sessions_too(stack):
@@ -88,7 +79,7 @@ def test_deadline_frees_the_sessions_too(stack):
             for _ in client.stream([0, 1, 2], max_tokens=100):
                 time.sleep(0.02)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert wait_for(lambda: open_sessions(stack) == (0, 0))
+    assert wait_until(lambda: open_sessions(stack) == (0, 0))
 
 
 def test_drafter_failure_mid_request_falls_back_without_losing_it(tiny_dir):
