@@ -42,7 +42,6 @@ class ReplicaRecord:
     address: str | None = None
     node: str | None = None
     resources: str = ""
-    since: float = field(default_factory=time.time)
 
     @property
     def actors(self) -> list:
@@ -147,10 +146,6 @@ class Controller:
                          "sessions": sum(front.get("load", {}).get("target", {}).values()) if front else None,
                          "requests": front.get("requests"), "acceptance_rate": front.get("acceptance_rate")})
         return rows
-
-    def wanted(self) -> dict[str, int]:
-        with self._changed:
-            return dict(self._wanted)
 
     def shutdown(self) -> None:
         self._stopped.set()

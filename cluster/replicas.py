@@ -55,10 +55,8 @@ class DrafterReplica(_ServerActor):
 
         torch.set_num_threads(spec.threads)
         self.host = _bind_host(spec)
-        strategy = "ngram" if spec.draft == "ngram" else "draft-model"
-        config = DrafterConfig(strategy=strategy, model=None if strategy == "ngram" else spec.draft, dtype=spec.dtype,
-                               device=spec.device, host=self.host, port=0, max_sessions=spec.max_sessions,
-                               proposal_top_k=spec.proposal_top_k)
+        config = DrafterConfig.for_draft(spec.draft, dtype=spec.dtype, device=spec.device, host=self.host, port=0,
+                                         max_sessions=spec.max_sessions, proposal_top_k=spec.proposal_top_k)
         self.server = BackgroundServer(lambda: serve(config), "drafter").start(timeout=600)
 
 

@@ -29,6 +29,13 @@ class DrafterConfig(ReplicaConfig):
         if self.strategy == "draft-model" and not self.model:
             raise InvalidRequest("strategy 'draft-model' needs a draft model path or hub id", field="model")
 
+    @classmethod
+    def for_draft(cls, draft: str, **fields) -> DrafterConfig:
+        """The replica for what a user names as the draft: ``ngram``, or a draft model."""
+        if draft == "ngram":
+            return cls(strategy="ngram", model=None, **fields)
+        return cls(strategy="draft-model", model=draft, **fields)
+
 
 @dataclass
 class DraftSession:

@@ -320,9 +320,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return _serve_in_process(args)
     if args.detach and not args.address:
         raise InvalidRequest("needs --address: a local Ray ends with this process", field="detach")
-    if args.replica_cpus < 0:
-        raise InvalidRequest(f"must be >= 0, got {args.replica_cpus}", field="replica_cpus")
-    for flag, value in (("drafter_gpus", args.drafter_gpus), ("target_gpus", args.target_gpus)):
+    for flag, value in (("replica_cpus", args.replica_cpus), ("drafter_gpus", args.drafter_gpus),
+                        ("target_gpus", args.target_gpus)):
         if value is not None and value < 0:
             raise InvalidRequest(f"must be >= 0, got {value}", field=flag)
     spec = _stack_spec(args, target_gpus=0.0)  # validates counts before Ray starts
@@ -401,10 +400,8 @@ def _serve_in_process(args: argparse.Namespace) -> int:
     target = load_causal_lm(args.target, dtype=args.dtype, device=args.device)
     drafter = None
     if args.draft != "none":
-        strategy = "ngram" if args.draft == "ngram" else "draft-model"
-        drafter = DrafterConfig(strategy=strategy, model=None if strategy == "ngram" else args.draft,
-                                dtype=args.dtype, device=args.device, max_sessions=args.max_sessions,
-                                proposal_top_k=args.proposal_top_k)
+        drafter = DrafterConfig.for_draft(args.draft, dtype=args.dtype, device=args.device,
+                                          max_sessions=args.max_sessions, proposal_top_k=args.proposal_top_k)
     stack = start_local_stack(TargetConfig(model=target.source, max_sessions=args.max_sessions), drafter,
                               target_model=target, host=args.host, port=args.port, num_speculative_tokens=args.k,
                               metrics_port=args.metrics_port, adaptive=AdaptiveKConfig() if args.adaptive else None)
