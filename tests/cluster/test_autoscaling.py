@@ -55,6 +55,18 @@ def serving(controller, pool) -> int:
     return sum(r["pool"] == pool and r["state"] == "serving" for r in ray.get(controller.status.remote()))
 
 
+def settles_at(expected: dict[str, int], hold_s: int = 3) -> bool:
+    """The autoscaler may overshoot while a launched node is still registering (seen in CI: a
+    third drafter node for one pending replica); an overshoot node is idle and goes after the
+    config's 6 s idle timeout. So the claim is where the node counts settle: `expected` for
+    `hold_s` polls in a row."""
+    streak = []
+    def held() -> bool:
+        streak.append(nodes_of_type() == expected)
+        return len(streak) >= hold_s and all(streak[-hold_s:])
+    return wait_until(held, timeout=90, every=1)
+
+
 def test_scaling_a_pool_adds_nodes_of_its_type_only(fake_cluster, tiny_dir):
     assert nodes_of_type() == {"drafter": 0, "target": 0}  # the head alone: no CPU, no role
     spec = StackSpec(target=str(tiny_dir["target16"]), draft=str(tiny_dir["draft16"]), port=0,
@@ -62,19 +74,18 @@ def test_scaling_a_pool_adds_nodes_of_its_type_only(fake_cluster, tiny_dir):
                      drafter_resources=PoolResources(cpus=1), target_resources=PoolResources(cpus=1))
     controller, address = deploy(spec, timeout_s=300)  # pending replicas make the autoscaler start nodes
     try:
-        assert nodes_of_type() == {"drafter": 1, "target": 1}
+        assert settles_at({"drafter": 1, "target": 1}), nodes_of_type()
         ray.get(controller.scale.remote("drafter", 2, 240))
         assert serving(controller, "drafter") == 2
-        assert nodes_of_type() == {"drafter": 2, "target": 1}  # a drafter node joined; targets untouched
+        assert settles_at({"drafter": 2, "target": 1}), nodes_of_type()  # a drafter node joined; targets untouched
         # a target node holds two target replicas: the second fits, the third needs a new node
         ray.get(controller.scale.remote("target", 3, 240))
         assert serving(controller, "target") == 3
-        assert nodes_of_type() == {"drafter": 2, "target": 2}
+        assert settles_at({"drafter": 2, "target": 2}), nodes_of_type()
         with Client(address) as client:
             assert len(client.generate([0, 7, 3], max_tokens=12).token_ids) == 12
         # scaling down frees nodes, which the autoscaler gives back after the idle timeout
         ray.get(controller.scale.remote("drafter", 1))
-        assert wait_until(lambda: nodes_of_type()["drafter"] == 1, timeout=120, every=1)
-        assert nodes_of_type()["target"] == 2
+        assert settles_at({"drafter": 1, "target": 2}), nodes_of_type()
     finally:
         teardown(controller)
