@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mirrorspec.config import AdaptiveKConfig, InvalidRequest
+from mirrorspec.config import AdaptiveKConfig, InvalidRequest, MirrorConfig
 
 POOLS = ("drafter", "target")
 CONTROLLER_NAMESPACE = "mirrorspec"
@@ -32,6 +32,7 @@ class StackSpec:
     device: str = "auto"
     num_speculative_tokens: int = 4
     adaptive: AdaptiveKConfig | None = None
+    mirror: MirrorConfig | None = None  # the front door's default for requests that do not say
     proposal_top_k: int = 32
     max_sessions: int = 64
     host: str = "127.0.0.1"  # the front door

@@ -71,6 +71,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         commit = check_token_ids(request.commit_tokens, self.vocab_size, "commit_tokens")
         async with session.lock:
             seq = session.sequence
+            if request.HasField("keep"):
+                seq.rewind(int(request.keep))
             seq.commit(commit, int(request.context_length))
             k = int(request.k)
             if self.loaded is not None:
@@ -80,6 +82,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         response = drafter_pb2.DraftResponse(tokens=proposal.tokens, draft_time_s=time.perf_counter() - started)
         if proposal.tokens:
             response.q.CopyFrom(proposal_to_proto(proposal.q))
+            response.alternatives.extend(drafter_pb2.TokenAlternatives(ids=a) for a in proposal.alternatives)
         return response
 
     async def CloseSession(self, request, context):

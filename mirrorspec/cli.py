@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mirrorspec.config import AdaptiveKConfig, InvalidRequest, SamplingParams, SpeculationConfig
+from mirrorspec.config import AdaptiveKConfig, InvalidRequest, MirrorConfig, SamplingParams, SpeculationConfig
 
 if TYPE_CHECKING:  # the services are imported when used, so `mirrorspec --help` stays fast
     from drafter_service.servicer import DrafterConfig
@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-speculate", action="store_true", help="target-only decoding (the baseline)")
     gen.add_argument("--adaptive", action="store_true",
                      help="with --local: choose K per window in [0, --k] from acceptance (off where it does not pay)")
+    gen.add_argument("--mirror", action="store_true",
+                     help="draft the next window while the target verifies this one (same output; "
+                          "without --local: asks the server for it)")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--json", action="store_true", help="print text, token ids and statistics as JSON")
     gen.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
@@ -113,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds to wait for the first replicas (on a fresh cluster: for the autoscaler's nodes)")
     srv.add_argument("--k", type=int, default=4, help="default speculative tokens per window")
     srv.add_argument("--adaptive", action="store_true", help="choose K per window in [0, K] from acceptance")
+    srv.add_argument("--mirror", action="store_true",
+                     help="by default, draft the next window's likely branches while the target verifies "
+                          "(a request's `mirror` field overrides; the output is the same either way)")
     srv.add_argument("--proposal-top-k", type=int, default=32, help="sparse q width for draft models (0 = dense)")
     srv.add_argument("--max-sessions", type=int, default=64, help="sessions per replica")
     srv.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
@@ -210,7 +216,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     printer = None if args.json else _StreamPrinter(target.tokenizer)
     result = generate(target.model, draft, ids, params, num_speculative_tokens=0 if draft is None else args.k,
                       seed=args.seed, proposal_top_k=args.proposal_top_k, adaptive=args.adaptive,
-                      on_tokens=printer.push if printer else None)
+                      mirror=args.mirror, on_tokens=printer.push if printer else None)
     text = target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     if args.json:
         print(json.dumps({
@@ -241,7 +247,8 @@ def _generate_remote(args: argparse.Namespace) -> int:
     from mirrorspec.client import Client
 
     options = dict(raw=args.raw, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, k=0 if args.no_speculate else args.k)
+                   top_p=args.top_p, seed=args.seed, k=0 if args.no_speculate else args.k,
+                   mirror=True if args.mirror else None)
     try:
         with Client(args.server) as client:
             if args.json:
@@ -331,7 +338,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     spec = _stack_spec(args, target_gpus=_target_gpus(args.target_gpus))
     controller, address = deploy(spec, timeout_s=args.start_timeout)
     print(f"mirrorspec: serving on {address} (Ray; deployment {spec.name!r}: {spec.drafters} drafter x "
-          f"{spec.targets} target replicas, tp={spec.tp}, target {spec.target}, draft {spec.draft}, K={spec.num_speculative_tokens}{' adaptive' if spec.adaptive else ''}); "
+          f"{spec.targets} target replicas, tp={spec.tp}, target {spec.target}, draft {spec.draft}, K={spec.num_speculative_tokens}{' adaptive' if spec.adaptive else ''}{' mirror' if spec.mirror else ''}); "
           + ("detached" if args.detach else "Ctrl-C stops"), flush=True)
     if args.detach:
         return 0
@@ -351,7 +358,7 @@ def _stack_spec(args: argparse.Namespace, target_gpus: float):
                      target_resources=PoolResources(cpus=args.replica_cpus, gpus=target_gpus),
                      threads=args.threads or 1, dtype=args.dtype, device=args.device,
                      num_speculative_tokens=args.k, adaptive=AdaptiveKConfig() if args.adaptive else None,
-                     proposal_top_k=args.proposal_top_k, max_sessions=args.max_sessions, host=args.host,
+                     mirror=MirrorConfig() if args.mirror else None, proposal_top_k=args.proposal_top_k, max_sessions=args.max_sessions, host=args.host,
                      port=args.port, name=args.name, metrics_port=args.metrics_port)
 
 
@@ -404,9 +411,10 @@ def _serve_in_process(args: argparse.Namespace) -> int:
                                           max_sessions=args.max_sessions, proposal_top_k=args.proposal_top_k)
     stack = start_local_stack(TargetConfig(model=target.source, max_sessions=args.max_sessions), drafter,
                               target_model=target, host=args.host, port=args.port, num_speculative_tokens=args.k,
-                              metrics_port=args.metrics_port, adaptive=AdaptiveKConfig() if args.adaptive else None)
+                              metrics_port=args.metrics_port, adaptive=AdaptiveKConfig() if args.adaptive else None,
+                              mirror=MirrorConfig() if args.mirror else None)
     print(f"mirrorspec: serving on {args.host}:{stack.front.port} (in-process; target {args.target}, "
-          f"draft {args.draft}, K={args.k}); Ctrl-C stops", flush=True)
+          f"draft {args.draft}, K={args.k}{' mirror' if args.mirror else ''}); Ctrl-C stops", flush=True)
     _wait_for_stop()
     stack.stop()
     return 0

@@ -31,9 +31,10 @@ class Completion:
 def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *, raw: bool = False,
                   max_tokens: int = 0, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                   seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                  k: int | None = None) -> generation_pb2.GenerateRequest:
+                  k: int | None = None, mirror: bool | None = None) -> generation_pb2.GenerateRequest:
     """A GenerateRequest from Python values: a str is a user message (or raw text with raw=True),
-    a list of ints is token ids, a list of {"role", "content"} dicts is a chat."""
+    a list of ints is token ids, a list of {"role", "content"} dicts is a chat. ``k`` and
+    ``mirror`` left as None take the server's defaults."""
     request = generation_pb2.GenerateRequest(
         params=common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                                          max_new_tokens=max_tokens, stop_token_ids=list(stop_token_ids)),
@@ -51,6 +52,8 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *,
         request.seed = seed
     if k is not None:
         request.num_speculative_tokens = k
+    if mirror is not None:
+        request.mirror = mirror
     return request
 
 

@@ -2,7 +2,7 @@
 
 import argparse
 
-from mirrorspec.config import AdaptiveKConfig
+from mirrorspec.config import AdaptiveKConfig, MirrorConfig
 from mirrorspec.serving.server import run_until_terminated
 from orchestrator.servicer import OrchestratorConfig, serve
 
@@ -13,9 +13,12 @@ parser.add_argument("--host", default="127.0.0.1")
 parser.add_argument("--port", type=int, default=50051)
 parser.add_argument("--k", type=int, default=4, help="default speculative tokens per window")
 parser.add_argument("--adaptive", action="store_true", help="choose K per window in [0, K] from acceptance")
+parser.add_argument("--mirror", action="store_true",
+                    help="by default, draft the next window while the target verifies (requests may override)")
 parser.add_argument("--metrics-port", type=int, default=None)
 args = parser.parse_args()
 config = OrchestratorConfig(target=args.target, drafter=args.drafter, host=args.host, port=args.port,
                             num_speculative_tokens=args.k, metrics_port=args.metrics_port,
-                            adaptive=AdaptiveKConfig() if args.adaptive else None)
+                            adaptive=AdaptiveKConfig() if args.adaptive else None,
+                            mirror=MirrorConfig() if args.mirror else None)
 run_until_terminated(lambda: serve(config), "orchestrator")

@@ -21,6 +21,10 @@ class SpecDecodeMetrics:
         self.requests = Counter("mirrorspec_requests", "Finished requests", ["finish_reason"], registry=r)
         self.drafter_fallbacks = Counter("mirrorspec_drafter_fallbacks", "Requests that lost their drafter",
                                          registry=r)
+        self.mirror_windows = Counter("mirrorspec_mirror_windows", "Windows verified while branches were drafted",
+                                      registry=r)
+        self.branch_hits = Counter("mirrorspec_mirror_branch_hits",
+                                   "Mirror windows whose next window was drafted before the verdict came", registry=r)
         self.generation_tokens = Counter("mirrorspec_generation_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram("mirrorspec_time_to_first_token_seconds", "Time to first token", registry=r)
         self.inter_token = Histogram("mirrorspec_inter_token_latency_seconds", "Mean time per output token",
@@ -36,6 +40,8 @@ class SpecDecodeMetrics:
             self.accepted_per_pos.labels(position=str(position)).inc(count)
         self.requests.labels(finish_reason=outcome.finish_reason).inc()
         self.drafter_fallbacks.inc(int(outcome.drafter_fallback))
+        self.mirror_windows.inc(s.mirror_windows)
+        self.branch_hits.inc(s.branch_hits)
         self.generation_tokens.inc(len(outcome.tokens))
         total = time.perf_counter() - outcome.started
         self.e2e.observe(total)

@@ -65,7 +65,7 @@ class PooledSession:
         self.times = CallTimes()
         self.replica: Replica | None = None
         self.session_id: str | None = None
-        self.sent = 0
+        self.held: list[int] = []  # the context the remote session holds
         self.moves = 0  # reopenings after the first open
 
     def open_request(self, context: Sequence[int], params: SamplingParams):
@@ -99,19 +99,22 @@ class PooledSession:
                     raise
                 tried.add(replica.address)
                 continue
-            self.replica, self.session_id, self.sent = replica, response.session_id, len(context)
+            self.replica, self.session_id, self.held = replica, response.session_id, list(context)
             return
 
-    def call(self, context: Sequence[int], rpc: Callable[[Replica, str, list[int]], object]):
-        """``rpc(replica, session_id, commit_tokens)``, moving the session first if its replica
-        left the pool, and again (at most ``max_moves_per_call`` times) if the call finds the
-        replica or the session gone."""
+    def call(self, context: Sequence[int], rpc: Callable[[Replica, str, int, list[int]], object]):
+        """``rpc(replica, session_id, keep, commit_tokens)``: the session keeps its first ``keep``
+        tokens (fewer than it holds only where ``context`` forks from them: mirror branches),
+        then commits the rest of ``context``. The session moves first if its replica left the
+        pool, and again (at most ``max_moves_per_call`` times) if the call finds the replica or
+        the session gone."""
         for _ in range(self.max_moves_per_call):
             if not self.pool.is_member(self.replica):
                 log.info("%s replica %s left the pool; moving its session", self.pool.name, self.replica.address)
                 self.move(context)
             try:
-                result = rpc(self.replica, self.session_id, list(context[self.sent:]))
+                keep = fork_point(self.held, context)
+                result = rpc(self.replica, self.session_id, keep, list(context[keep:]))
             except grpc.RpcError as err:
                 if err.code() == _REPLICA_GONE:
                     log.warning("%s replica %s is unreachable; replaying the session elsewhere",
@@ -124,7 +127,7 @@ class PooledSession:
                 else:
                     raise
                 continue
-            self.sent = len(context)
+            self.held = list(context)
             return result
         raise NoReplicaAvailable(f"the {self.pool.name} session moved {self.max_moves_per_call} times in one "
                                  f"window without an answer; the {self.pool.name} pool is unhealthy")
@@ -174,14 +177,16 @@ class RemoteDrafter(Drafter):
         return self._guard(lambda: self._draft(context, k)) or Proposal.empty()
 
     def _draft(self, context: Sequence[int], k: int) -> Proposal:
-        def rpc(replica: Replica, session_id: str, commit: list[int]):
+        def rpc(replica: Replica, session_id: str, keep: int, commit: list[int]):
             request = drafter_pb2.DraftRequest(session_id=session_id, commit_tokens=commit,
                                                context_length=len(context), k=k)
+            if keep < len(self.session.held):
+                request.keep = keep
             return replica.stub.Draft(request, timeout=self.session.timeout_s)
 
         started = time.perf_counter()
         response = self.session.call(context, rpc)
-        proposal = proposal_from_proto(response.tokens, response.q, self.vocab_size)
+        proposal = proposal_from_proto(response.tokens, response.q, self.vocab_size, response.alternatives)
         self.times.call_s += time.perf_counter() - started
         self.times.server_s += response.draft_time_s
         return proposal
@@ -224,7 +229,9 @@ class RemoteVerifier(PooledSession):
                                                    seed=self.seed)
 
     def verify(self, context: Sequence[int], proposal: Proposal, params: SamplingParams, seed: int) -> WindowVerdict:
-        def rpc(replica: Replica, session_id: str, commit: list[int]):
+        def rpc(replica: Replica, session_id: str, keep: int, commit: list[int]):
+            if keep < len(self.held):  # a target's context only grows: verdicts are final
+                raise RuntimeError(f"verify on a context that forks from the target session at {keep}")
             request = target_pb2.VerifyRequest(session_id=session_id, commit_tokens=commit,
                                                context_length=len(context), draft_tokens=proposal.tokens)
             if proposal.tokens:
@@ -237,6 +244,15 @@ class RemoteVerifier(PooledSession):
         self.times.server_s += verdict.verify_time_s
         return WindowVerdict(num_accepted=verdict.num_accepted, next_token=verdict.next_token,
                              next_kind=TOKEN_KIND_FROM_PROTO[verdict.next_kind])
+
+
+def fork_point(held: Sequence[int], context: Sequence[int]) -> int:
+    """Length of the common prefix of ``held`` and ``context``. Usually ``context`` extends
+    ``held`` (one C-speed slice compare); a mirror branch forks a few tokens before its end."""
+    n = min(len(held), len(context))
+    if list(context[:n]) == list(held[:n]):
+        return n
+    return next(i for i in range(n) if held[i] != context[i])
 
 
 def _verdict_of(events) -> target_pb2.Verdict:

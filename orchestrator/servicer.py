@@ -19,9 +19,10 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from mirrorspec.config import AdaptiveKConfig, InvalidRequest, SamplingParams, SpeculationConfig
+from mirrorspec.config import AdaptiveKConfig, InvalidRequest, MirrorConfig, SamplingParams, SpeculationConfig
 from mirrorspec.drafting import Drafter, NgramDrafter
 from mirrorspec.engine import GenerationStats, decode_windows, validate_prompt
+from mirrorspec.mirror import MirrorPipeline
 from mirrorspec.models import encode_chat, encode_prompt
 from mirrorspec.models.detokenize import IncrementalDetokenizer
 from mirrorspec.sampling import fresh_seed
@@ -56,6 +57,8 @@ class OrchestratorConfig:
     replacement_wait_s: float = 60.0  # how long a request waits for a target replica to (re)appear
     metrics_port: int | None = None  # Prometheus text endpoint on host:metrics_port
     adaptive: AdaptiveKConfig | None = None  # K per window in [0, requested K]; None = fixed K
+    # draft the next window's branches while the target verifies (a request's `mirror` overrides)
+    mirror: MirrorConfig | None = None
 
 
 @dataclass
@@ -65,6 +68,7 @@ class PreparedRequest:
     spec: SpeculationConfig
     seed: int
     stop_strings: tuple[str, ...]
+    mirror: MirrorConfig | None = None
 
 
 @dataclass
@@ -142,7 +146,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         kind, prompt = self._prompt_ids(request)
         prompt = validate_prompt(prompt, self.vocab_size, self.max_context, params, field=kind)
         seed = request.seed if request.HasField("seed") else fresh_seed()
-        return PreparedRequest(prompt, params, spec, int(seed), tuple(request.stop))
+        mirror = self.config.mirror
+        if request.HasField("mirror"):
+            mirror = (mirror or MirrorConfig()) if request.mirror else None
+        return PreparedRequest(prompt, params, spec, int(seed), tuple(request.stop), mirror)
 
     def _prompt_ids(self, request) -> tuple[str, list[int]]:
         """(which input field was set, its token ids); ``validate_prompt`` checks the ids."""
@@ -205,9 +212,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             drafter = RemoteDrafter(self.drafters, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
                                     timeout_s=timeout, step_cost=step_cost)
         stop_check = _StopStrings(self.tokenizer, prepared.stop_strings) if prepared.stop_strings else None
+        # the verify RPC runs in the pipeline's thread while this one sends the branches' Draft RPCs
+        pipeline = MirrorPipeline(prepared.mirror) if prepared.mirror is not None and drafter is not None else None
         try:
             for event in decode_windows(drafter, verifier, prepared.prompt, prepared.params, prepared.spec,
-                                        prepared.seed, outcome.stats):
+                                        prepared.seed, outcome.stats, pipeline):
                 if cancelled.is_set():
                     outcome.finish_reason = "cancelled"
                     return
@@ -226,6 +235,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             outcome.target_moves = verifier.moves
             outcome.drafter_moves = drafter.moves if drafter is not None else 0
             outcome.network_s = verifier.times.network_s + (drafter.times.network_s if drafter else 0.0)
+            if pipeline is not None:
+                pipeline.close()
             verifier.release()
             if drafter is not None:
                 drafter.release()
@@ -258,6 +269,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             draft_time_s=s.draft_time_s, verify_time_s=s.verify_time_s, network_time_s=outcome.network_s,
             drafter_fallback=outcome.drafter_fallback, time_to_first_token_s=ttft,
             target_moves=outcome.target_moves, drafter_moves=outcome.drafter_moves,
+            mirror_windows=s.mirror_windows, branches_drafted=s.branches_drafted, branch_hits=s.branch_hits,
+            branch_hit_rate=s.branch_hit_rate, draft_time_off_path_s=s.draft_time_off_path_s,
+            mean_k=s.drafted / s.windows if s.windows else 0.0,
             total_time_s=time.perf_counter() - outcome.started)
 
 

@@ -34,7 +34,9 @@ def proposal_to_proto(rows: ProposalRows) -> common_pb2.ProposalDistribution:
     return msg
 
 
-def proposal_from_proto(tokens, q: common_pb2.ProposalDistribution, vocab_size: int) -> Proposal:
+def proposal_from_proto(tokens, q: common_pb2.ProposalDistribution, vocab_size: int,
+                        alternatives=()) -> Proposal:
+    """``alternatives``: repeated ``TokenAlternatives`` (a drafter's runner-ups), if sent."""
     tokens = tuple(int(t) for t in tokens)
     if not tokens:
         return Proposal.empty()
@@ -43,7 +45,7 @@ def proposal_from_proto(tokens, q: common_pb2.ProposalDistribution, vocab_size: 
                              field="q")
     rows = decode_proposal(q.probs.frame, q.ids.frame or None, num_tokens=len(tokens), vocab_size=vocab_size,
                            draft_tokens=list(tokens))
-    return Proposal(tokens=tokens, q=rows)
+    return Proposal(tokens=tokens, q=rows, alternatives=tuple(tuple(int(t) for t in a.ids) for a in alternatives))
 
 
 TOKEN_KIND_TO_PROTO = {

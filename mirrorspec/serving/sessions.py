@@ -81,6 +81,14 @@ class SequenceState:
     params: SamplingParams
     seed: int
 
+    def rewind(self, keep: int) -> None:
+        """Forget all but the first ``keep`` tokens: mirror branches fork from a shorter prefix."""
+        if keep > len(self.context):
+            raise ContextMismatch(
+                f"keep={keep} exceeds the {len(self.context)} tokens this session holds; "
+                f"reopen the session with the full context")
+        del self.context[keep:]
+
     def commit(self, tokens: list[int], expected_length: int) -> None:
         if len(self.context) + len(tokens) != expected_length:
             raise ContextMismatch(

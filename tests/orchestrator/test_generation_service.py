@@ -6,8 +6,11 @@ import time
 
 import grpc
 import pytest
+import torch
 
 from mirrorspec import SamplingParams, generate
+from mirrorspec.config import MirrorConfig
+from mirrorspec.serving.convert import proposal_from_proto
 from mirrorspec.client import AsyncClient, Client
 from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
 from served_stack import start_stack
@@ -82,12 +85,13 @@ def test_deadline_frees_the_sessions_too(stack):
     assert wait_until(lambda: open_sessions(stack) == (0, 0))
 
 
-def test_drafter_failure_mid_request_falls_back_without_losing_it(tiny_dir):
+@pytest.mark.parametrize("mirror", [False, True], ids=["serial", "mirror"])
+def test_drafter_failure_mid_request_falls_back_without_losing_it(tiny_dir, mirror):
     s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=2)
     try:
         model = load(tiny_dir["target16"])
         with Client(s.address) as client:
-            stream = client.stream([0, 7, 3], max_tokens=60)
+            stream = client.stream([0, 7, 3], max_tokens=60, mirror=mirror)
             first = next(stream)
             s.drafter.stop()  # the drafter replica dies mid-request
             rest = list(stream)
@@ -209,6 +213,63 @@ def test_drafter_session_errors(stack):
     draft = stub.Draft(drafter_pb2.DraftRequest(session_id=sid, context_length=2, k=3))
     assert len(draft.tokens) == 3 and draft.q.ids.frame  # sparse q by default
     stub.CloseSession(common_pb2.CloseSessionRequest(session_id=sid))
+
+
+def test_drafter_rewinds_a_session_for_a_branch(stack):
+    """`keep` forks a drafter session a few tokens back (a mirror branch): the draft is then the
+    one a fresh session on that context gives (q up to float rounding: a rolled-back KV cache and a
+    fresh prefill sum in different orders)."""
+    stub = drafter_pb2_grpc.DrafterServiceStub(grpc.insecure_channel(f"127.0.0.1:{stack.drafter.port}"))
+    params = common_pb2.SamplingParams(temperature=1.0, max_new_tokens=8)
+
+    def open_on(prompt):
+        return stub.OpenSession(drafter_pb2.OpenDraftSessionRequest(prompt_ids=prompt, params=params,
+                                                                    seed=11)).session_id
+
+    forked = open_on([0, 1, 2])
+    stub.Draft(drafter_pb2.DraftRequest(session_id=forked, context_length=3, k=3))
+    branch = stub.Draft(drafter_pb2.DraftRequest(session_id=forked, keep=2, commit_tokens=[9], context_length=3, k=3))
+    fresh = stub.Draft(drafter_pb2.DraftRequest(session_id=open_on([0, 1, 9]), context_length=3, k=3))
+    assert list(branch.tokens) == list(fresh.tokens)
+    q_branch, q_fresh = (proposal_from_proto(d.tokens, d.q, 16).q.dense(16, "cpu") for d in (branch, fresh))
+    assert torch.allclose(q_branch, q_fresh, atol=1e-6)
+    assert len(branch.alternatives) == 3 and all(a.ids for a in branch.alternatives)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Draft(drafter_pb2.DraftRequest(session_id=forked, keep=7, context_length=7, k=1))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "keep=7" in err.value.details()
+
+
+@pytest.fixture(scope="module")
+def mirror_stack(tiny_dir):
+    """Mirror on by default, every branch drafted whatever the timing: branch counts are then
+    reproducible, and the test does not depend on how fast this machine is."""
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, mirror=MirrorConfig(stop_at_verdict=False))
+    yield s
+    s.stop()
+
+
+def test_mirror_over_the_network_is_identical_to_target_only_and_to_serial(mirror_stack, tiny_dir):
+    """The orchestrator overlaps the Verify RPC with the branches' Draft RPCs; a branch is taken by
+    its key alone, so greedy output is target-only's and seeded samples are serial's."""
+    model = load(tiny_dir["target16"])
+    hits = 0
+    with Client(mirror_stack.address) as client:
+        for prompt in prompts(4, seed=3):
+            served = client.generate(prompt, max_tokens=24)
+            assert served.token_ids == target_only(model, prompt, 24)
+            s = served.stats
+            assert s.mirror_windows == s.windows - 1 > 0  # the last window has no next one to draft
+            assert 0 < s.branches_drafted <= 4 * s.mirror_windows and s.mean_k == pytest.approx(s.drafted / s.windows)
+            hits += s.branch_hits
+            for seed in (1, 2):
+                mirrored = client.generate(prompt, max_tokens=24, temperature=1.0, seed=seed)
+                serial = client.generate(prompt, max_tokens=24, temperature=1.0, seed=seed, mirror=False)
+                assert mirrored.token_ids == serial.token_ids
+                assert mirrored.stats.mirror_windows > 0 and serial.stats.mirror_windows == 0
+                hits += mirrored.stats.branch_hits
+    assert hits > 0  # branches were really used, not just drafted
+    metrics = mirror_stack.front.servicer.metrics
+    assert metrics.branch_hits._value.get() == hits and "mirrorspec_mirror_windows_total" in metrics.text()
 
 
 def test_session_limit_is_resource_exhausted(tiny_dir):
