@@ -33,6 +33,7 @@ class StackSpec:
     num_speculative_tokens: int = 4
     adaptive: AdaptiveKConfig | None = None
     mirror: MirrorConfig | None = None  # the front door's default for requests that do not say
+    hint_layer: int | None = None  # targets send early-exit hints read off this layer (tp=1 only)
     proposal_top_k: int = 32
     max_sessions: int = 64
     host: str = "127.0.0.1"  # the front door
@@ -50,6 +51,9 @@ class StackSpec:
             raise InvalidRequest("a deployment needs at least one target replica", field="targets")
         if self.tp < 1:
             raise InvalidRequest(f"tp must be >= 1, got {self.tp}", field="tp")
+        if self.hint_layer is not None and self.tp > 1:
+            raise InvalidRequest("early-exit hints need unsharded targets: use tp=1 or drop the hint layer",
+                                 field="hint_layer")
         if self.threads < 1:
             raise InvalidRequest(f"threads must be >= 1, got {self.threads}", field="threads")
 

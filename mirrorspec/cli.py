@@ -47,6 +47,7 @@ FLAG_FOR_FIELD = {
     "teacher_prompts": "--teacher-prompts",
     "epochs": "--epochs",
     "server": "--server",
+    "hint_layer": "--hint-layer",
     "address": "--address",
     "name": "--name",
     "drafters": "--drafters",
@@ -83,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--mirror", action="store_true",
                      help="draft the next window while the target verifies this one (same output; "
                           "without --local: asks the server for it)")
+    gen.add_argument("--hint-layer", type=int, default=None,
+                     help="with --local --mirror: the target sends early-exit hints read off this layer")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--json", action="store_true", help="print text, token ids and statistics as JSON")
     gen.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
@@ -119,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--mirror", action="store_true",
                      help="by default, draft the next window's likely branches while the target verifies "
                           "(a request's `mirror` field overrides; the output is the same either way)")
+    srv.add_argument("--hint-layer", type=int, default=None,
+                     help="targets early-exit hints read off this decoder layer (1-based) during each verify: mirror requests steer their branches with them")
     srv.add_argument("--proposal-top-k", type=int, default=32, help="sparse q width for draft models (0 = dense)")
     srv.add_argument("--max-sessions", type=int, default=64, help="sessions per replica")
     srv.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
@@ -199,6 +204,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             max_new_tokens=args.max_tokens)
     SpeculationConfig(num_speculative_tokens=args.k, proposal_top_k=args.proposal_top_k)
     _check_threads(args)
+    if args.hint_layer is not None and not (args.local and args.mirror):
+        raise InvalidRequest("needs --local and --mirror (a server's targets send hints if they were started "
+                             "with `mirrorspec serve --hint-layer`)", field="hint_layer")
     if not args.local:
         return _generate_remote(args)
     import torch
@@ -216,7 +224,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     printer = None if args.json else _StreamPrinter(target.tokenizer)
     result = generate(target.model, draft, ids, params, num_speculative_tokens=0 if draft is None else args.k,
                       seed=args.seed, proposal_top_k=args.proposal_top_k, adaptive=args.adaptive,
-                      mirror=args.mirror, on_tokens=printer.push if printer else None)
+                      mirror=args.mirror, hint_layer=args.hint_layer, on_tokens=printer.push if printer else None)
     text = target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     if args.json:
         print(json.dumps({
@@ -358,7 +366,8 @@ def _stack_spec(args: argparse.Namespace, target_gpus: float):
                      target_resources=PoolResources(cpus=args.replica_cpus, gpus=target_gpus),
                      threads=args.threads or 1, dtype=args.dtype, device=args.device,
                      num_speculative_tokens=args.k, adaptive=AdaptiveKConfig() if args.adaptive else None,
-                     mirror=MirrorConfig() if args.mirror else None, proposal_top_k=args.proposal_top_k, max_sessions=args.max_sessions, host=args.host,
+                     mirror=MirrorConfig() if args.mirror else None, hint_layer=args.hint_layer,
+                     proposal_top_k=args.proposal_top_k, max_sessions=args.max_sessions, host=args.host,
                      port=args.port, name=args.name, metrics_port=args.metrics_port)
 
 
@@ -409,7 +418,8 @@ def _serve_in_process(args: argparse.Namespace) -> int:
     if args.draft != "none":
         drafter = DrafterConfig.for_draft(args.draft, dtype=args.dtype, device=args.device,
                                           max_sessions=args.max_sessions, proposal_top_k=args.proposal_top_k)
-    stack = start_local_stack(TargetConfig(model=target.source, max_sessions=args.max_sessions), drafter,
+    stack = start_local_stack(TargetConfig(model=target.source, max_sessions=args.max_sessions,
+                                           hint_layer=args.hint_layer), drafter,
                               target_model=target, host=args.host, port=args.port, num_speculative_tokens=args.k,
                               metrics_port=args.metrics_port, adaptive=AdaptiveKConfig() if args.adaptive else None,
                               mirror=MirrorConfig() if args.mirror else None)

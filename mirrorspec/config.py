@@ -113,6 +113,7 @@ class MirrorConfig:
     max_branches: int = 4
     alternatives: int = 2  # runner-up tokens guessed per rejection point
     stop_at_verdict: bool = True
+    use_hints: bool = True  # steer branches by the target's early-exit hints, where it sends them
 
     def __post_init__(self) -> None:
         if self.max_branches < 1 or self.alternatives < 0:

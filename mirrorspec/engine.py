@@ -26,6 +26,7 @@ from mirrorspec.config import (
     SpeculationConfig,
 )
 from mirrorspec.drafting import DraftModelDrafter, Drafter, NgramDrafter, Proposal
+from mirrorspec.models.early_exit import EarlyExitHint, EarlyExitProbe
 from mirrorspec.models.session import KVSession, LogitSession
 from mirrorspec.sampling import (
     Stream,
@@ -41,23 +42,40 @@ from mirrorspec.sampling import (
 
 
 class Verifier(Protocol):
-    """Decides one window: how many drafts the target keeps and which token follows them."""
+    """Decides one window: how many drafts the target keeps and which token follows them.
+
+    One that ``gives_hints`` calls ``on_hint`` with an ``EarlyExitHint`` part-way through the
+    verify, before the verdict (mirror mode steers its branches with it)."""
 
     vocab_size: int
+    gives_hints: bool
 
-    def verify(self, context: Sequence[int], proposal: Proposal, params: SamplingParams, seed: int) -> WindowVerdict: ...
+    def verify(self, context: Sequence[int], proposal: Proposal, params: SamplingParams, seed: int,
+               on_hint: Callable[[EarlyExitHint], None] | None = None) -> WindowVerdict: ...
 
 
 class TargetVerifier:
-    """Scores a window in one target forward pass and runs exact rejection sampling on it."""
+    """Scores a window in one target forward pass and runs exact rejection sampling on it; with
+    a ``probe``, it reads early-exit hints off that same pass."""
 
-    def __init__(self, session: LogitSession):
+    def __init__(self, session: LogitSession, probe: EarlyExitProbe | None = None):
         self.session = session
         self.vocab_size = session.vocab_size
+        self.probe = probe
 
-    def verify(self, context: Sequence[int], proposal: Proposal, params: SamplingParams, seed: int) -> WindowVerdict:
+    @property
+    def gives_hints(self) -> bool:
+        return self.probe is not None
+
+    def verify(self, context: Sequence[int], proposal: Proposal, params: SamplingParams, seed: int,
+               on_hint: Callable[[EarlyExitHint], None] | None = None) -> WindowVerdict:
         k, start = len(proposal), len(context)
-        logits = self.session.logits_for(list(context) + list(proposal.tokens), k + 1)  # [k + 1, vocab]
+        window = list(context) + list(proposal.tokens)
+        if on_hint is not None and self.probe is not None:
+            with self.probe.watching(k + 1, on_hint):
+                logits = self.session.logits_for(window, k + 1)  # [k + 1, vocab]
+        else:
+            logits = self.session.logits_for(window, k + 1)  # [k + 1, vocab]
         draft_ids = proposal.token_tensor(logits.device)  # [1, k]
         if params.greedy:
             num_accepted, next_token = greedy_verify(draft_ids, logits.argmax(dim=-1, keepdim=True).T)
@@ -279,6 +297,7 @@ def generate(
     proposal_top_k: int = 0,
     adaptive: AdaptiveKConfig | bool | None = None,
     mirror: MirrorConfig | bool | None = None,
+    hint_layer: int | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
 ) -> GenerationResult:
     """Generate with speculative decoding, exactly as the target alone would.
@@ -298,6 +317,8 @@ def generate(
             off where it does not pay; exactness is unaffected.
         mirror: ``True`` or a ``MirrorConfig`` drafts the next window's likely branches while the
             target verifies (``mirrorspec.mirror``); the output is the same as without it.
+        hint_layer: with mirror and an HF target, the target sends early-exit hints read off this
+            decoder layer (1-based) part-way through each verify, steering which branches get drafted.
         on_tokens: called with each window's committed tokens as soon as they are known.
 
     Greedy output is token-identical to target-only greedy decoding; sampled output has exactly
@@ -317,9 +338,14 @@ def generate(
     tokens: list[int] = []
     finish = "length"
     pipeline = MirrorPipeline(MirrorConfig() if mirror is True else mirror) if mirror and drafter else None
+    if hint_layer is not None and not isinstance(target, torch.nn.Module):
+        raise InvalidRequest("hint_layer needs an HF model as the target (hints are read off its layers)",
+                             field="hint_layer")
+    probe = EarlyExitProbe(target, hint_layer) if hint_layer is not None and pipeline is not None else None
     started = time.perf_counter()
     try:
-        for event in decode_windows(drafter, TargetVerifier(session), prompt, params, spec, seed, stats, pipeline):
+        for event in decode_windows(drafter, TargetVerifier(session, probe), prompt, params, spec, seed, stats,
+                                    pipeline):
             tokens += event.tokens
             if on_tokens is not None:
                 on_tokens(event.tokens)

@@ -14,18 +14,23 @@ would make: same tokens, same q. Mirror mode changes *when* drafting happens, no
 Guesses, best first: for each rejection point j < K, the drafter's own runner-up tokens at j
 (a rejected draft is never the recovered token: the residual is 0 there); for "all accepted",
 the drafter's greedy next token after its last draft. Ranked by P(n = j) under the running
-acceptance estimate. Early-exit hints from the target (#5's served path) slot in as more guesses.
+acceptance estimate. A verifier that gives early-exit hints (``mirrorspec.models.early_exit``)
+sends the target's own leaning part-way through the verify: the pipeline drafts its best own
+guess, waits for the hint (or the verdict), then ranks the hint's guesses with the rest.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 from mirrorspec.config import MirrorConfig, SamplingParams
 from mirrorspec.drafting import Drafter, Proposal
+from mirrorspec.models.early_exit import EarlyExitHint
 from mirrorspec.sampling import WindowVerdict
 
 GREEDY = SamplingParams(max_new_tokens=1)
@@ -67,6 +72,20 @@ def guesses(proposal: Proposal, alpha: float, alternatives: int) -> list[tuple[f
     return sorted(out, key=lambda g: -g[0])
 
 
+def hint_guesses(proposal: Proposal, hint: EarlyExitHint, alpha: float) -> list[tuple[float, int, int]]:
+    """(score, j, c) from the target's early-exit hint: a draft passes with a chance between the
+    running alpha and the hint's own probability of it (the early exit is not calibrated, so
+    neither is trusted alone); where it fails, the target's token is one of the hint's others."""
+    out: list[tuple[float, int, int]] = []
+    reach = 1.0  # P(the window gets to position j)
+    for j in range(len(proposal) + 1):
+        draft = proposal.tokens[j] if j < len(proposal) else None
+        passes = 0.5 * (alpha + hint.prob(j, draft)) if draft is not None else 0.0
+        out += [(reach * (1 - passes) * p, j, c) for c, p in zip(hint.top_tokens[j], hint.top_probs[j]) if c != draft]
+        reach *= passes
+    return sorted(out, key=lambda g: -g[0])
+
+
 class MirrorPipeline:
     """Runs the verify in a worker thread and drafts branches in the caller's meanwhile.
 
@@ -87,12 +106,32 @@ class MirrorPipeline:
                               k_after: Callable[[int, int], int]) -> Prefetch:
         """Verify ``proposal``; meanwhile draft branches. ``k_after(n, produced_tokens)`` is the K
         window t+1 would get after verdict n (0: no next window worth drafting)."""
-        future = self._pool.submit(_timed, verifier.verify, context, proposal, params, seed)
+        hints: list[EarlyExitHint] = []
+        heard = threading.Event()  # a hint came, or the verify is over
+
+        def on_hint(hint: EarlyExitHint) -> None:
+            hints.append(hint)
+            heard.set()
+
+        wants_hints = self.config.use_hints and getattr(verifier, "gives_hints", False)
+        verify = partial(verifier.verify, on_hint=on_hint) if wants_hints else verifier.verify
+        future = self._pool.submit(_timed, verify, context, proposal, params, seed)
+        future.add_done_callback(lambda _: heard.set())
         branches: dict[tuple[int, int], Branch] = {}
+        pending = guesses(proposal, alpha, self.config.alternatives)
         started = time.perf_counter()
-        for _, j, c in guesses(proposal, alpha, self.config.alternatives):
-            if len(branches) >= self.config.max_branches or (self.config.stop_at_verdict and future.done()):
+        while len(branches) < self.config.max_branches:
+            if self.config.stop_at_verdict and future.done():
                 break
+            if wants_hints and (branches or not pending):  # own best guess drafted: let the target steer
+                wants_hints = False
+                heard.wait()
+                if hints:
+                    pending = sorted([*pending, *hint_guesses(proposal, hints[0], alpha)], key=lambda g: -g[0])
+                continue
+            if not pending:
+                break
+            _, j, c = pending.pop(0)
             head = [*context, *proposal.tokens[:j]]
             if c is None:  # all accepted: guess the bonus token as the drafter's greedy choice
                 bonus = drafter.propose(head, 1, GREEDY, seed)

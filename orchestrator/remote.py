@@ -19,10 +19,13 @@ import grpc
 
 from mirrorspec.config import InvalidRequest, SamplingParams
 from mirrorspec.drafting import Drafter, Proposal
+from mirrorspec.models import common_prefix_length
+from mirrorspec.models.early_exit import EarlyExitHint
 from mirrorspec.sampling import WindowVerdict
 from mirrorspec.serving.errors import SessionLimitReached
 from mirrorspec.serving.convert import (
     TOKEN_KIND_FROM_PROTO,
+    hint_from_proto,
     params_to_proto,
     proposal_from_proto,
     proposal_to_proto,
@@ -113,7 +116,7 @@ class PooledSession:
                 log.info("%s replica %s left the pool; moving its session", self.pool.name, self.replica.address)
                 self.move(context)
             try:
-                keep = fork_point(self.held, context)
+                keep = common_prefix_length(self.held, context)
                 result = rpc(self.replica, self.session_id, keep, list(context[keep:]))
             except grpc.RpcError as err:
                 if err.code() == _REPLICA_GONE:
@@ -216,27 +219,31 @@ class _DraftSession(PooledSession):
 
 class RemoteVerifier(PooledSession):
     """A target session on a TargetService pool. Wherever the session moves, the window is
-    retried there; the request fails only if no target replica comes back in time."""
+    retried there; the request fails only if no target replica comes back in time.
+    ``gives_hints``: the pool's targets stream early-exit hints when asked."""
 
     def __init__(self, pool: ReplicaPool, prompt: Sequence[int], params: SamplingParams, seed: int, vocab_size: int,
-                 timeout_s: float | None = None, replacement_wait_s: float = 60.0):
+                 timeout_s: float | None = None, replacement_wait_s: float = 60.0, gives_hints: bool = False):
         super().__init__(pool, prompt, params, seed, timeout_s, replacement_wait_s)
         self.vocab_size = vocab_size
+        self.gives_hints = gives_hints
         self.open(prompt)
 
     def open_request(self, context: Sequence[int], params: SamplingParams):
         return target_pb2.OpenTargetSessionRequest(prompt_ids=list(context), params=params_to_proto(params),
                                                    seed=self.seed)
 
-    def verify(self, context: Sequence[int], proposal: Proposal, params: SamplingParams, seed: int) -> WindowVerdict:
+    def verify(self, context: Sequence[int], proposal: Proposal, params: SamplingParams, seed: int,
+               on_hint: Callable[[EarlyExitHint], None] | None = None) -> WindowVerdict:
         def rpc(replica: Replica, session_id: str, keep: int, commit: list[int]):
             if keep < len(self.held):  # a target's context only grows: verdicts are final
                 raise RuntimeError(f"verify on a context that forks from the target session at {keep}")
             request = target_pb2.VerifyRequest(session_id=session_id, commit_tokens=commit,
-                                               context_length=len(context), draft_tokens=proposal.tokens)
+                                               context_length=len(context), draft_tokens=proposal.tokens,
+                                               hints=on_hint is not None)
             if proposal.tokens:
                 request.q.CopyFrom(proposal_to_proto(proposal.q))
-            return _verdict_of(replica.stub.Verify(request, timeout=self.timeout_s))
+            return _verdict_of(replica.stub.Verify(request, timeout=self.timeout_s), on_hint)
 
         started = time.perf_counter()
         verdict = self.call(context, rpc)
@@ -246,20 +253,13 @@ class RemoteVerifier(PooledSession):
                              next_kind=TOKEN_KIND_FROM_PROTO[verdict.next_kind])
 
 
-def fork_point(held: Sequence[int], context: Sequence[int]) -> int:
-    """Length of the common prefix of ``held`` and ``context``. Usually ``context`` extends
-    ``held`` (one C-speed slice compare); a mirror branch forks a few tokens before its end."""
-    n = min(len(held), len(context))
-    if list(context[:n]) == list(held[:n]):
-        return n
-    return next(i for i in range(n) if held[i] != context[i])
-
-
-def _verdict_of(events) -> target_pb2.Verdict:
+def _verdict_of(events, on_hint: Callable[[EarlyExitHint], None] | None) -> target_pb2.Verdict:
     verdict = None
     for event in events:
         if event.HasField("verdict"):
             verdict = event.verdict
+        elif event.HasField("hint") and on_hint is not None:
+            on_hint(hint_from_proto(event.hint))
     if verdict is None:
         raise RuntimeError("the target's Verify stream ended without a verdict")
     return verdict

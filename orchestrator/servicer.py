@@ -205,7 +205,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def _drive(self, prepared: PreparedRequest, outcome: RequestOutcome, timeout: float,
                cancelled: threading.Event, emit) -> None:
         verifier = RemoteVerifier(self.targets, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
-                                  timeout_s=timeout, replacement_wait_s=min(timeout, self.config.replacement_wait_s))
+                                  timeout_s=timeout, replacement_wait_s=min(timeout, self.config.replacement_wait_s),
+                                  gives_hints=self.target_info.hint_layer > 0)
         drafter = None
         if prepared.spec.num_speculative_tokens > 0 and self._describe_drafters() is not None:
             step_cost = NgramDrafter.step_cost if self.drafter_info.strategy == "ngram" else Drafter.step_cost

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from functools import partial
 
-from mirrorspec.config import OutOfRange, ReplicaConfig
+from mirrorspec.config import InvalidRequest, OutOfRange, ReplicaConfig
 from mirrorspec.engine import TargetVerifier, validate_prompt
 from mirrorspec.models import KVSession, LoadedModel, LogitSession, load_causal_lm
+from mirrorspec.models.early_exit import EarlyExitProbe
 from mirrorspec.serving.convert import (
     TOKEN_KIND_TO_PROTO,
     check_token_ids,
     describe_model,
+    hint_to_proto,
     params_from_proto,
     proposal_from_proto,
 )
@@ -25,6 +28,8 @@ from mirrorspec.v1 import common_pb2, target_pb2, target_pb2_grpc
 @dataclass(frozen=True)
 class TargetConfig(ReplicaConfig):
     model: str = "demo-target"
+    hint_layer: int | None = None  # send early-exit hints read off this layer (mirror mode); None = none
+    hint_top_k: int = 4  # tokens per window position in a hint
 
 
 @dataclass
@@ -43,6 +48,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.loaded = loaded
         self.config = config
         self.vocab_size = int(loaded.model.config.vocab_size)
+        if config.hint_layer is not None and new_session is not None:
+            raise InvalidRequest("early-exit hints need an unsharded target (tp=1): a hint read on rank 0 "
+                                 "alone would stall the other ranks' collectives", field="hint_layer")
+        self.probe = (EarlyExitProbe(loaded.model, config.hint_layer, config.hint_top_k)
+                      if config.hint_layer is not None else None)
         self.new_session = new_session or (lambda: KVSession(loaded.model))
         self.sessions: SessionStore[TargetSession] = SessionStore(
             config.max_sessions, config.session_ttl_s, on_evict=lambda s: s.verifier.session.close())
@@ -54,7 +64,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         prompt = validate_prompt(request.prompt_ids, self.vocab_size, self.loaded.max_context, params,
                                  field="prompt_ids")
         session = TargetSession(SequenceState(prompt, params, int(request.seed)),
-                                TargetVerifier(self.new_session()))
+                                TargetVerifier(self.new_session(), self.probe))
         session_id = self.sessions.open(session)
         started = time.perf_counter()
         try:
@@ -80,7 +90,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                  field="draft_tokens")
             seq.commit(commit, int(request.context_length))
             started = time.perf_counter()
-            verdict = await self.lane.run(session.verifier.verify, seq.context, proposal, seq.params, seq.seed)
+            hints: asyncio.Queue = asyncio.Queue()
+            loop = asyncio.get_running_loop()
+            on_hint = (lambda hint: loop.call_soon_threadsafe(hints.put_nowait, hint)) if request.hints else None
+            verifying = asyncio.ensure_future(self.lane.run(
+                partial(session.verifier.verify, on_hint=on_hint), seq.context, proposal, seq.params, seq.seed))
+            async for hint in _until_done(hints, verifying):
+                yield target_pb2.VerifyResponse(hint=hint_to_proto(hint))
+            verdict = verifying.result()
         yield target_pb2.VerifyResponse(verdict=target_pb2.Verdict(
             num_accepted=verdict.num_accepted, next_token=verdict.next_token,
             next_kind=TOKEN_KIND_TO_PROTO[verdict.next_kind], verify_time_s=time.perf_counter() - started))
@@ -92,7 +109,22 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.sessions.evict_expired()
         return target_pb2.TargetInfo(model=describe_model(self.loaded), open_sessions=len(self.sessions),
                                      max_sessions=self.config.max_sessions,
-                                     max_speculative_tokens=self.config.max_speculative_tokens)
+                                     max_speculative_tokens=self.config.max_speculative_tokens,
+                                     hint_layer=self.probe.layer if self.probe else 0)
+
+
+async def _until_done(queue: asyncio.Queue, task: asyncio.Future) -> AsyncIterator:
+    """Items put on ``queue`` until ``task`` is done, then those still queued. The compute thread
+    puts a hint before it returns, so every hint is queued ahead of the task's completion."""
+    while True:
+        getter = asyncio.ensure_future(queue.get())
+        done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+        if getter not in done:
+            getter.cancel()
+            break
+        yield getter.result()
+    while not queue.empty():
+        yield queue.get_nowait()
 
 
 async def serve(config: TargetConfig, loaded: LoadedModel | None = None,

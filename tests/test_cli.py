@@ -27,6 +27,8 @@ from mirrorspec.cli import main
     (["scale", "target", "0"], "REPLICAS"),
     (["serve", "--target-gpus", "-1"], "--target-gpus"),
     (["serve", "--replica-cpus", "-1"], "--replica-cpus"),
+    (["serve", "--tp", "2", "--hint-layer", "20"], "--hint-layer"),
+    (["generate", "hi", "--hint-layer", "20"], "--hint-layer"),
     (["demo", "--k", "99"], "--k"),
     (["demo", "--rebuild", "--epochs", "0"], "--epochs"),
 ])
@@ -60,7 +62,8 @@ def test_local_greedy_is_identical_with_and_without_speculation():
 def test_serve_on_local_ray_then_generate_scale_and_status():
     """The embedded default: `mirrorspec serve` starts a local Ray with one drafter and one target
     actor on the demo models; `generate`, `scale` and `status` are separate processes."""
-    server = subprocess.Popen([sys.executable, "-m", "mirrorspec", "serve", "--port", "50593", "--replica-cpus", "0.5"],
+    server = subprocess.Popen([sys.executable, "-m", "mirrorspec", "serve", "--port", "50593", "--replica-cpus", "0.5",
+                               "--hint-layer", "24"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 300
@@ -88,8 +91,8 @@ def test_serve_on_local_ray_then_generate_scale_and_status():
         assert next(r for r in rows if r["pool"] == "orchestrator")["requests"] == 2
         assert run_cli("scale", "drafter", "1").stdout.count("drafter-") == 1
         again = json.loads(run_cli("generate", prompt, "--server", "127.0.0.1:50593", "--max-tokens", "24",
-                                   "--json").stdout)
-        assert again["token_ids"] == local["token_ids"]
+                                   "--json", "--mirror").stdout)  # mirror, steered by the target's hints
+        assert again["token_ids"] == local["token_ids"] and again["stats"]["mirror_windows"] > 0
     finally:
         server.terminate()
         server.wait(timeout=60)

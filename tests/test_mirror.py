@@ -1,11 +1,17 @@
 """Mirror-style pipelining: same output as serial decoding, branches really used."""
 
+from dataclasses import replace
+
 import pytest
 
 from mirrorspec import SamplingParams, generate
 from mirrorspec.config import InvalidRequest, MirrorConfig
 from mirrorspec.drafting import DraftModelDrafter, NgramDrafter, Proposal
-from mirrorspec.mirror import Branch, Prefetch, guesses
+from mirrorspec.config import SpeculationConfig
+from mirrorspec.engine import GenerationStats, TargetVerifier, decode_windows
+from mirrorspec.mirror import Branch, MirrorPipeline, Prefetch, guesses, hint_guesses
+from mirrorspec.models import KVSession
+from mirrorspec.models.early_exit import EarlyExitHint
 from mirrorspec.sampling import ProposalRows, TokenKind, WindowVerdict
 
 EVERY_BRANCH = MirrorConfig(stop_at_verdict=False)  # timing-independent, so tests are deterministic
@@ -66,6 +72,71 @@ def test_branch_hits_are_counted_and_reported(tiny_target):
     assert s.branch_hits > 0
     assert s.branch_hit_rate == pytest.approx(s.branch_hits / s.mirror_windows)
     assert s.to_dict()["branch_hit_rate"] == s.branch_hit_rate
+
+
+def test_hint_guesses_follow_where_the_target_leans():
+    proposal = Proposal(tokens=(5, 6), q=ProposalRows.one_hot([5, 6]))
+    hint = EarlyExitHint(1, ((5, 2), (4, 6), (9,)), ((0.9, 0.1), (0.8, 0.2), (1.0,)))
+    ranked = hint_guesses(proposal, hint, alpha=0.5)
+    # draft 5 likely passes (0.9), draft 6 likely fails (0.2) where the target leans to 4
+    assert [g[1:] for g in ranked] == [(1, 4), (2, 9), (0, 2)]
+    assert ranked[0][0] == pytest.approx(0.7 * 0.65 * 0.8)
+
+
+class OracleHints:
+    """A verifier whose "early-exit hint" is its verdict (sent before it returns): the pipeline,
+    once its own best guess is drafted, must draft the branch the hint points at."""
+
+    gives_hints = True
+
+    def __init__(self, model):
+        self.inner = TargetVerifier(KVSession(model))
+        self.vocab_size = self.inner.vocab_size
+
+    def verify(self, context, proposal, params, seed, on_hint=None):
+        verdict = self.inner.verify(context, proposal, params, seed)
+        rows = [(t,) for t in proposal.tokens[:verdict.num_accepted]] + [(verdict.next_token,)]
+        rows += [(0,)] * (len(proposal) + 1 - len(rows))
+        if on_hint is not None:
+            on_hint(EarlyExitHint(1, tuple(rows), tuple((1.0,) for _ in rows)))
+        return verdict
+
+
+def decode_with(verifier, draft, params, mirror):
+    stats, pipeline = GenerationStats(), MirrorPipeline(mirror)
+    try:
+        windows = decode_windows(DraftModelDrafter(draft), verifier, [0, 3, 5, 2], params,
+                                 SpeculationConfig(num_speculative_tokens=3), 4, stats, pipeline)
+        return [t for window in windows for t in window.tokens], stats
+    finally:
+        pipeline.close()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_hints_steer_branches_to_the_verdict_and_never_change_the_output(tiny_dir, temperature):
+    import support
+
+    target, draft = support.load(tiny_dir["target16"]), support.load(tiny_dir["draft16"])
+    params = SamplingParams(temperature=temperature, max_new_tokens=30)
+    serial = generate(target, draft, [0, 3, 5, 2], params, num_speculative_tokens=3, seed=4).token_ids
+    two_branches = MirrorConfig(max_branches=2, alternatives=0, stop_at_verdict=False)
+    steered, with_hints = decode_with(OracleHints(target), draft, params, two_branches)
+    unsteered, without = decode_with(OracleHints(target), draft, params, replace(two_branches, use_hints=False))
+    assert steered == serial == unsteered
+    # every window's verdict was drafted before it came (the last window has no next one)
+    assert with_hints.branch_hits == with_hints.mirror_windows - 1 > without.branch_hits
+
+
+def test_real_early_exit_hints_keep_mirror_output_identical(tiny_dir):
+    import support
+
+    target, draft = support.load(tiny_dir["target16"]), support.load(tiny_dir["draft16"])
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, max_new_tokens=30)
+        serial = generate(target, draft, [0, 3, 5, 2], params, num_speculative_tokens=3, seed=1)
+        hinted = generate(target, draft, [0, 3, 5, 2], params, num_speculative_tokens=3, seed=1,
+                          mirror=EVERY_BRANCH, hint_layer=1)
+        assert hinted.token_ids == serial.token_ids and hinted.stats.mirror_windows > 0
 
 
 def test_bad_mirror_config_names_the_field():

@@ -32,7 +32,11 @@ class LogitSession(Protocol):
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Usually one extends the other (one C-speed slice compare); a mirror branch forks a few
+    tokens before the end."""
     n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):
+        return n
     for i in range(n):
         if a[i] != b[i]:
             return i

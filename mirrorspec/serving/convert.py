@@ -6,8 +6,9 @@ from mirrorspec.codec import decode_proposal, encode_proposal
 from mirrorspec.config import InvalidRequest, SamplingParams
 from mirrorspec.drafting import Proposal
 from mirrorspec.models import LoadedModel
+from mirrorspec.models.early_exit import EarlyExitHint
 from mirrorspec.sampling import ProposalRows, TokenKind
-from mirrorspec.v1 import common_pb2
+from mirrorspec.v1 import common_pb2, target_pb2
 
 
 def params_from_proto(msg: common_pb2.SamplingParams, *, default_max_new_tokens: int = 128) -> SamplingParams:
@@ -46,6 +47,15 @@ def proposal_from_proto(tokens, q: common_pb2.ProposalDistribution, vocab_size: 
     rows = decode_proposal(q.probs.frame, q.ids.frame or None, num_tokens=len(tokens), vocab_size=vocab_size,
                            draft_tokens=list(tokens))
     return Proposal(tokens=tokens, q=rows, alternatives=tuple(tuple(int(t) for t in a.ids) for a in alternatives))
+
+
+def hint_to_proto(hint: EarlyExitHint) -> target_pb2.EarlyExitHint:
+    return target_pb2.EarlyExitHint(layer=hint.layer, rows=[target_pb2.HintRow(ids=ids, probs=probs)
+                                                            for ids, probs in zip(hint.top_tokens, hint.top_probs)])
+
+
+def hint_from_proto(msg: target_pb2.EarlyExitHint) -> EarlyExitHint:
+    return EarlyExitHint(msg.layer, tuple(tuple(r.ids) for r in msg.rows), tuple(tuple(r.probs) for r in msg.rows))
 
 
 TOKEN_KIND_TO_PROTO = {

@@ -26,18 +26,20 @@ class OpenTargetSessionResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prefill_time_s: _Optional[float] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "commit_tokens", "context_length", "draft_tokens", "q")
+    __slots__ = ("session_id", "commit_tokens", "context_length", "draft_tokens", "q", "hints")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
+    HINTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     commit_tokens: _containers.RepeatedScalarFieldContainer[int]
     context_length: int
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     q: _common_pb2.ProposalDistribution
-    def __init__(self, session_id: _Optional[str] = ..., commit_tokens: _Optional[_Iterable[int]] = ..., context_length: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[_common_pb2.ProposalDistribution, _Mapping]] = ...) -> None: ...
+    hints: bool
+    def __init__(self, session_id: _Optional[str] = ..., commit_tokens: _Optional[_Iterable[int]] = ..., context_length: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[_common_pb2.ProposalDistribution, _Mapping]] = ..., hints: _Optional[bool] = ...) -> None: ...
 
 class Verdict(_message.Message):
     __slots__ = ("num_accepted", "next_token", "next_kind", "verify_time_s")
@@ -51,20 +53,40 @@ class Verdict(_message.Message):
     verify_time_s: float
     def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., next_kind: _Optional[_Union[_common_pb2.TokenKind, str]] = ..., verify_time_s: _Optional[float] = ...) -> None: ...
 
+class HintRow(_message.Message):
+    __slots__ = ("ids", "probs")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class EarlyExitHint(_message.Message):
+    __slots__ = ("layer", "rows")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    rows: _containers.RepeatedCompositeFieldContainer[HintRow]
+    def __init__(self, layer: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[HintRow, _Mapping]]] = ...) -> None: ...
+
 class VerifyResponse(_message.Message):
-    __slots__ = ("verdict",)
+    __slots__ = ("verdict", "hint")
     VERDICT_FIELD_NUMBER: _ClassVar[int]
+    HINT_FIELD_NUMBER: _ClassVar[int]
     verdict: Verdict
-    def __init__(self, verdict: _Optional[_Union[Verdict, _Mapping]] = ...) -> None: ...
+    hint: EarlyExitHint
+    def __init__(self, verdict: _Optional[_Union[Verdict, _Mapping]] = ..., hint: _Optional[_Union[EarlyExitHint, _Mapping]] = ...) -> None: ...
 
 class TargetInfo(_message.Message):
-    __slots__ = ("model", "open_sessions", "max_sessions", "max_speculative_tokens")
+    __slots__ = ("model", "open_sessions", "max_sessions", "max_speculative_tokens", "hint_layer")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HINT_LAYER_FIELD_NUMBER: _ClassVar[int]
     model: _common_pb2.ModelDescription
     open_sessions: int
     max_sessions: int
     max_speculative_tokens: int
-    def __init__(self, model: _Optional[_Union[_common_pb2.ModelDescription, _Mapping]] = ..., open_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_speculative_tokens: _Optional[int] = ...) -> None: ...
+    hint_layer: int
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelDescription, _Mapping]] = ..., open_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_speculative_tokens: _Optional[int] = ..., hint_layer: _Optional[int] = ...) -> None: ...

@@ -12,6 +12,9 @@ def test_common_prefix_length():
     assert common_prefix_length([1, 2, 3], [1, 2, 4, 5]) == 2
     assert common_prefix_length([], [1]) == 0
     assert common_prefix_length([1, 2], [1, 2]) == 2
+    assert common_prefix_length([1, 2, 3, 4], [1, 2, 9, 8]) == 2  # a mirror branch forks here
+    assert common_prefix_length([1, 2, 3, 4], [1, 2]) == 2
+    assert common_prefix_length([5, 2], [1, 2, 3]) == 0
 
 
 def test_random_append_score_and_rollback_match_full_forwards(tiny_dir):

@@ -272,6 +272,32 @@ def test_mirror_over_the_network_is_identical_to_target_only_and_to_serial(mirro
     assert metrics.branch_hits._value.get() == hits and "mirrorspec_mirror_windows_total" in metrics.text()
 
 
+def test_a_target_with_a_hint_layer_streams_hints_before_the_verdict(tiny_dir):
+    """Verify(hints=true) streams the early-exit hint first; mirror requests steer their branches
+    with it, and the output stays target-only's (greedy) and serial's (seeded)."""
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, hint_layer=1,
+                    mirror=MirrorConfig(stop_at_verdict=False))
+    try:
+        stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(f"127.0.0.1:{s.target.port}"))
+        assert stub.Info(common_pb2.InfoRequest()).hint_layer == 1
+        sid = stub.OpenSession(target_pb2.OpenTargetSessionRequest(prompt_ids=[0, 3])).session_id
+        events = list(stub.Verify(target_pb2.VerifyRequest(session_id=sid, context_length=2, draft_tokens=[5, 1],
+                                                           q=q_frame([[1.0], [1.0]], [[5], [1]]), hints=True)))
+        assert [e.WhichOneof("event") for e in events] == ["hint", "verdict"]
+        assert events[0].hint.layer == 1 and len(events[0].hint.rows) == 3
+        assert all(len(row.ids) == 4 and sorted(row.probs, reverse=True) == list(row.probs)
+                   for row in events[0].hint.rows)
+        model = load(tiny_dir["target16"])
+        with Client(s.address) as client:
+            for prompt in prompts(3, seed=5):
+                assert client.generate(prompt, max_tokens=20).token_ids == target_only(model, prompt, 20)
+                mirrored = client.generate(prompt, max_tokens=20, temperature=1.0, seed=3)
+                assert mirrored.token_ids == client.generate(prompt, max_tokens=20, temperature=1.0, seed=3,
+                                                             mirror=False).token_ids
+    finally:
+        s.stop()
+
+
 def test_session_limit_is_resource_exhausted(tiny_dir):
     s = start_stack(tiny_dir["target16"], strategy=None, target_max_sessions=1)
     try:

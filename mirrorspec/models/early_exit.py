@@ -1,0 +1,83 @@
+"""Early-exit hints: the target's guess at the verdict, read off an intermediate layer.
+
+Mirror-SD (arXiv 2510.13161) lets the target tell the drafter, part-way through a verify, which
+tokens it is leaning towards at each window position: the final norm and LM head applied to
+layer L's hidden state. The verify pass computes that hidden state anyway, so a forward hook
+reads it as it goes by; the hint leaves before the remaining layers run, and the drafter spends
+that time drafting the branches the hint points at.
+
+Hints only steer *which* branches get drafted. Acceptance always uses the target's final
+distribution, so a wrong hint costs a branch miss, never exactness.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from mirrorspec.config import InvalidRequest
+
+
+@dataclass(frozen=True)
+class EarlyExitHint:
+    """Top-κ tokens (best first) and their early-exit probabilities at each window position:
+    row j predicts the token after the first j drafts (row K: after all of them)."""
+
+    layer: int
+    top_tokens: tuple[tuple[int, ...], ...]
+    top_probs: tuple[tuple[float, ...], ...]
+
+    def prob(self, position: int, token: int) -> float:
+        """The hint's probability of ``token`` at ``position``; 0 outside its top-κ."""
+        for t, p in zip(self.top_tokens[position], self.top_probs[position]):
+            if t == token:
+                return p
+        return 0.0
+
+
+class EarlyExitProbe:
+    """Reads layer ``layer``'s top-``top_k`` guesses during a target forward pass.
+
+    ``layer`` counts decoder layers from 1 and must leave at least one layer after it (the hint
+    is worth something only if it arrives before the verdict). Decoder-only HF models with
+    ``get_decoder().layers`` and ``get_decoder().norm`` (Llama, Mistral, Qwen, SmolLM ...).
+    """
+
+    def __init__(self, model: torch.nn.Module, layer: int, top_k: int = 4):
+        decoder = model.get_decoder()
+        layers = getattr(decoder, "layers", None)
+        norm = getattr(decoder, "norm", None)
+        if layers is None or norm is None:
+            raise InvalidRequest(f"early-exit hints need a decoder with .layers and .norm; "
+                                 f"{type(model).__name__} has none", field="hint_layer")
+        if not 1 <= layer < len(layers):
+            raise InvalidRequest(f"hint_layer must be in [1, {len(layers) - 1}] for this {len(layers)}-layer "
+                                 f"target, got {layer}", field="hint_layer")
+        if top_k < 1:
+            raise InvalidRequest(f"hint_top_k must be >= 1, got {top_k}", field="hint_top_k")
+        self.layer = layer
+        self.top_k = top_k
+        self._block = layers[layer - 1]
+        self._norm = norm
+        self._head = model.get_output_embeddings()
+
+    @contextmanager
+    def watching(self, num_positions: int, on_hint: Callable[[EarlyExitHint], None]) -> Iterator[None]:
+        """While inside, each forward through the model sends one hint for its last
+        ``num_positions`` positions to ``on_hint`` (called on the forward's thread)."""
+
+        def hook(module, args, output):
+            hidden = output[0] if isinstance(output, tuple) else output  # [1, n, hidden]
+            logits = self._head(self._norm(hidden[:, -num_positions:]))[0].float()  # [num_positions, vocab]
+            top = logits.softmax(dim=-1).topk(min(self.top_k, logits.shape[-1]), dim=-1)
+            on_hint(EarlyExitHint(self.layer, tuple(map(tuple, top.indices.tolist())),
+                                  tuple(map(tuple, top.values.tolist()))))
+
+        handle = self._block.register_forward_hook(hook)
+        try:
+            yield
+        finally:
+            handle.remove()

@@ -1,0 +1,37 @@
+"""Early-exit hints are the target's own norm and head on an intermediate layer's output, read
+during a forward pass the verify runs anyway."""
+
+import pytest
+import torch
+
+from mirrorspec.config import InvalidRequest
+from mirrorspec.models import KVSession
+from mirrorspec.models.early_exit import EarlyExitHint, EarlyExitProbe
+from support import load
+
+
+def test_a_hint_is_the_head_on_the_layer_output_for_the_window_positions(tiny_dir):
+    model = load(tiny_dir["target16"])  # 2 layers
+    probe = EarlyExitProbe(model, layer=1, top_k=3)
+    session, hints, ids = KVSession(model), [], [0, 3, 5, 2, 7]
+    session.logits_for(ids[:2], 1)  # a cached prefix: the hinted forward sees only the new tokens
+    with probe.watching(3, hints.append):
+        session.logits_for(ids, 3)
+    hidden = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[1]  # after layer 1
+    expected = model.lm_head(model.model.norm(hidden[:, -3:]))[0].softmax(-1).topk(3)
+    assert len(hints) == 1 and hints[0].layer == 1
+    assert hints[0].top_tokens == tuple(map(tuple, expected.indices.tolist()))
+    assert torch.allclose(torch.tensor(hints[0].top_probs), expected.values, atol=1e-5)
+    session.logits_for([*ids, 1], 1)
+    assert len(hints) == 1  # the hook is gone outside `watching`
+
+
+def test_hint_prob_is_zero_outside_its_top_tokens():
+    hint = EarlyExitHint(3, ((4, 2),), ((0.7, 0.2),))
+    assert hint.prob(0, 2) == 0.2 and hint.prob(0, 9) == 0.0
+
+
+@pytest.mark.parametrize("layer", [0, 2])
+def test_a_layer_without_layers_after_it_is_refused_by_name(tiny_dir, layer):
+    with pytest.raises(InvalidRequest, match=r"hint_layer must be in \[1, 1\]"):
+        EarlyExitProbe(load(tiny_dir["target16"]), layer=layer)
