@@ -31,7 +31,8 @@ class Completion:
 def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *, raw: bool = False,
                   max_tokens: int = 0, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                   seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                  k: int | None = None, mirror: bool | None = None) -> generation_pb2.GenerateRequest:
+                  k: int | None = None, mirror: bool | None = None,
+                  timeline: bool = False) -> generation_pb2.GenerateRequest:
     """A GenerateRequest from Python values: a str is a user message (or raw text with raw=True),
     a list of ints is token ids, a list of {"role", "content"} dicts is a chat. ``k`` and
     ``mirror`` left as None take the server's defaults."""
@@ -54,6 +55,7 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *,
         request.num_speculative_tokens = k
     if mirror is not None:
         request.mirror = mirror
+    request.timeline = timeline
     return request
 
 

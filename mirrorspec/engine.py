@@ -108,6 +108,12 @@ class GenerationStats:
     branches_drafted: int = 0
     branch_hits: int = 0
     draft_time_off_path_s: float = 0.0  # branch drafting that overlapped a verify
+    # (what, start, end) in perf_counter seconds, what = draft | verify | branches; None = not kept
+    timeline: list[tuple[str, float, float]] | None = None
+
+    def span(self, what: str, start: float, end: float) -> None:
+        if self.timeline is not None:
+            self.timeline.append((what, start, end))
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         self.windows += 1
@@ -222,6 +228,7 @@ def decode_windows(
             started = time.perf_counter()
             proposal = drafter.propose(context, k, params, seed) if k > 0 else Proposal.empty()
             stats.draft_time_s += time.perf_counter() - started
+            stats.span("draft", started, time.perf_counter())
         if mirror is not None and len(proposal):
             alpha = policy.alpha if policy else posterior_alpha(stats.accepted, stats.rejected, AdaptiveKConfig())
             prefetch = mirror.verify_while_drafting(verifier, drafter, context, proposal, params, seed, alpha,
@@ -231,11 +238,14 @@ def decode_windows(
             stats.draft_time_off_path_s += prefetch.draft_time_s
             stats.mirror_windows += 1
             stats.branches_drafted += len(prefetch.branches)
+            stats.span("verify", *prefetch.verify_span)
+            stats.span("branches", *prefetch.draft_span)
         else:
             prefetch = None
             started = time.perf_counter()
             verdict = verifier.verify(context, proposal, params, seed)
             stats.verify_time_s += time.perf_counter() - started
+            stats.span("verify", started, time.perf_counter())
         stats.record(len(proposal), verdict.num_accepted)
         if policy:
             policy.observe(len(proposal), verdict.num_accepted)

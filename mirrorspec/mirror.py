@@ -54,6 +54,8 @@ class Prefetch:
     verify_time_s: float
     draft_time_s: float  # branch drafting, all of it off the critical path
     branches: dict[tuple[int, int], Branch]
+    verify_span: tuple[float, float] = (0.0, 0.0)  # perf_counter start and end, for timelines
+    draft_span: tuple[float, float] = (0.0, 0.0)
 
     def take(self, num_accepted: int, next_token: int, k: int) -> Proposal | None:
         """The branch matching the verdict, by key alone; None on a miss."""
@@ -141,12 +143,13 @@ class MirrorPipeline:
             k = k_after(j, j + 1)
             if k > 0 and (j, c) not in branches:
                 branches[(j, c)] = Branch(j, c, k, drafter.propose([*head, c], k, params, seed))
-        draft_time = time.perf_counter() - started
-        verdict, verify_time = future.result()
-        return Prefetch(verdict, verify_time, draft_time, branches)
+        drafted = time.perf_counter()
+        verdict, verify_span = future.result()
+        return Prefetch(verdict, verify_span[1] - verify_span[0], drafted - started, branches, verify_span,
+                        (started, drafted))
 
 
 def _timed(fn, *args):
     started = time.perf_counter()
     out = fn(*args)
-    return out, time.perf_counter() - started
+    return out, (started, time.perf_counter())

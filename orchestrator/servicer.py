@@ -69,6 +69,7 @@ class PreparedRequest:
     seed: int
     stop_strings: tuple[str, ...]
     mirror: MirrorConfig | None = None
+    timeline: bool = False
 
 
 @dataclass
@@ -149,7 +150,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         mirror = self.config.mirror
         if request.HasField("mirror"):
             mirror = (mirror or MirrorConfig()) if request.mirror else None
-        return PreparedRequest(prompt, params, spec, int(seed), tuple(request.stop), mirror)
+        return PreparedRequest(prompt, params, spec, int(seed), tuple(request.stop), mirror, request.timeline)
 
     def _prompt_ids(self, request) -> tuple[str, list[int]]:
         """(which input field was set, its token ids); ``validate_prompt`` checks the ids."""
@@ -204,6 +205,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     def _drive(self, prepared: PreparedRequest, outcome: RequestOutcome, timeout: float,
                cancelled: threading.Event, emit) -> None:
+        if prepared.timeline:
+            outcome.stats.timeline = []
         verifier = RemoteVerifier(self.targets, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
                                   timeout_s=timeout, replacement_wait_s=min(timeout, self.config.replacement_wait_s),
                                   gives_hints=self.target_info.hint_layer > 0)
@@ -273,6 +276,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             mirror_windows=s.mirror_windows, branches_drafted=s.branches_drafted, branch_hits=s.branch_hits,
             branch_hit_rate=s.branch_hit_rate, draft_time_off_path_s=s.draft_time_off_path_s,
             mean_k=s.drafted / s.windows if s.windows else 0.0,
+            timeline=[generation_pb2.TimelineSpan(what=what, start_s=start - outcome.started,
+                                                  end_s=end - outcome.started) for what, start, end in s.timeline or ()],
             total_time_s=time.perf_counter() - outcome.started)
 
 

@@ -268,6 +268,15 @@ def test_mirror_over_the_network_is_identical_to_target_only_and_to_serial(mirro
                 assert mirrored.stats.mirror_windows > 0 and serial.stats.mirror_windows == 0
                 hits += mirrored.stats.branch_hits
     assert hits > 0  # branches were really used, not just drafted
+    with Client(mirror_stack.address) as client:
+        traced = client.generate([0, 4, 2], max_tokens=16, timeline=True).stats
+        assert not client.generate([0, 4, 2], max_tokens=16).stats.timeline  # only when asked
+    spans = [(span.what, span.start_s, span.end_s) for span in traced.timeline]
+    verifies = [s for s in spans if s[0] == "verify"]
+    assert len(verifies) == traced.windows and all(0 <= start <= end for _, start, end in spans)
+    # mirror: each window's branch drafting overlapped its verify
+    for (_, v_start, v_end), (_, b_start, b_end) in zip(verifies, [s for s in spans if s[0] == "branches"]):
+        assert b_start <= v_end and v_start <= b_end
     metrics = mirror_stack.front.servicer.metrics
     assert metrics.branch_hits._value.get() == hits and "mirrorspec_mirror_windows_total" in metrics.text()
 
