@@ -54,12 +54,12 @@ def start_in_process(target_dir: Path, draft_dir: Path, proposal_top_k: int):
     return f"127.0.0.1:{target.port}", f"127.0.0.1:{drafter.port}", lambda: (drafter.stop(), target.stop())
 
 
-def start_processes(target_dir: Path, draft_dir: Path, proposal_top_k: int):
+def start_processes(target_dir: Path | str, draft_dir: Path | str, proposal_top_k: int, target_args: tuple = ()):
     """Each server in its own process, one torch thread each: (target address, drafter address, stop)."""
     import subprocess
     import sys
 
-    commands = [[sys.executable, "-m", "target_service", "--model", str(target_dir)],
+    commands = [[sys.executable, "-m", "target_service", "--model", str(target_dir), *target_args],
                 [sys.executable, "-m", "drafter_service", "--strategy", "draft-model", "--model", str(draft_dir),
                  "--proposal-top-k", str(proposal_top_k)]]
     procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for c in commands]
@@ -81,28 +81,25 @@ def start_processes(target_dir: Path, draft_dir: Path, proposal_top_k: int):
 
 
 def measure(target_dir: Path, draft_dir: Path, proposal_top_k: int, k: int, windows: int, separate: bool) -> dict:
-    import grpc
-
     from mirrorspec import SamplingParams, SpeculationConfig
     from mirrorspec.engine import GenerationStats, decode_windows
     from mirrorspec.serving.convert import proposal_to_proto
-    from mirrorspec.serving.server import CHANNEL_OPTIONS
     from mirrorspec.v1 import drafter_pb2_grpc, target_pb2_grpc
+    from orchestrator.pool import ReplicaPool
     from orchestrator.remote import RemoteDrafter, RemoteVerifier
 
     start = start_processes if separate else start_in_process
     target_address, drafter_address, stop = start(target_dir, draft_dir, proposal_top_k)
     try:
-        target_stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(target_address, options=CHANNEL_OPTIONS))
-        drafter_stub = drafter_pb2_grpc.DrafterServiceStub(
-            grpc.insecure_channel(drafter_address, options=CHANNEL_OPTIONS))
+        targets = ReplicaPool("target", [target_address], target_pb2_grpc.TargetServiceStub)
+        drafters = ReplicaPool("drafter", [drafter_address], drafter_pb2_grpc.DrafterServiceStub)
         params = SamplingParams(temperature=1.0, max_new_tokens=windows * (k + 1))
         prompt = [1, 2, 3, 4]
         overheads, q_bytes = [], []
         for _ in range(2):  # the first pass warms up connections and allocators
             overheads.clear()
-            v = RemoteVerifier(target_stub, prompt, params, 0, VOCAB)
-            d = RemoteDrafter(drafter_stub, prompt, params, 0, VOCAB)
+            v = RemoteVerifier(targets, prompt, params, 0, VOCAB)
+            d = RemoteDrafter(drafters, prompt, params, 0, VOCAB)
             last = 0.0
             stats = GenerationStats()
             for i, _event in enumerate(decode_windows(d, v, prompt, params, SpeculationConfig(num_speculative_tokens=k),
@@ -115,7 +112,7 @@ def measure(target_dir: Path, draft_dir: Path, proposal_top_k: int, k: int, wind
             v.release()
             d.release()
         # bytes of q on the wire for one full window, as the drafter and the target see it
-        session = RemoteDrafter(drafter_stub, prompt, params, 0, VOCAB)
+        session = RemoteDrafter(drafters, prompt, params, 0, VOCAB)
         proposal = session.propose(prompt, k, params, 0)
         session.release()
         q_bytes = proposal_to_proto(proposal.q).ByteSize()

@@ -94,10 +94,17 @@ class MirrorPipeline:
     Drafter and verifier must not share state (each has its own model session); torch releases
     the GIL inside kernels, so the two really run at once. Give each side its own cores: on a
     2-core machine, one torch thread each.
+
+    Serving (``stop_at_verdict``), the branch count is also bounded by measured cost: a branch
+    still drafting when the verdict comes delays the next window, so one is started only while
+    its expected saving beats its expected delay (``worth_starting``), from running averages of
+    this request's verify and branch times.
     """
 
     def __init__(self, config: MirrorConfig | None = None):
         self.config = config or MirrorConfig()
+        self.verify_s = RunningMean()
+        self.branch_s = RunningMean()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mirror-verify")
 
     def close(self) -> None:
@@ -133,6 +140,8 @@ class MirrorPipeline:
                 continue
             if not pending:
                 break
+            if self.config.stop_at_verdict and not self.worth_starting(pending[0][0], time.perf_counter() - started):
+                break  # the rest are likelier misses still
             _, j, c = pending.pop(0)
             head = [*context, *proposal.tokens[:j]]
             if c is None:  # all accepted: guess the bonus token as the drafter's greedy choice
@@ -145,8 +154,36 @@ class MirrorPipeline:
                 branches[(j, c)] = Branch(j, c, k, drafter.propose([*head, c], k, params, seed))
         drafted = time.perf_counter()
         verdict, verify_span = future.result()
+        self.verify_s.add(verify_span[1] - verify_span[0])
+        if branches:
+            self.branch_s.add((drafted - started) / len(branches))
         return Prefetch(verdict, verify_span[1] - verify_span[0], drafted - started, branches, verify_span,
                         (started, drafted))
+
+
+    def worth_starting(self, p_hit: float, elapsed_s: float) -> bool:
+        """Start a branch with hit chance ``p_hit`` at ``elapsed_s`` into the verify? A hit saves
+        the drafting it did before the verdict (at most the verify time left, r); a miss delays
+        the fresh draft by the part that runs past the verdict (D - r for a branch of D)."""
+        if not (self.verify_s.count and self.branch_s.count):
+            return True  # nothing measured yet: learn
+        left = max(self.verify_s.value - elapsed_s, 0.0)
+        cost = self.branch_s.value
+        p_hit = min(max(p_hit, 0.0), 1.0)
+        return left >= cost or p_hit * left > (1 - p_hit) * (cost - left)
+
+
+class RunningMean:
+    """An exponential running mean that starts as the plain mean of its first samples."""
+
+    def __init__(self, weight: float = 0.2):
+        self.weight = weight
+        self.count = 0
+        self.value = 0.0
+
+    def add(self, sample: float) -> None:
+        self.count += 1
+        self.value += (sample - self.value) * max(self.weight, 1 / self.count)
 
 
 def _timed(fn, *args):

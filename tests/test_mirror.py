@@ -139,6 +139,32 @@ def test_real_early_exit_hints_keep_mirror_output_identical(tiny_dir):
         assert hinted.token_ids == serial.token_ids and hinted.stats.mirror_windows > 0
 
 
+def test_a_branch_is_started_only_while_it_is_worth_its_delay():
+    pipeline = MirrorPipeline()
+    try:
+        assert pipeline.worth_starting(0.01, elapsed_s=5.0)  # nothing measured yet
+        pipeline.verify_s.add(0.100)
+        pipeline.branch_s.add(0.040)
+        assert pipeline.worth_starting(0.01, elapsed_s=0.050)  # it ends before the verdict: free
+        # 20 ms left, 20 ms past the verdict: worth it only if a hit is likelier than a miss
+        assert pipeline.worth_starting(0.6, elapsed_s=0.080)
+        assert not pipeline.worth_starting(0.4, elapsed_s=0.080)
+        assert not pipeline.worth_starting(0.9, elapsed_s=0.150)  # the verdict is due: nothing to save
+    finally:
+        pipeline.close()
+
+
+def test_running_mean_starts_plain_then_weights_recent_samples():
+    from mirrorspec.mirror import RunningMean
+
+    mean = RunningMean(weight=0.5)
+    for sample in (1.0, 3.0):
+        mean.add(sample)
+    assert mean.value == pytest.approx(2.0) and mean.count == 2
+    mean.add(6.0)
+    assert mean.value == pytest.approx(4.0)
+
+
 def test_bad_mirror_config_names_the_field():
     with pytest.raises(InvalidRequest, match="max_branches"):
         MirrorConfig(max_branches=0)

@@ -1,0 +1,224 @@
+"""Mirror against serial speculative decoding over gRPC, with the drafter and the target in
+their own processes, one torch thread each (each side has its own core on a 2-core machine).
+
+    python -m benchmarks.mirror [--datasets humaneval,mtbench] [--num-prompts 3] [--max-tokens 64]
+                                [--k 4] [--hint-layer 27] [--target demo-target --draft demo-draft]
+                                [--out benchmarks/results]
+
+Modes, all greedy, through front doors in this process, interleaved prompt by prompt after one
+untimed warm-up each: ``target-only`` (K=0), ``serial`` (K drafts, then verify), ``mirror``
+(branches drafted during the verify) and, with ``--hint-layer``, ``mirror+hints`` (the target
+streams early-exit hints and the branches follow them). Greedy output must be identical in
+every mode; the run checks it.
+
+Bounds from the measured figures (per dataset): with m tokens per target pass, t1 the
+target-only time per token, tv the verify time per window and td the draft time per drafted
+token (both measured in the serial mode), serial can reach m t1 / (tv + K td) and mirror, with
+branch hit rate h, m t1 / (tv + (1 - h) K td): a hit takes the drafting off the critical path.
+
+Writes ``mirror-<time>.json`` and ``mirror-<time>-timeline.png`` (the first prompt's windows in
+serial and mirror mode: drafting on and off the critical path, verifies, and the gaps where one
+side waits). Run it inside a loopback-only network namespace on shared machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks.data_plane import start_processes
+from benchmarks.prompts import DATASETS, load_prompts
+from benchmarks.report import cpu_busy_before_run
+from mirrorspec.client import Client
+from mirrorspec.config import MirrorConfig
+from mirrorspec.serving.server import BackgroundServer
+from orchestrator.servicer import OrchestratorConfig, serve
+
+MODES = ("target-only", "serial", "mirror", "mirror+hints")
+
+
+@dataclass
+class ModeTotals:
+    """One mode on one dataset, summed over its prompts."""
+
+    tokens: int = 0
+    wall_s: float = 0.0
+    windows: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    verify_s: float = 0.0
+    draft_s: float = 0.0  # on the critical path
+    draft_off_path_s: float = 0.0
+    mirror_windows: int = 0
+    branch_hits: int = 0
+    outputs: list[list[int]] = field(default_factory=list)
+
+    def add(self, token_ids: list[int], wall_s: float, stats) -> None:
+        self.tokens += len(token_ids)
+        self.wall_s += wall_s
+        self.windows += stats.windows
+        self.drafted += stats.drafted
+        self.accepted += stats.accepted
+        self.rejected += stats.rejected
+        self.verify_s += stats.verify_time_s
+        self.draft_s += stats.draft_time_s
+        self.draft_off_path_s += stats.draft_time_off_path_s
+        self.mirror_windows += stats.mirror_windows
+        self.branch_hits += stats.branch_hits
+        self.outputs.append(list(token_ids))
+
+    def summary(self) -> dict:
+        ratio = lambda a, b: a / b if b else 0.0  # noqa: E731
+        return {
+            "tokens": self.tokens, "wall_s": self.wall_s, "tokens_per_s": ratio(self.tokens, self.wall_s),
+            "alpha": ratio(self.accepted, self.accepted + self.rejected),
+            "tokens_per_pass": ratio(self.tokens, self.windows),
+            "branch_hit_rate": ratio(self.branch_hits, self.mirror_windows),
+            "verify_s_per_window": ratio(self.verify_s, self.windows),
+            "draft_s_per_token": ratio(self.draft_s + self.draft_off_path_s, self.drafted),
+            "draft_on_path_s": self.draft_s, "draft_off_path_s": self.draft_off_path_s,
+        }
+
+
+def bounds(base: dict, serial: dict, hit_rate: float, k: int) -> dict:
+    """The speedups the measured figures allow (see the module docstring)."""
+    t1 = base["wall_s"] / base["tokens"]
+    m, tv, td = serial["tokens_per_pass"], serial["verify_s_per_window"], serial["draft_s_per_token"]
+    return {"serial": m * t1 / (tv + k * td), "mirror": m * t1 / (tv + (1 - hit_rate) * k * td),
+            "mirror_all_hits": m * t1 / tv}
+
+
+def front_door(target: str, drafter: str, mirror: MirrorConfig, k: int) -> BackgroundServer:
+    config = OrchestratorConfig(target=target, drafter=drafter, port=0, num_speculative_tokens=k, mirror=mirror,
+                                default_max_new_tokens=64)
+    return BackgroundServer(lambda: serve(config), "orchestrator").start(timeout=300)
+
+
+def plot_timeline(path: Path, timelines: dict[str, list], title: str, window_s: float = 2.0) -> None:
+    """Two lanes per mode (drafter, target) over the first ``window_s`` seconds of one request."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"draft": "C3", "branches": "C2", "verify": "C0"}
+    labels = {"draft": "drafting on the critical path", "branches": "branch drafting (off the path)",
+              "verify": "verify"}
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(12, 1.6 * len(timelines) + 0.8), squeeze=False,
+                             sharex=True)
+    for ax, (mode, spans) in zip(axes[:, 0], timelines.items()):
+        t0 = min((s.start_s for s in spans), default=0.0)
+        for span in spans:
+            if span.start_s - t0 > window_s:
+                continue
+            lane = 1 if span.what == "verify" else 0
+            ax.broken_barh([(span.start_s - t0, span.end_s - span.start_s)], (lane - 0.35, 0.7),
+                           color=colors[span.what], label=labels[span.what])
+        ax.set_yticks([0, 1], ["drafter", "target"])
+        ax.set_title(mode, loc="left", fontsize=10)
+        handles = {h.get_label(): h for h in ax.get_legend_handles_labels()[0]}
+        ax.legend(handles.values(), handles.keys(), loc="upper right", fontsize=7, ncol=3)
+    axes[-1, 0].set_xlabel("seconds since the first span (white: that side waits)")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.mirror", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--datasets", default="humaneval,mtbench")
+    parser.add_argument("--num-prompts", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--hint-layer", type=int, default=None, help="also run mirror+hints, hints off this layer")
+    parser.add_argument("--target", default="demo-target")
+    parser.add_argument("--draft", default="demo-draft")
+    parser.add_argument("--proposal-top-k", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args(argv)
+    datasets = [d for d in args.datasets.split(",") if d]
+    for d in datasets:
+        if d not in DATASETS:
+            parser.error(f"--datasets: unknown dataset {d!r}; choose from {', '.join(DATASETS)}")
+    for flag in ("num_prompts", "max_tokens", "k"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')}: must be >= 1")
+
+    target_args = ("--hint-layer", str(args.hint_layer)) if args.hint_layer else ()
+    target, drafter, stop = start_processes(args.target, args.draft, args.proposal_top_k, target_args)
+    doors = {"plain": front_door(target, drafter, MirrorConfig(use_hints=False), args.k)}
+    if args.hint_layer:
+        doors["hinted"] = front_door(target, drafter, MirrorConfig(), args.k)
+    modes = [m for m in MODES if m != "mirror+hints" or args.hint_layer]
+    request = {"target-only": ("plain", dict(k=0)), "serial": ("plain", dict(mirror=False)),
+               "mirror": ("plain", dict(mirror=True)), "mirror+hints": ("hinted", dict(mirror=True))}
+    clients = {name: Client(f"127.0.0.1:{door.port}") for name, door in doors.items()}
+    results, timelines = {}, {}
+    busy = cpu_busy_before_run()  # during the run the servers are this benchmark's own processes
+    try:
+        for dataset in datasets:
+            prompts = [p.text for p in load_prompts(dataset, args.num_prompts)]
+            totals = {mode: ModeTotals() for mode in modes}
+            for mode in modes:  # warm-up: connections, allocators, the first KV caches
+                door, options = request[mode]
+                clients[door].generate(prompts[0], max_tokens=8, **options)
+            for i, prompt in enumerate(prompts):
+                for mode in modes:
+                    door, options = request[mode]
+                    started = time.perf_counter()
+                    done = clients[door].generate(prompt, max_tokens=args.max_tokens, timeline=True, **options)
+                    totals[mode].add(done.token_ids, time.perf_counter() - started, done.stats)
+                    if i == 0 and dataset == datasets[0] and mode != "target-only":
+                        timelines[mode] = list(done.stats.timeline)
+            summary = {mode: t.summary() for mode, t in totals.items()}
+            base = summary["target-only"]
+            for mode, s in summary.items():
+                s["x_target_only"] = s["tokens_per_s"] / base["tokens_per_s"]
+                s["identical_to_target_only"] = totals[mode].outputs == totals["target-only"].outputs
+            for mode in modes[2:]:
+                summary[mode]["x_serial"] = summary[mode]["tokens_per_s"] / summary["serial"]["tokens_per_s"]
+                summary[mode]["bounds"] = bounds(base, summary["serial"], summary[mode]["branch_hit_rate"], args.k)
+            results[dataset] = summary
+    finally:
+        for client in clients.values():
+            client.close()
+        for door in doors.values():
+            door.stop()
+        stop()
+
+    print(f"{'dataset':10s} {'mode':13s} {'tok/s':>6s} {'x base':>6s} {'x serial':>8s} {'alpha':>5s} "
+          f"{'tok/pass':>8s} {'hits':>5s} {'bound':>6s} identical")
+    for dataset, summary in results.items():
+        for mode, s in summary.items():
+            bound = s.get("bounds", {}).get("mirror") if mode.startswith("mirror") else None
+            print(f"{dataset:10s} {mode:13s} {s['tokens_per_s']:6.1f} {s['x_target_only']:6.2f} "
+                  f"{s.get('x_serial', 1.0 if mode == 'serial' else 0.0):8.2f} {s['alpha']:5.2f} "
+                  f"{s['tokens_per_pass']:8.2f} {s['branch_hit_rate']:5.2f} "
+                  f"{bound if bound is not None else float('nan'):6.2f} {s['identical_to_target_only']}")
+    if busy is not None and busy > 0.1:
+        print(f"note: other processes used {busy:.0%} of the CPUs just before the run; timings are noisy")
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = args.out / f"mirror-{stamp}.json"
+    out.write_text(json.dumps({"config": vars(args) | {"out": str(args.out)}, "others_cpu_busy": busy,
+                               "drafter_threads": 1, "target_threads": 1, "results": results,
+                               "timeline_modes": {m: [asdict_span(s) for s in spans] for m, spans in timelines.items()}},
+                              indent=2))
+    png = args.out / f"mirror-{stamp}-timeline.png"
+    plot_timeline(png, timelines, f"one request's windows ({datasets[0]}, K={args.k}, drafter and target "
+                                  f"in their own processes, one thread each)")
+    print(f"wrote {out} and {png}")
+    return 0
+
+
+def asdict_span(span) -> dict:
+    return {"what": span.what, "start_s": span.start_s, "end_s": span.end_s}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
