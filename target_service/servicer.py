@@ -90,14 +90,17 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                  field="draft_tokens")
             seq.commit(commit, int(request.context_length))
             started = time.perf_counter()
-            hints: asyncio.Queue = asyncio.Queue()
-            loop = asyncio.get_running_loop()
-            on_hint = (lambda hint: loop.call_soon_threadsafe(hints.put_nowait, hint)) if request.hints else None
-            verifying = asyncio.ensure_future(self.lane.run(
-                partial(session.verifier.verify, on_hint=on_hint), seq.context, proposal, seq.params, seq.seed))
-            async for hint in _until_done(hints, verifying):
-                yield target_pb2.VerifyResponse(hint=hint_to_proto(hint))
-            verdict = verifying.result()
+            if request.hints and self.probe is not None:
+                hints: asyncio.Queue = asyncio.Queue()
+                loop = asyncio.get_running_loop()
+                on_hint = lambda hint: loop.call_soon_threadsafe(hints.put_nowait, hint)  # noqa: E731
+                verifying = asyncio.ensure_future(self.lane.run(
+                    partial(session.verifier.verify, on_hint=on_hint), seq.context, proposal, seq.params, seq.seed))
+                async for hint in _until_done(hints, verifying):
+                    yield target_pb2.VerifyResponse(hint=hint_to_proto(hint))
+                verdict = verifying.result()
+            else:  # the common path: no queue and no extra task per window
+                verdict = await self.lane.run(session.verifier.verify, seq.context, proposal, seq.params, seq.seed)
         yield target_pb2.VerifyResponse(verdict=target_pb2.Verdict(
             num_accepted=verdict.num_accepted, next_token=verdict.next_token,
             next_kind=TOKEN_KIND_TO_PROTO[verdict.next_kind], verify_time_s=time.perf_counter() - started))
