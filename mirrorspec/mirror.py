@@ -143,14 +143,16 @@ class MirrorPipeline:
             if self.config.stop_at_verdict and not self.worth_starting(pending[0][0], time.perf_counter() - started):
                 break  # the rest are likelier misses still
             _, j, c = pending.pop(0)
+            k = k_after(j, j + 1)
+            if k <= 0:  # no next window after this verdict (or not one worth drafting)
+                continue
             head = [*context, *proposal.tokens[:j]]
             if c is None:  # all accepted: guess the bonus token as the drafter's greedy choice
                 bonus = drafter.propose(head, 1, GREEDY, seed)
                 if not bonus.tokens:
                     continue
                 c = bonus.tokens[0]
-            k = k_after(j, j + 1)
-            if k > 0 and (j, c) not in branches:
+            if (j, c) not in branches:
                 branches[(j, c)] = Branch(j, c, k, drafter.propose([*head, c], k, params, seed))
         drafted = time.perf_counter()
         verdict, verify_span = future.result()

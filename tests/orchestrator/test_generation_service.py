@@ -274,9 +274,11 @@ def test_mirror_over_the_network_is_identical_to_target_only_and_to_serial(mirro
     spans = [(span.what, span.start_s, span.end_s) for span in traced.timeline]
     verifies = [s for s in spans if s[0] == "verify"]
     assert len(verifies) == traced.windows and all(0 <= start <= end for _, start, end in spans)
-    # mirror: each window's branch drafting overlapped its verify
-    for (_, v_start, v_end), (_, b_start, b_end) in zip(verifies, [s for s in spans if s[0] == "branches"]):
-        assert b_start <= v_end and v_start <= b_end
+    # mirror: branch drafting starts before the verdict and overlaps the verify (all but the last
+    # mirrored window, which has no next window to draft, so its branch span may be empty)
+    pairs = list(zip(verifies, [s for s in spans if s[0] == "branches"]))
+    assert all(b_start <= v_end for (_, _, v_end), (_, b_start, _) in pairs)
+    assert all(v_start <= b_end for (_, v_start, _), (_, _, b_end) in pairs[:-1])
     metrics = mirror_stack.front.servicer.metrics
     assert metrics.branch_hits._value.get() == hits and "mirrorspec_mirror_windows_total" in metrics.text()
 
