@@ -162,7 +162,6 @@ class MirrorPipeline:
         return Prefetch(verdict, verify_span[1] - verify_span[0], drafted - started, branches, verify_span,
                         (started, drafted))
 
-
     def worth_starting(self, p_hit: float, elapsed_s: float) -> bool:
         """Start a branch with hit chance ``p_hit`` at ``elapsed_s`` into the verify? A hit saves
         the drafting it did before the verdict (at most the verify time left, r); a miss delays
