@@ -1,7 +1,7 @@
 """Mirror against serial speculative decoding over gRPC, with the drafter and the target in
 their own processes, one torch thread each (each side has its own core on a 2-core machine).
 
-    python -m benchmarks.mirror [--datasets humaneval,mtbench] [--num-prompts 3] [--max-tokens 64]
+    mirrorspec bench mirror [--datasets humaneval,mtbench] [--num-prompts 3] [--max-tokens 64]
                                 [--k 4] [--hint-layer 27] [--target demo-target --draft demo-draft]
                                 [--out benchmarks/results]
 
@@ -130,7 +130,7 @@ def plot_timeline(path: Path, timelines: dict[str, list], title: str, window_s: 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.mirror", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="mirrorspec bench mirror", description=__doc__.split("\n\n")[0])
     parser.add_argument("--datasets", default="humaneval,mtbench")
     parser.add_argument("--num-prompts", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)

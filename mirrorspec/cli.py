@@ -48,6 +48,7 @@ FLAG_FOR_FIELD = {
     "epochs": "--epochs",
     "server": "--server",
     "hint_layer": "--hint-layer",
+    "speculation_off_above": "--speculation-off-above",
     "address": "--address",
     "name": "--name",
     "drafters": "--drafters",
@@ -122,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--mirror", action="store_true",
                      help="by default, draft the next window's likely branches while the target verifies "
                           "(a request's `mirror` field overrides; the output is the same either way)")
+    srv.add_argument("--speculation-off-above", type=int, default=None, metavar="N",
+                     help="stop drafting while more than N requests are in flight (saturated targets; like vLLM's speculative_disable_by_batch_size)")
     srv.add_argument("--hint-layer", type=int, default=None,
                      help="targets early-exit hints read off this decoder layer (1-based) during each verify: mirror requests steer their branches with them")
     srv.add_argument("--proposal-top-k", type=int, default=32, help="sparse q width for draft models (0 = dense)")
@@ -162,12 +165,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(handler=cmd_demo, subparser=demo)
 
     # listed for --help; main() hands everything after "bench" to the harness's own parser
-    commands.add_parser("bench", help="benchmark decoding modes side by side (mirrorspec bench --help)")
+    commands.add_parser("bench", help="benchmark decoding modes side by side (mirrorspec bench --help); "
+                                      "`mirrorspec bench mirror` compares serial and mirror over gRPC and "
+                                      "draws a timeline PNG")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["bench", "mirror"]:
+        from benchmarks.mirror import main as mirror_main
+
+        return mirror_main(argv[2:])
     if argv[:1] == ["bench"]:
         from benchmarks.run import main as bench_main
 
@@ -336,7 +345,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.detach and not args.address:
         raise InvalidRequest("needs --address: a local Ray ends with this process", field="detach")
     for flag, value in (("replica_cpus", args.replica_cpus), ("drafter_gpus", args.drafter_gpus),
-                        ("target_gpus", args.target_gpus)):
+                        ("target_gpus", args.target_gpus), ("speculation_off_above", args.speculation_off_above)):
         if value is not None and value < 0:
             raise InvalidRequest(f"must be >= 0, got {value}", field=flag)
     spec = _stack_spec(args, target_gpus=0.0)  # validates counts before Ray starts
@@ -367,6 +376,7 @@ def _stack_spec(args: argparse.Namespace, target_gpus: float):
                      threads=args.threads or 1, dtype=args.dtype, device=args.device,
                      num_speculative_tokens=args.k, adaptive=AdaptiveKConfig() if args.adaptive else None,
                      mirror=MirrorConfig() if args.mirror else None, hint_layer=args.hint_layer,
+                     speculation_off_above=args.speculation_off_above,
                      proposal_top_k=args.proposal_top_k, max_sessions=args.max_sessions, host=args.host,
                      port=args.port, name=args.name, metrics_port=args.metrics_port)
 
@@ -422,7 +432,8 @@ def _serve_in_process(args: argparse.Namespace) -> int:
                                            hint_layer=args.hint_layer), drafter,
                               target_model=target, host=args.host, port=args.port, num_speculative_tokens=args.k,
                               metrics_port=args.metrics_port, adaptive=AdaptiveKConfig() if args.adaptive else None,
-                              mirror=MirrorConfig() if args.mirror else None)
+                              mirror=MirrorConfig() if args.mirror else None,
+                              speculation_off_above=args.speculation_off_above)
     print(f"mirrorspec: serving on {args.host}:{stack.front.port} (in-process; target {args.target}, "
           f"draft {args.draft}, K={args.k}{' mirror' if args.mirror else ''}); Ctrl-C stops", flush=True)
     _wait_for_stop()

@@ -25,6 +25,9 @@ class SpecDecodeMetrics:
                                       registry=r)
         self.branch_hits = Counter("mirrorspec_mirror_branch_hits",
                                    "Mirror windows whose next window was drafted before the verdict came", registry=r)
+        self.paused_windows = Counter("mirrorspec_speculation_paused_windows",
+                                      "Windows sent without drafts because too many requests were in flight",
+                                      registry=r)
         self.generation_tokens = Counter("mirrorspec_generation_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram("mirrorspec_time_to_first_token_seconds", "Time to first token", registry=r)
         self.inter_token = Histogram("mirrorspec_inter_token_latency_seconds", "Mean time per output token",
@@ -42,6 +45,7 @@ class SpecDecodeMetrics:
         self.drafter_fallbacks.inc(int(outcome.drafter_fallback))
         self.mirror_windows.inc(s.mirror_windows)
         self.branch_hits.inc(s.branch_hits)
+        self.paused_windows.inc(outcome.paused_windows)
         self.generation_tokens.inc(len(outcome.tokens))
         total = time.perf_counter() - outcome.started
         self.e2e.observe(total)

@@ -157,13 +157,17 @@ class PooledSession:
 class RemoteDrafter(Drafter):
     """A drafter session on a DrafterService pool. If no drafter can serve it any more, it turns
     off for the rest of the request: windows then carry no drafts, i.e. the request goes on
-    target-only, unharmed."""
+    target-only, unharmed. While ``paused()`` holds (the targets are saturated) it drafts nothing
+    either, and picks up again when it clears."""
 
     name = "remote"
 
     def __init__(self, pool: ReplicaPool, prompt: Sequence[int], params: SamplingParams, seed: int, vocab_size: int,
-                 timeout_s: float | None = None, step_cost: float = Drafter.step_cost):
+                 timeout_s: float | None = None, step_cost: float = Drafter.step_cost,
+                 paused: Callable[[], bool] | None = None):
         self.step_cost = step_cost  # of the replica's strategy, for adaptive K
+        self.paused = paused
+        self.paused_windows = 0
         self.vocab_size = vocab_size
         self.failure: str | None = None
         # drafts are optional: never wait for a drafter to come up, go on target-only instead
@@ -176,6 +180,9 @@ class RemoteDrafter(Drafter):
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, seed: int) -> Proposal:
         if self.failure is not None or k <= 0:
+            return Proposal.empty()
+        if self.paused is not None and self.paused():
+            self.paused_windows += 1
             return Proposal.empty()
         return self._guard(lambda: self._draft(context, k)) or Proposal.empty()
 

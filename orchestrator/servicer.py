@@ -59,6 +59,14 @@ class OrchestratorConfig:
     adaptive: AdaptiveKConfig | None = None  # K per window in [0, requested K]; None = fixed K
     # draft the next window's branches while the target verifies (a request's `mirror` overrides)
     mirror: MirrorConfig | None = None
+    # draft only while at most this many requests are in flight here (vLLM's
+    # speculative_disable_by_batch_size): past it the targets are saturated, and the extra tokens a
+    # verify scores cost more than speculation saves. None = always draft.
+    speculation_off_above: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.speculation_off_above is not None and self.speculation_off_above < 0:
+            raise InvalidRequest(f"must be >= 0, got {self.speculation_off_above}", field="speculation_off_above")
 
 
 @dataclass
@@ -80,6 +88,7 @@ class RequestOutcome:
     drafter_fallback: bool = False
     target_moves: int = 0
     drafter_moves: int = 0
+    paused_windows: int = 0  # windows sent without drafts because the targets were saturated
     network_s: float = 0.0
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -102,6 +111,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self._workers = ThreadPoolExecutor(max_workers=config.max_concurrent_requests,
                                            thread_name_prefix="request")
         self.eos_ids = tuple(_eos_ids(tokenizer))
+        self.in_flight = 0  # requests running now (read by workers, changed on the event loop)
 
     # ---- RPCs -------------------------------------------------------------------------------
     async def Generate(self, request, context):
@@ -188,8 +198,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             except BaseException as err:  # noqa: BLE001 - handed to the event loop, mapped to a status there
                 emit(err)
 
-        loop.run_in_executor(self._workers, work)
+        self.in_flight += 1
         try:
+            loop.run_in_executor(self._workers, work)
             while True:
                 item = await queue.get()
                 if item is _DONE:
@@ -200,6 +211,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     outcome.first_token_at = time.perf_counter()
                 yield item
         finally:
+            self.in_flight -= 1
             cancelled.set()  # client went away, deadline passed, or done: the worker stops and closes sessions
         self.metrics.observe(outcome)
 
@@ -214,7 +226,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if prepared.spec.num_speculative_tokens > 0 and self._describe_drafters() is not None:
             step_cost = NgramDrafter.step_cost if self.drafter_info.strategy == "ngram" else Drafter.step_cost
             drafter = RemoteDrafter(self.drafters, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
-                                    timeout_s=timeout, step_cost=step_cost)
+                                    timeout_s=timeout, step_cost=step_cost, paused=self._saturated)
         stop_check = _StopStrings(self.tokenizer, prepared.stop_strings) if prepared.stop_strings else None
         # the verify RPC runs in the pipeline's thread while this one sends the branches' Draft RPCs
         pipeline = MirrorPipeline(prepared.mirror) if prepared.mirror is not None and drafter is not None else None
@@ -238,12 +250,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             outcome.drafter_fallback = drafter is not None and drafter.failure is not None
             outcome.target_moves = verifier.moves
             outcome.drafter_moves = drafter.moves if drafter is not None else 0
+            outcome.paused_windows = drafter.paused_windows if drafter is not None else 0
             outcome.network_s = verifier.times.network_s + (drafter.times.network_s if drafter else 0.0)
             if pipeline is not None:
                 pipeline.close()
             verifier.release()
             if drafter is not None:
                 drafter.release()
+
+    def _saturated(self) -> bool:
+        limit = self.config.speculation_off_above
+        return limit is not None and self.in_flight > limit
 
     def _describe_drafters(self):
         """The drafter pool's Info, asked of its first replica once one exists: a deployment
@@ -275,7 +292,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             target_moves=outcome.target_moves, drafter_moves=outcome.drafter_moves,
             mirror_windows=s.mirror_windows, branches_drafted=s.branches_drafted, branch_hits=s.branch_hits,
             branch_hit_rate=s.branch_hit_rate, draft_time_off_path_s=s.draft_time_off_path_s,
-            mean_k=s.drafted / s.windows if s.windows else 0.0,
+            mean_k=s.drafted / s.windows if s.windows else 0.0, speculation_paused_windows=outcome.paused_windows,
             timeline=[generation_pb2.TimelineSpan(what=what, start_s=start - outcome.started,
                                                   end_s=end - outcome.started) for what, start, end in s.timeline or ()],
             total_time_s=time.perf_counter() - outcome.started)

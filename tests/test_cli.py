@@ -28,6 +28,7 @@ from mirrorspec.cli import main
     (["serve", "--target-gpus", "-1"], "--target-gpus"),
     (["serve", "--replica-cpus", "-1"], "--replica-cpus"),
     (["serve", "--tp", "2", "--hint-layer", "20"], "--hint-layer"),
+    (["serve", "--speculation-off-above", "-1"], "--speculation-off-above"),
     (["generate", "hi", "--hint-layer", "20"], "--hint-layer"),
     (["demo", "--k", "99"], "--k"),
     (["demo", "--rebuild", "--epochs", "0"], "--epochs"),

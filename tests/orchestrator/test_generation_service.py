@@ -309,6 +309,28 @@ def test_a_target_with_a_hint_layer_streams_hints_before_the_verdict(tiny_dir):
         s.stop()
 
 
+def test_speculation_pauses_while_the_front_door_is_saturated(tiny_dir):
+    """Past speculation_off_above requests in flight, windows go without drafts (vLLM's
+    speculative_disable_by_batch_size); the output is the same, and drafting resumes after."""
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, speculation_off_above=1)
+    try:
+        with Client(s.address) as client:
+            alone = client.generate([0, 6, 1], max_tokens=20)
+            s.front.servicer.in_flight += 1  # one more request in flight: past the limit of 1
+            try:
+                busy = client.generate([0, 6, 1], max_tokens=20)
+            finally:
+                s.front.servicer.in_flight -= 1
+            again = client.generate([0, 6, 1], max_tokens=20)
+        assert alone.token_ids == busy.token_ids == again.token_ids
+        assert alone.stats.drafted > 0 and alone.stats.speculation_paused_windows == 0
+        assert busy.stats.drafted == 0 and busy.stats.speculation_paused_windows == busy.stats.windows - 1
+        assert again.stats.drafted == alone.stats.drafted
+        assert s.front.servicer.metrics.paused_windows._value.get() == busy.stats.speculation_paused_windows
+    finally:
+        s.stop()
+
+
 def test_session_limit_is_resource_exhausted(tiny_dir):
     s = start_stack(tiny_dir["target16"], strategy=None, target_max_sessions=1)
     try:

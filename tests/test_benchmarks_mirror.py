@@ -1,0 +1,38 @@
+"""The mirror benchmark (`mirrorspec bench mirror`): flag errors (fast), one short run (slow).
+
+Timings are never asserted; the run's own identity check and its outputs are."""
+
+import json
+
+import pytest
+
+from mirrorspec.cli import main
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--k", "0"], "--k"),
+    (["--datasets", "humaneval,nope"], "--datasets"),
+    (["--num-prompts", "0"], "--num-prompts"),
+    (["--max-tokens", "0"], "--max-tokens"),
+])
+def test_bad_flags_name_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "mirror", *argv])
+    assert exc.value.code == 2 and f"error: {flag}" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_short_run_writes_json_and_a_timeline_and_every_mode_is_identical(tmp_path):
+    """Drafter and target as their own processes on the demo models, every mode, hints on."""
+    assert main(["bench", "mirror", "--datasets", "humaneval", "--num-prompts", "1", "--max-tokens", "12",
+                 "--hint-layer", "27", "--out", str(tmp_path)]) == 0
+    [result] = tmp_path.glob("mirror-*.json")
+    out = json.loads(result.read_text())
+    modes = out["results"]["humaneval"]
+    assert set(modes) == {"target-only", "serial", "mirror", "mirror+hints"}
+    assert all(m["identical_to_target_only"] and m["tokens"] > 0 for m in modes.values())
+    assert modes["serial"]["alpha"] == modes["mirror"]["alpha"]  # same windows, drafted at other times
+    assert 0 <= modes["mirror+hints"]["branch_hit_rate"] <= 1 and "bounds" in modes["mirror"]
+    assert set(out["timeline_modes"]) == {"serial", "mirror", "mirror+hints"}
+    [png] = tmp_path.glob("mirror-*-timeline.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
