@@ -114,8 +114,11 @@ class MirrorConfig:
     alternatives: int = 2  # runner-up tokens guessed per rejection point
     stop_at_verdict: bool = True
     use_hints: bool = True  # steer branches by the target's early-exit hints, where it sends them
+    probe_every: int = 8  # serving: every N-th window tries the other choice (branch or not)
 
     def __post_init__(self) -> None:
+        if self.probe_every < 2:
+            raise InvalidRequest(f"mirror needs probe_every >= 2, got {self.probe_every}", field="mirror")
         if self.max_branches < 1 or self.alternatives < 0:
             raise InvalidRequest(f"mirror needs max_branches >= 1 and alternatives >= 0, got "
                                  f"{self.max_branches} and {self.alternatives}", field="mirror")

@@ -224,6 +224,8 @@ def decode_windows(
         k = capped(policy.next_k() if policy else spec.num_speculative_tokens, produced)
         proposal = prefetch.take(*last, k) if prefetch is not None else None
         stats.branch_hits += proposal is not None
+        if prefetch is not None and prefetch.branches:
+            mirror.observe_hit(proposal is not None)
         if proposal is None:
             started = time.perf_counter()
             proposal = drafter.propose(context, k, params, seed) if k > 0 else Proposal.empty()
@@ -236,10 +238,11 @@ def decode_windows(
             verdict = prefetch.verdict
             stats.verify_time_s += prefetch.verify_time_s
             stats.draft_time_off_path_s += prefetch.draft_time_s
-            stats.mirror_windows += 1
+            stats.mirror_windows += prefetch.branched
             stats.branches_drafted += len(prefetch.branches)
             stats.span("verify", *prefetch.verify_span)
-            stats.span("branches", *prefetch.draft_span)
+            if prefetch.branched:
+                stats.span("branches", *prefetch.draft_span)
         else:
             prefetch = None
             started = time.perf_counter()

@@ -56,6 +56,7 @@ class Prefetch:
     branches: dict[tuple[int, int], Branch]
     verify_span: tuple[float, float] = (0.0, 0.0)  # perf_counter start and end, for timelines
     draft_span: tuple[float, float] = (0.0, 0.0)
+    branched: bool = True  # False: this window skipped branching (it did not pay; see should_branch)
 
     def take(self, num_accepted: int, next_token: int, k: int) -> Proposal | None:
         """The branch matching the verdict, by key alone; None on a miss."""
@@ -95,16 +96,23 @@ class MirrorPipeline:
     the GIL inside kernels, so the two really run at once. Give each side its own cores: on a
     2-core machine, one torch thread each.
 
-    Serving (``stop_at_verdict``), the branch count is also bounded by measured cost: a branch
-    still drafting when the verdict comes delays the next window, so one is started only while
-    its expected saving beats its expected delay (``worth_starting``), from running averages of
-    this request's verify and branch times.
+    Serving (``stop_at_verdict``), branching is also bounded by measured cost, from running
+    averages of this request's own timings:
+    - a branch still drafting when the verdict comes delays the next window, so one is started
+      only while its expected saving beats its expected delay (``worth_starting``);
+    - drafting beside a verify can slow the verify (shared cores, memory bandwidth), so a window
+      branches only while hits save more than that costs (``should_branch``); it falls back to
+      serial drafting where mirror does not pay, and probes the other choice now and then.
     """
 
     def __init__(self, config: MirrorConfig | None = None):
         self.config = config or MirrorConfig()
-        self.verify_s = RunningMean()
-        self.branch_s = RunningMean()
+        self.verify_s = RunningMean()  # verify time in windows that branched
+        self.alone_s = RunningMean()  # verify time in windows that did not
+        self.branch_s = RunningMean()  # drafting time per branch
+        self.overrun_s = RunningMean()  # branch drafting past the verdict
+        self.hit_rate = RunningMean()
+        self._windows = 0
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mirror-verify")
 
     def close(self) -> None:
@@ -115,6 +123,7 @@ class MirrorPipeline:
                               k_after: Callable[[int, int], int]) -> Prefetch:
         """Verify ``proposal``; meanwhile draft branches. ``k_after(n, produced_tokens)`` is the K
         window t+1 would get after verdict n (0: no next window worth drafting)."""
+        branching = self.should_branch()
         hints: list[EarlyExitHint] = []
         heard = threading.Event()  # a hint came, or the verify is over
 
@@ -122,14 +131,14 @@ class MirrorPipeline:
             hints.append(hint)
             heard.set()
 
-        wants_hints = self.config.use_hints and getattr(verifier, "gives_hints", False)
+        wants_hints = branching and self.config.use_hints and getattr(verifier, "gives_hints", False)
         verify = partial(verifier.verify, on_hint=on_hint) if wants_hints else verifier.verify
         future = self._pool.submit(_timed, verify, context, proposal, params, seed)
         future.add_done_callback(lambda _: heard.set())
         branches: dict[tuple[int, int], Branch] = {}
         pending = guesses(proposal, alpha, self.config.alternatives)
         started = time.perf_counter()
-        while len(branches) < self.config.max_branches:
+        while branching and len(branches) < self.config.max_branches:
             if self.config.stop_at_verdict and future.done():
                 break
             if wants_hints and (branches or not pending):  # own best guess drafted: let the target steer
@@ -156,11 +165,33 @@ class MirrorPipeline:
                 branches[(j, c)] = Branch(j, c, k, drafter.propose([*head, c], k, params, seed))
         drafted = time.perf_counter()
         verdict, verify_span = future.result()
-        self.verify_s.add(verify_span[1] - verify_span[0])
+        (self.verify_s if branching else self.alone_s).add(verify_span[1] - verify_span[0])
         if branches:
             self.branch_s.add((drafted - started) / len(branches))
+            self.overrun_s.add(max(drafted - verify_span[1], 0.0))
         return Prefetch(verdict, verify_span[1] - verify_span[0], drafted - started, branches, verify_span,
-                        (started, drafted))
+                        (started, drafted), branching)
+
+    def observe_hit(self, hit: bool) -> None:
+        """Whether the last window's branches held the verdict (the engine knows, at ``take``)."""
+        self.hit_rate.add(float(hit))
+
+    def should_branch(self) -> bool:
+        """Branch in this window? Yes while hits save more drafting than branching costs: the
+        verify's slowdown beside the drafter plus the drafting that runs past the verdict.
+        It learns both sides first, then every ``probe_every``-th window tries the other choice
+        so the estimates follow the request. Tests (``stop_at_verdict=False``) always branch."""
+        if not self.config.stop_at_verdict:
+            return True
+        self._windows += 1
+        if not (self.verify_s.count and self.hit_rate.count):
+            return True
+        if not self.alone_s.count:
+            return False
+        saving = self.hit_rate.value * self.branch_s.value
+        cost = max(self.verify_s.value - self.alone_s.value, 0.0) + self.overrun_s.value
+        probe = self._windows % self.config.probe_every == 0
+        return (saving > cost) != probe
 
     def worth_starting(self, p_hit: float, elapsed_s: float) -> bool:
         """Start a branch with hit chance ``p_hit`` at ``elapsed_s`` into the verify? A hit saves

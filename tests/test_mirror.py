@@ -154,6 +154,26 @@ def test_a_branch_is_started_only_while_it_is_worth_its_delay():
         pipeline.close()
 
 
+def test_mirror_falls_back_to_serial_where_branching_does_not_pay_and_probes_back():
+    pipeline = MirrorPipeline(MirrorConfig(probe_every=4))
+    try:
+        assert pipeline.should_branch()  # learn what branching gives first
+        pipeline.verify_s.add(0.110)
+        pipeline.branch_s.add(0.040)
+        pipeline.observe_hit(True)
+        assert not pipeline.should_branch()  # then what a verify costs without a drafter beside it
+        pipeline.alone_s.add(0.100)
+        # hits save 0.5 * 40 ms = 20 ms a window; branching costs 10 ms of verify slowdown: branch
+        pipeline.observe_hit(False)
+        assert [pipeline.should_branch() for _ in range(4)] == [True, False, True, True]  # window 4 probes
+        for _ in range(30):
+            pipeline.observe_hit(False)  # hits dry up: 0 ms saved against 10 ms: go serial
+        assert [pipeline.should_branch() for _ in range(4)] == [False, True, False, False]  # window 8 probes
+    finally:
+        pipeline.close()
+    assert MirrorPipeline(EVERY_BRANCH).should_branch()  # tests: always branch, whatever the timings
+
+
 def test_running_mean_starts_plain_then_weights_recent_samples():
     from mirrorspec.mirror import RunningMean
 
