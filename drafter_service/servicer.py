@@ -17,6 +17,9 @@ from mirrorspec.serving.sessions import SequenceState, SessionStore
 from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 
+MAX_BRANCHES = 16  # branch tokens in one DraftBranches call
+
+
 @dataclass(frozen=True)
 class DrafterConfig(ReplicaConfig):
     strategy: str = "ngram"  # "ngram" | "draft-model" (then `model` names the draft model)
@@ -65,25 +68,46 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     async def Draft(self, request, context):
         session = self.sessions.get(request.session_id)
+        async with session.lock:
+            k = self._advance(session, request)
+            started = time.perf_counter()
+            seq = session.sequence
+            proposal = await self.lane.run(session.drafter.propose, list(seq.context), k, seq.params, seq.seed)
+        response = _draft_response(proposal)
+        response.draft_time_s = time.perf_counter() - started
+        return response
+
+    async def DraftBranches(self, request, context):
+        session = self.sessions.get(request.session_id)
+        branch_tokens = check_token_ids(request.branch_tokens, self.vocab_size, "branch_tokens")
+        if not 1 <= len(branch_tokens) <= MAX_BRANCHES:
+            raise OutOfRange(f"DraftBranches takes 1 to {MAX_BRANCHES} branch_tokens, got {len(branch_tokens)}",
+                             field="branch_tokens")
+        async with session.lock:
+            k = self._advance(session, request, reserve=1)
+            started = time.perf_counter()
+            seq = session.sequence
+            proposals = await self.lane.run(session.drafter.propose_branches, list(seq.context), branch_tokens, k,
+                                            seq.params, seq.seed)
+        return drafter_pb2.DraftBranchesResponse(drafts=[_draft_response(p) for p in proposals],
+                                                 draft_time_s=time.perf_counter() - started)
+
+    def _advance(self, session: DraftSession, request, reserve: int = 0) -> int:
+        """Commit what the request commits (forking first if it keeps less than the session
+        holds); the k to draft, within the bounds and the context window (``reserve``: tokens
+        the call appends before drafting)."""
         if request.k > self.config.max_speculative_tokens:
             raise OutOfRange(f"k={request.k} exceeds this drafter's max_speculative_tokens "
                              f"({self.config.max_speculative_tokens})", field="k")
         commit = check_token_ids(request.commit_tokens, self.vocab_size, "commit_tokens")
-        async with session.lock:
-            seq = session.sequence
-            if request.HasField("keep"):
-                seq.rewind(int(request.keep))
-            seq.commit(commit, int(request.context_length))
-            k = int(request.k)
-            if self.loaded is not None:
-                k = min(k, self.loaded.max_context - len(seq.context))
-            started = time.perf_counter()
-            proposal = await self.lane.run(session.drafter.propose, list(seq.context), k, seq.params, seq.seed)
-        response = drafter_pb2.DraftResponse(tokens=proposal.tokens, draft_time_s=time.perf_counter() - started)
-        if proposal.tokens:
-            response.q.CopyFrom(proposal_to_proto(proposal.q))
-            response.alternatives.extend(drafter_pb2.TokenAlternatives(ids=a) for a in proposal.alternatives)
-        return response
+        seq = session.sequence
+        if request.HasField("keep"):
+            seq.rewind(int(request.keep))
+        seq.commit(commit, int(request.context_length))
+        k = int(request.k)
+        if self.loaded is not None:
+            k = max(min(k, self.loaded.max_context - len(seq.context) - reserve), 0)
+        return k
 
     async def CloseSession(self, request, context):
         return common_pb2.CloseSessionResponse(existed=self.sessions.close(request.session_id))
@@ -96,6 +120,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         if self.loaded is not None:
             info.model.CopyFrom(describe_model(self.loaded))
         return info
+
+
+def _draft_response(proposal) -> drafter_pb2.DraftResponse:
+    response = drafter_pb2.DraftResponse(tokens=proposal.tokens)
+    if proposal.tokens:
+        response.q.CopyFrom(proposal_to_proto(proposal.q))
+        response.alternatives.extend(drafter_pb2.TokenAlternatives(ids=a) for a in proposal.alternatives)
+    return response
 
 
 async def serve(config: DrafterConfig, loaded: LoadedModel | None = None):

@@ -11,6 +11,9 @@ Its context is then exactly the true context, and ``propose`` draws from the DRA
 absolute positions (counter-based randomness), so the branch is the very proposal a fresh draft
 would make: same tokens, same q. Mirror mode changes *when* drafting happens, not what is drafted.
 
+Guesses that fork at the same point j are drafted together (``Drafter.propose_branches``: one
+batched forward per step for a draft model, one call for a remote drafter).
+
 Guesses, best first: for each rejection point j < K, the drafter's own runner-up tokens at j
 (a rejected draft is never the recovered token: the residual is 0 there); for "all accepted",
 the drafter's greedy next token after its last draft. Ranked by P(n = j) under the running
@@ -161,8 +164,13 @@ class MirrorPipeline:
                 if not bonus.tokens:
                     continue
                 c = bonus.tokens[0]
-            if (j, c) not in branches:
-                branches[(j, c)] = Branch(j, c, k, drafter.propose([*head, c], k, params, seed))
+            # the other guesses that fork at j ride along: drafted together, in one batched forward
+            room = self.config.max_branches - len(branches)
+            group = [t for t in dict.fromkeys([c, *(g[2] for g in pending if g[1] == j and g[2] is not None)])
+                     if (j, t) not in branches][:room]
+            pending = [g for g in pending if not (g[1] == j and g[2] in group)]
+            for token, drafted in zip(group, drafter.propose_branches(head, group, k, params, seed)):
+                branches[(j, token)] = Branch(j, token, k, drafted)
         drafted = time.perf_counter()
         verdict, verify_span = future.result()
         (self.verify_s if branching else self.alone_s).add(verify_span[1] - verify_span[0])

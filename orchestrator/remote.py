@@ -179,27 +179,46 @@ class RemoteDrafter(Drafter):
         return self.session.times
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, seed: int) -> Proposal:
-        if self.failure is not None or k <= 0:
+        if not self._drafting(k):
             return Proposal.empty()
+        return self._guard(lambda: self._draft(context, k)[0]) or Proposal.empty()
+
+    def propose_branches(self, head: Sequence[int], next_tokens: Sequence[int], k: int, params: SamplingParams,
+                         seed: int) -> list[Proposal]:
+        """All of them in one DraftBranches call (one batched forward per step on the replica)."""
+        none = [Proposal.empty() for _ in next_tokens]
+        if not self._drafting(k):
+            return none
+        return self._guard(lambda: self._draft(head, k, list(next_tokens))) or none
+
+    def _drafting(self, k: int) -> bool:
+        if self.failure is not None or k <= 0:
+            return False
         if self.paused is not None and self.paused():
             self.paused_windows += 1
-            return Proposal.empty()
-        return self._guard(lambda: self._draft(context, k)) or Proposal.empty()
+            return False
+        return True
 
-    def _draft(self, context: Sequence[int], k: int) -> Proposal:
+    def _draft(self, context: Sequence[int], k: int, branch_tokens: list[int] | None = None) -> list[Proposal]:
+        """Draft after ``context`` (one proposal), or after each of ``branch_tokens``."""
         def rpc(replica: Replica, session_id: str, keep: int, commit: list[int]):
             request = drafter_pb2.DraftRequest(session_id=session_id, commit_tokens=commit,
-                                               context_length=len(context), k=k)
+                                               context_length=len(context), k=k, branch_tokens=branch_tokens or ())
             if keep < len(self.session.held):
                 request.keep = keep
-            return replica.stub.Draft(request, timeout=self.session.timeout_s)
+            call = replica.stub.DraftBranches if branch_tokens else replica.stub.Draft
+            return call(request, timeout=self.session.timeout_s)
 
         started = time.perf_counter()
         response = self.session.call(context, rpc)
-        proposal = proposal_from_proto(response.tokens, response.q, self.vocab_size, response.alternatives)
+        drafts = list(response.drafts) if branch_tokens else [response]
+        if branch_tokens and len(drafts) != len(branch_tokens):
+            raise InvalidRequest(f"the drafter answered {len(drafts)} branches for {len(branch_tokens)} asked",
+                                 field="branch_tokens")
+        proposals = [proposal_from_proto(d.tokens, d.q, self.vocab_size, d.alternatives) for d in drafts]
         self.times.call_s += time.perf_counter() - started
         self.times.server_s += response.draft_time_s
-        return proposal
+        return proposals
 
     def _guard(self, fn: Callable):
         try:

@@ -56,5 +56,11 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, seed: int) -> Proposal: ...
 
+    def propose_branches(self, head: Sequence[int], next_tokens: Sequence[int], k: int, params: SamplingParams,
+                         seed: int) -> list[Proposal]:
+        """``propose([*head, c], k, ...)`` for each c: mirror branches that fork at the same point.
+        Strategies that can draft them together (one batched forward) override this."""
+        return [self.propose([*head, c], k, params, seed) for c in next_tokens]
+
     def release(self) -> None:
         """Drop per-sequence state (KV caches) once the request is over."""

@@ -9,6 +9,7 @@ for remote drafters: nothing but new tokens ever has to be resent.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -80,12 +81,30 @@ class KVSession:
         self.rollback(keep)
         new = torch.tensor([list(context[keep:])], dtype=torch.long, device=self.device)
         self.tokens = list(context)
+        return self.forward(new, self._cache, num_positions)[0]
+
+    def forward(self, input_ids: torch.Tensor, cache: DynamicCache, num_positions: int) -> torch.Tensor:
+        """Feed ``input_ids`` through ``cache``; logits of the last positions, over the head's rows.
+
+        # [batch, n] -> [batch, num_positions, vocab or m] float32
+        """
         if self._head is not None:
-            hidden = self.model.get_decoder()(input_ids=new, past_key_values=self._cache, use_cache=True)
-            return (hidden.last_hidden_state[0, -num_positions:] @ self._head.T).float()  # [n, m]
+            hidden = self.model.get_decoder()(input_ids=input_ids, past_key_values=cache, use_cache=True)
+            return (hidden.last_hidden_state[:, -num_positions:] @ self._head.T).float()
         # logits_to_keep: a 49k-vocabulary head over every prompt position costs more than the prefill
-        out = self.model(input_ids=new, past_key_values=self._cache, use_cache=True, logits_to_keep=num_positions)
-        return out.logits[0, -num_positions:].float()
+        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=num_positions)
+        return out.logits[:, -num_positions:].float()
+
+    @torch.inference_mode()
+    def fork(self, prefix: Sequence[int], next_tokens: Sequence[int]) -> BranchBatch:
+        """Continuations of ``prefix``, one per next token, decoded side by side (mirror branches
+        that fork at the same point). This session keeps ``prefix`` cached and is not changed."""
+        keep = common_prefix_length(self.tokens, prefix)
+        self.rollback(keep)
+        if keep < len(prefix):  # cache the rest of the prefix; its logits are not needed
+            self.forward(torch.tensor([list(prefix[keep:])], dtype=torch.long, device=self.device), self._cache, 1)
+            self.tokens = list(prefix)
+        return BranchBatch(self, next_tokens)
 
     def rollback(self, length: int) -> None:
         """Forget every cached position from ``length`` on."""
@@ -104,3 +123,25 @@ class KVSession:
     def close(self) -> None:
         """Free the cache (a closed session's memory goes back at once, not at garbage collection)."""
         self.reset()
+
+
+class BranchBatch:
+    """B sequences sharing a session's cached prefix, one batched forward per step: the prefix's
+    KV cache is copied B times once, and every row advances one token per ``step``."""
+
+    def __init__(self, session: KVSession, next_tokens: Sequence[int]):
+        self.session = session
+        self._cache = copy.deepcopy(session._cache)
+        self._cache.batch_repeat_interleave(len(next_tokens))
+        self._next = self._column(next_tokens)
+
+    @torch.inference_mode()
+    def step(self) -> torch.Tensor:
+        """Feed each row's pending token. # -> [B, vocab or m] float32"""
+        return self.session.forward(self._next, self._cache, 1)[:, 0]
+
+    def feed(self, tokens: Sequence[int]) -> None:
+        self._next = self._column(tokens)
+
+    def _column(self, tokens: Sequence[int]) -> torch.Tensor:
+        return torch.tensor([[int(t)] for t in tokens], dtype=torch.long, device=self.session.device)  # [B, 1]

@@ -45,6 +45,11 @@ class DrafterServiceStub:
                 request_serializer=mirrorspec_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
                 response_deserializer=mirrorspec_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
                 _registered_method=True)
+        self.DraftBranches = channel.unary_unary(
+                '/mirrorspec.v1.DrafterService/DraftBranches',
+                request_serializer=mirrorspec_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
+                response_deserializer=mirrorspec_dot_v1_dot_drafter__pb2.DraftBranchesResponse.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/mirrorspec.v1.DrafterService/CloseSession',
                 request_serializer=mirrorspec_dot_v1_dot_common__pb2.CloseSessionRequest.SerializeToString,
@@ -68,6 +73,15 @@ class DrafterServiceServicer:
 
     def Draft(self, request, context):
         """Appends the tokens committed since the last call, then drafts up to k tokens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DraftBranches(self, request, context):
+        """Mirror branches that fork at the same point: commits like Draft, then drafts k tokens after
+        each of `branch_tokens` (one batched forward per step where the strategy allows). The
+        session's context stays at the fork; the branch tokens are not committed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -97,6 +111,11 @@ def add_DrafterServiceServicer_to_server(servicer, server):
                     servicer.Draft,
                     request_deserializer=mirrorspec_dot_v1_dot_drafter__pb2.DraftRequest.FromString,
                     response_serializer=mirrorspec_dot_v1_dot_drafter__pb2.DraftResponse.SerializeToString,
+            ),
+            'DraftBranches': grpc.unary_unary_rpc_method_handler(
+                    servicer.DraftBranches,
+                    request_deserializer=mirrorspec_dot_v1_dot_drafter__pb2.DraftRequest.FromString,
+                    response_serializer=mirrorspec_dot_v1_dot_drafter__pb2.DraftBranchesResponse.SerializeToString,
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
@@ -163,6 +182,33 @@ class DrafterService:
             '/mirrorspec.v1.DrafterService/Draft',
             mirrorspec_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
             mirrorspec_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DraftBranches(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mirrorspec.v1.DrafterService/DraftBranches',
+            mirrorspec_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
+            mirrorspec_dot_v1_dot_drafter__pb2.DraftBranchesResponse.FromString,
             options,
             channel_credentials,
             insecure,

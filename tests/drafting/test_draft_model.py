@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from mirrorspec import SamplingParams
@@ -63,3 +64,24 @@ def test_sub_vocabulary_greedy_draft_is_the_argmax_over_its_ids(tiny_dir):
             logits = model(torch.tensor([context])).logits[0, -1]
         assert token == vocab[int(logits[vocab].argmax())]
         context.append(token)
+
+
+@pytest.mark.parametrize("sub_vocabulary", [False, True])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_branches_drafted_together_are_the_branches_drafted_one_by_one(tiny_dir, sub_vocabulary, temperature):
+    """One batched forward per step for every branch that forks at the same point: each branch is
+    what a fresh draft of its own context gives, and the session goes on as if it had drafted none."""
+    from support import load
+
+    model = sub_vocabulary_draft(tiny_dir, [1, 2, 4, 8, 9, 12]) if sub_vocabulary else load(tiny_dir["draft16"])
+    params = SamplingParams(temperature=temperature, max_new_tokens=16)
+    head, next_tokens = [0, 3, 5, 2], [4, 9, 1]
+    together = DraftModelDrafter(model, proposal_top_k=4)
+    together.propose([*head, 7, 7], 2, params, seed=3)  # a cache that holds more than the head
+    branches = together.propose_branches(head, next_tokens, 3, params, seed=3)
+    for c, branch in zip(next_tokens, branches):
+        alone = DraftModelDrafter(model, proposal_top_k=4).propose([*head, c], 3, params, seed=3)
+        assert branch.tokens == alone.tokens and branch.alternatives == alone.alternatives
+        assert torch.allclose(branch.q.dense(16), alone.q.dense(16), atol=1e-6)
+    after = together.propose([*head, 6], 3, params, seed=3)
+    assert after.tokens == DraftModelDrafter(model, proposal_top_k=4).propose([*head, 6], 3, params, seed=3).tokens

@@ -239,6 +239,33 @@ def test_drafter_rewinds_a_session_for_a_branch(stack):
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "keep=7" in err.value.details()
 
 
+
+def test_drafter_drafts_branches_that_fork_at_one_point_together(stack):
+    """DraftBranches: one call (one batched forward per step) for every branch token; each draft
+    is the one a fresh session on its own context gives, and the session stays at the fork."""
+    stub = drafter_pb2_grpc.DrafterServiceStub(grpc.insecure_channel(f"127.0.0.1:{stack.drafter.port}"))
+    params = common_pb2.SamplingParams(temperature=1.0, max_new_tokens=8)
+
+    def open_on(prompt):
+        return stub.OpenSession(drafter_pb2.OpenDraftSessionRequest(prompt_ids=prompt, params=params,
+                                                                    seed=5)).session_id
+
+    sid = open_on([0, 1])
+    together = stub.DraftBranches(drafter_pb2.DraftRequest(session_id=sid, commit_tokens=[2], context_length=3,
+                                                           k=3, branch_tokens=[9, 4, 9]))
+    assert len(together.drafts) == 3 and together.drafts[0] == together.drafts[2]
+    for token, draft in zip([9, 4], together.drafts):
+        alone = stub.Draft(drafter_pb2.DraftRequest(session_id=open_on([0, 1, 2, token]), context_length=4, k=3))
+        assert list(draft.tokens) == list(alone.tokens)
+        q_together, q_alone = (proposal_from_proto(d.tokens, d.q, 16).q.dense(16, "cpu") for d in (draft, alone))
+        assert torch.allclose(q_together, q_alone, atol=1e-6)
+    assert stub.Draft(drafter_pb2.DraftRequest(session_id=sid, commit_tokens=[9], context_length=4, k=2)).tokens
+    for tokens, code in (([], grpc.StatusCode.OUT_OF_RANGE), ([99], grpc.StatusCode.INVALID_ARGUMENT)):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.DraftBranches(drafter_pb2.DraftRequest(session_id=sid, context_length=4, k=2, branch_tokens=tokens))
+        assert err.value.code() == code and "branch_tokens" in err.value.details()
+
+
 @pytest.fixture(scope="module")
 def mirror_stack(tiny_dir):
     """Mirror on by default, every branch drafted whatever the timing: branch counts are then
