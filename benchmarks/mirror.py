@@ -13,8 +13,9 @@ every mode; the run checks it.
 
 Bounds from the measured figures (per dataset): with m tokens per target pass, t1 the
 target-only time per token, tv the verify time per window and td the draft time per drafted
-token (both measured in the serial mode), serial can reach m t1 / (tv + K td) and mirror, with
-branch hit rate h, m t1 / (tv + (1 - h) K td): a hit takes the drafting off the critical path.
+token (both measured in the serial mode), serial can reach m t1 / (tv + K td) and mirror, with h
+the share of all windows whose draft was ready, m t1 / (tv + (1 - h) K td): a hit takes the
+drafting off the critical path.
 
 Writes ``mirror-<time>.json`` and ``mirror-<time>-timeline.png`` (the first prompt's windows in
 serial and mirror mode: drafting on and off the critical path, verifies, and the gaps where one
@@ -78,6 +79,7 @@ class ModeTotals:
             "alpha": ratio(self.accepted, self.accepted + self.rejected),
             "tokens_per_pass": ratio(self.tokens, self.windows),
             "branch_hit_rate": ratio(self.branch_hits, self.mirror_windows),
+            "branched_share": ratio(self.mirror_windows, self.windows),  # windows that drafted branches
             "verify_s_per_window": ratio(self.verify_s, self.windows),
             "draft_s_per_token": ratio(self.draft_s + self.draft_off_path_s, self.drafted),
             "draft_on_path_s": self.draft_s, "draft_off_path_s": self.draft_off_path_s,
@@ -182,7 +184,8 @@ def main(argv=None) -> int:
                 s["identical_to_target_only"] = totals[mode].outputs == totals["target-only"].outputs
             for mode in modes[2:]:
                 summary[mode]["x_serial"] = summary[mode]["tokens_per_s"] / summary["serial"]["tokens_per_s"]
-                summary[mode]["bounds"] = bounds(base, summary["serial"], summary[mode]["branch_hit_rate"], args.k)
+                hit_share = summary[mode]["branch_hit_rate"] * summary[mode]["branched_share"]  # of all windows
+                summary[mode]["bounds"] = bounds(base, summary["serial"], hit_share, args.k)
             results[dataset] = summary
     finally:
         for client in clients.values():
@@ -192,13 +195,13 @@ def main(argv=None) -> int:
         stop()
 
     print(f"{'dataset':10s} {'mode':13s} {'tok/s':>6s} {'x base':>6s} {'x serial':>8s} {'alpha':>5s} "
-          f"{'tok/pass':>8s} {'hits':>5s} {'bound':>6s} identical")
+          f"{'tok/pass':>8s} {'branched':>8s} {'hits':>5s} {'bound':>6s} identical")
     for dataset, summary in results.items():
         for mode, s in summary.items():
             bound = s.get("bounds", {}).get("mirror") if mode.startswith("mirror") else None
             print(f"{dataset:10s} {mode:13s} {s['tokens_per_s']:6.1f} {s['x_target_only']:6.2f} "
                   f"{s.get('x_serial', 1.0 if mode == 'serial' else 0.0):8.2f} {s['alpha']:5.2f} "
-                  f"{s['tokens_per_pass']:8.2f} {s['branch_hit_rate']:5.2f} "
+                  f"{s['tokens_per_pass']:8.2f} {s['branched_share']:8.2f} {s['branch_hit_rate']:5.2f} "
                   f"{bound if bound is not None else float('nan'):6.2f} {s['identical_to_target_only']}")
     if busy is not None and busy > 0.1:
         print(f"note: other processes used {busy:.0%} of the CPUs just before the run; timings are noisy")

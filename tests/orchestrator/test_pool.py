@@ -2,6 +2,7 @@
 changing a single token (drain, replica death), over real loopback gRPC servers."""
 
 import threading
+from contextlib import contextmanager
 import time
 
 import pytest
@@ -122,9 +123,27 @@ def test_draining_a_target_replica_moves_its_session_and_frees_the_replica(poole
     assert len(drain.server.servicer.sessions) == 0  # closed on the way out, not left to the TTL
 
 
+@contextmanager
+def targets_held(stack):
+    """Every target replica's compute lane waits until the block exits: a request in flight stays
+    in flight (its next Verify queues), however fast the tiny models decode."""
+    release = threading.Event()
+    for server in stack.targets:
+        server.servicer.lane._pool.submit(release.wait, 60)
+    try:
+        yield
+    finally:
+        release.set()
+
+
 def test_killing_a_drafter_replica_moves_drafting_to_another_one(pooled, tiny_dir):
     drafters = pooled.front.servicer.drafters
-    tokens, last = stream_with(pooled, [1, 4, 4], 60, lambda: server_at(pooled.drafters, holder(drafters)).stop())
+
+    def kill_the_drafter_mid_request():
+        with targets_held(pooled):
+            server_at(pooled.drafters, holder(drafters)).stop()
+
+    tokens, last = stream_with(pooled, [1, 4, 4], 60, kill_the_drafter_mid_request)
     assert tokens == target_only(load(tiny_dir["target16"]), [1, 4, 4], 60)
     assert last.stats.drafter_moves >= 1 and not last.stats.drafter_fallback
     assert last.stats.drafted > 0
