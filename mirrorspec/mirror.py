@@ -126,7 +126,10 @@ class MirrorPipeline:
                               k_after: Callable[[int, int], int]) -> Prefetch:
         """Verify ``proposal``; meanwhile draft branches. ``k_after(n, produced_tokens)`` is the K
         window t+1 would get after verdict n (0: no next window worth drafting)."""
-        branching = self.should_branch()
+        if not self.should_branch():  # a serial window: verify right here, no thread hop
+            verdict, span = _timed(verifier.verify, context, proposal, params, seed)
+            self.alone_s.add(span[1] - span[0])
+            return Prefetch(verdict, span[1] - span[0], 0.0, {}, span, (span[0], span[0]), branched=False)
         hints: list[EarlyExitHint] = []
         heard = threading.Event()  # a hint came, or the verify is over
 
@@ -134,14 +137,14 @@ class MirrorPipeline:
             hints.append(hint)
             heard.set()
 
-        wants_hints = branching and self.config.use_hints and getattr(verifier, "gives_hints", False)
+        wants_hints = self.config.use_hints and getattr(verifier, "gives_hints", False)
         verify = partial(verifier.verify, on_hint=on_hint) if wants_hints else verifier.verify
         future = self._pool.submit(_timed, verify, context, proposal, params, seed)
         future.add_done_callback(lambda _: heard.set())
         branches: dict[tuple[int, int], Branch] = {}
         pending = guesses(proposal, alpha, self.config.alternatives)
         started = time.perf_counter()
-        while branching and len(branches) < self.config.max_branches:
+        while len(branches) < self.config.max_branches:
             if self.config.stop_at_verdict and future.done():
                 break
             if wants_hints and (branches or not pending):  # own best guess drafted: let the target steer
@@ -173,12 +176,12 @@ class MirrorPipeline:
                 branches[(j, token)] = Branch(j, token, k, drafted)
         drafted = time.perf_counter()
         verdict, verify_span = future.result()
-        (self.verify_s if branching else self.alone_s).add(verify_span[1] - verify_span[0])
+        self.verify_s.add(verify_span[1] - verify_span[0])
         if branches:
             self.branch_s.add((drafted - started) / len(branches))
             self.overrun_s.add(max(drafted - verify_span[1], 0.0))
         return Prefetch(verdict, verify_span[1] - verify_span[0], drafted - started, branches, verify_span,
-                        (started, drafted), branching)
+                        (started, drafted))
 
     def observe_hit(self, hit: bool) -> None:
         """Whether the last window's branches held the verdict (the engine knows, at ``take``)."""
