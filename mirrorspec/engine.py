@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
@@ -70,12 +71,9 @@ class TargetVerifier:
     def verify(self, context: Sequence[int], proposal: Proposal, params: SamplingParams, seed: int,
                on_hint: Callable[[EarlyExitHint], None] | None = None) -> WindowVerdict:
         k, start = len(proposal), len(context)
-        window = list(context) + list(proposal.tokens)
-        if on_hint is not None and self.probe is not None:
-            with self.probe.watching(k + 1, on_hint):
-                logits = self.session.logits_for(window, k + 1)  # [k + 1, vocab]
-        else:
-            logits = self.session.logits_for(window, k + 1)  # [k + 1, vocab]
+        hinting = self.probe.watching(k + 1, on_hint) if on_hint is not None and self.probe else nullcontext()
+        with hinting:
+            logits = self.session.logits_for(list(context) + list(proposal.tokens), k + 1)  # [k + 1, vocab]
         draft_ids = proposal.token_tensor(logits.device)  # [1, k]
         if params.greedy:
             num_accepted, next_token = greedy_verify(draft_ids, logits.argmax(dim=-1, keepdim=True).T)
@@ -229,8 +227,9 @@ def decode_windows(
         if proposal is None:
             started = time.perf_counter()
             proposal = drafter.propose(context, k, params, seed) if k > 0 else Proposal.empty()
-            stats.draft_time_s += time.perf_counter() - started
-            stats.span("draft", started, time.perf_counter())
+            ended = time.perf_counter()
+            stats.draft_time_s += ended - started
+            stats.span("draft", started, ended)
         if mirror is not None and len(proposal):
             alpha = policy.alpha if policy else posterior_alpha(stats.accepted, stats.rejected, AdaptiveKConfig())
             prefetch = mirror.verify_while_drafting(verifier, drafter, context, proposal, params, seed, alpha,
@@ -247,8 +246,9 @@ def decode_windows(
             prefetch = None
             started = time.perf_counter()
             verdict = verifier.verify(context, proposal, params, seed)
-            stats.verify_time_s += time.perf_counter() - started
-            stats.span("verify", started, time.perf_counter())
+            ended = time.perf_counter()
+            stats.verify_time_s += ended - started
+            stats.span("verify", started, ended)
         stats.record(len(proposal), verdict.num_accepted)
         if policy:
             policy.observe(len(proposal), verdict.num_accepted)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -20,6 +21,17 @@ def draft_vocabulary(model: torch.nn.Module) -> torch.Tensor | None:
     """The sub-vocabulary a trained draft declares in its config, or None (whole vocabulary)."""
     ids = getattr(getattr(model, "config", None), DRAFT_VOCAB_KEY, None)
     return None if ids is None else torch.tensor(ids, dtype=torch.int64)
+
+
+class DraftStep(NamedTuple):
+    token: int
+    q: ProposalRows  # one row
+    alternatives: tuple[int, ...]
+
+
+def _proposal(steps: list[DraftStep]) -> Proposal:
+    return Proposal(tokens=tuple(s.token for s in steps), q=ProposalRows.stack([s.q for s in steps]),
+                    alternatives=tuple(s.alternatives for s in steps))
 
 
 class DraftModelDrafter(Drafter):
@@ -46,16 +58,11 @@ class DraftModelDrafter(Drafter):
         start = len(context)
         u = uniforms(seed, range(start, start + k), Stream.DRAFT)  # [k]
         sequence = list(context)
-        rows: list[ProposalRows] = []
-        alternatives = []
+        steps: list[DraftStep] = []
         for i in range(k):
-            logits = self.session.logits_for(sequence, 1)  # [1, vocab]
-            q = self._in_vocabulary_ids(proposal_distribution(logits, params, self.proposal_top_k))
-            token = int(sample_proposal(q, u[i:i + 1]).item())
-            rows.append(q)
-            alternatives.append(self._top_ids(logits))
-            sequence.append(token)
-        return Proposal(tokens=tuple(sequence[start:]), q=ProposalRows.stack(rows), alternatives=tuple(alternatives))
+            steps.append(self._draw(self.session.logits_for(sequence, 1), params, u[i:i + 1]))  # [1, vocab]
+            sequence.append(steps[-1].token)
+        return _proposal(steps)
 
     def propose_branches(self, head: Sequence[int], next_tokens: Sequence[int], k: int, params: SamplingParams,
                          seed: int) -> list[Proposal]:
@@ -67,20 +74,18 @@ class DraftModelDrafter(Drafter):
         start = len(head) + 1  # every branch drafts at the same positions
         u = uniforms(seed, range(start, start + k), Stream.DRAFT)  # [k]
         batch = self.session.fork(head, next_tokens)
-        drafted: list[list[int]] = [[] for _ in next_tokens]
-        rows: list[list[ProposalRows]] = [[] for _ in next_tokens]
-        alternatives: list[list[tuple[int, ...]]] = [[] for _ in next_tokens]
+        branches: list[list[DraftStep]] = [[] for _ in next_tokens]
         for i in range(k):
             logits = batch.step()  # [B, vocab or m]
-            for b in range(len(next_tokens)):
-                row = logits[b:b + 1]  # [1, vocab or m]
-                q = self._in_vocabulary_ids(proposal_distribution(row, params, self.proposal_top_k))
-                drafted[b].append(int(sample_proposal(q, u[i:i + 1]).item()))
-                rows[b].append(q)
-                alternatives[b].append(self._top_ids(row))
-            batch.feed([tokens[-1] for tokens in drafted])
-        return [Proposal(tokens=tuple(t), q=ProposalRows.stack(r), alternatives=tuple(a))
-                for t, r, a in zip(drafted, rows, alternatives)]
+            for b, steps in enumerate(branches):
+                steps.append(self._draw(logits[b:b + 1], params, u[i:i + 1]))
+            batch.feed([steps[-1].token for steps in branches])
+        return [_proposal(steps) for steps in branches]
+
+    def _draw(self, logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> DraftStep:
+        """One drafted position from its logits (# [1, vocab or m]) and its uniform (# [1])."""
+        q = self._in_vocabulary_ids(proposal_distribution(logits, params, self.proposal_top_k))
+        return DraftStep(int(sample_proposal(q, u).item()), q, self._top_ids(logits))
 
     def _top_ids(self, logits: torch.Tensor) -> tuple[int, ...]:
         columns = logits[0].topk(min(self.num_alternatives, logits.shape[-1])).indices  # [n]
