@@ -20,16 +20,26 @@ import torch
 from tqdm import tqdm
 
 from mirrorspec.config import DistillRecipe
+from mirrorspec.distill.teacher import LENGTH_GROUP
 from mirrorspec.models.demo_target import cache_root
 
 
-TEACHER_FIELDS = ("seed", "teacher_prompts", "teacher_batch_size", "shard_batches", "max_prompt_tokens",
-                  "max_new_tokens", "teacher_top_k", "teacher_dtype")
+TEACHER_FIELDS = ("seed", "teacher_batch_size", "shard_batches", "max_prompt_tokens", "max_new_tokens",
+                  "teacher_top_k", "teacher_dtype")
 
 
 def teacher_dir(recipe: DistillRecipe) -> Path:
-    """Cached teacher shards, keyed by every recipe field that shapes them (so never stale)."""
-    fields = json.dumps({name: getattr(recipe, name) for name in TEACHER_FIELDS}, sort_keys=True)
+    """Cached teacher shards, keyed by every recipe field that shapes them (so never stale).
+
+    The prompt count joins the key only when the run ends inside a length-grouping span: whole
+    spans are batched the same whatever follows them, so a bigger run on whole spans reuses (and
+    extends) the shards of a smaller one instead of paying the hour again.
+    """
+    shaping = {name: getattr(recipe, name) for name in TEACHER_FIELDS}
+    whole_spans = recipe.teacher_prompts % (recipe.teacher_batch_size * LENGTH_GROUP) == 0
+    if not whole_spans or LENGTH_GROUP % recipe.shard_batches:
+        shaping["teacher_prompts"] = recipe.teacher_prompts
+    fields = json.dumps(shaping, sort_keys=True)
     return cache_root() / "distill" / f"teacher-{hashlib.sha256(fields.encode()).hexdigest()[:12]}"
 
 

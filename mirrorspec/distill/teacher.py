@@ -141,7 +141,11 @@ def write_teacher_data(model: torch.nn.Module, encoded: Sequence[Sequence[int]],
     return shards
 
 
-def _length_grouped_batches(encoded: Sequence[Sequence[int]], batch_size: int, group: int = 16) -> list[list[int]]:
+LENGTH_GROUP = 16  # batches per length-sorted span
+
+
+def _length_grouped_batches(encoded: Sequence[Sequence[int]], batch_size: int,
+                            group: int = LENGTH_GROUP) -> list[list[int]]:
     """Batches of similar-length prompts, keeping the seeded prompt order at the coarse level."""
     batches = []
     span = batch_size * group

@@ -1,6 +1,8 @@
 import torch
 
-from mirrorspec.distill.teacher import TeacherShard, generate_batch, write_teacher_data
+from mirrorspec.config import DistillRecipe
+from mirrorspec.distill.build import teacher_dir
+from mirrorspec.distill.teacher import LENGTH_GROUP, TeacherShard, generate_batch, write_teacher_data
 
 PROMPTS = [[0, 3, 5, 2], [1, 4], [2, 6, 1, 3, 3, 5, 4]]
 
@@ -49,3 +51,24 @@ def test_shards_are_reproducible_and_resumable(tiny_target, tmp_path):
         sa, sb = TeacherShard.load(a), TeacherShard.load(b)
         assert [t.tolist() for t in sa.tokens] == [t.tolist() for t in sb.tokens]
         assert torch.equal(sa.top_ids, sb.top_ids)
+
+
+def test_whole_spans_of_a_smaller_run_are_the_first_shards_of_a_bigger_one(tiny_target, tmp_path):
+    span = LENGTH_GROUP  # prompts per length-sorted span at batch size 1
+    prompts = [PROMPTS[i % len(PROMPTS)][: 1 + i % 5] for i in range(2 * span)]
+    kwargs = dict(batch_size=1, max_new_tokens=2, stop_ids=[7], top_k=3, seed=1, shard_batches=4)
+    small = write_teacher_data(tiny_target, prompts[:span], tmp_path / "small", **kwargs)
+    big = write_teacher_data(tiny_target, prompts, tmp_path / "big", **kwargs)
+    assert len(big) == 2 * len(small)
+    for a, b in zip(small, big):
+        sa, sb = TeacherShard.load(a), TeacherShard.load(b)
+        assert [t.tolist() for t in sa.tokens] == [t.tolist() for t in sb.tokens]
+        assert torch.equal(sa.top_ids, sb.top_ids) and torch.equal(sa.top_logp, sb.top_logp)
+
+
+def test_the_teacher_cache_is_shared_by_runs_on_whole_spans_only():
+    span = 128 * LENGTH_GROUP
+    assert teacher_dir(DistillRecipe(teacher_prompts=3 * span)) == teacher_dir(DistillRecipe(teacher_prompts=5 * span))
+    assert teacher_dir(DistillRecipe(teacher_prompts=3 * span)) != teacher_dir(DistillRecipe(teacher_prompts=3 * span + 1))
+    assert teacher_dir(DistillRecipe(teacher_prompts=3 * span)) != teacher_dir(DistillRecipe(teacher_prompts=3 * span,
+                                                                                           max_new_tokens=64))
