@@ -2,13 +2,15 @@
 their own processes, one torch thread each (each side has its own core on a 2-core machine).
 
     mirrorspec bench mirror [--datasets humaneval,mtbench] [--num-prompts 3] [--max-tokens 64]
-                                [--k 4] [--hint-layer 27] [--target demo-target --draft demo-draft]
+                                [--k 4] [--hint-layer 27 [--hint-vocab draft|full]]
+                                [--target demo-target --draft demo-draft]
                                 [--out benchmarks/results]
 
 Modes, all greedy, through front doors in this process, interleaved prompt by prompt after one
 untimed warm-up each: ``target-only`` (K=0), ``serial`` (K drafts, then verify), ``mirror``
 (branches drafted during the verify) and, with ``--hint-layer``, ``mirror+hints`` (the target
-streams early-exit hints and the branches follow them). Greedy output must be identical in
+streams early-exit hints and the branches follow them; scored over the draft's sub-vocabulary
+unless ``--hint-vocab full``). Greedy output must be identical in
 every mode; the run checks it.
 
 Bounds from the measured figures (per dataset): with m tokens per target pass, t1 the
@@ -138,6 +140,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--hint-layer", type=int, default=None, help="also run mirror+hints, hints off this layer")
+    parser.add_argument("--hint-vocab", choices=("draft", "full"), default="draft",
+                        help="score hints over the draft's sub-vocabulary (cheap) or the whole vocabulary")
     parser.add_argument("--target", default="demo-target")
     parser.add_argument("--draft", default="demo-draft")
     parser.add_argument("--proposal-top-k", type=int, default=32)
@@ -151,7 +155,10 @@ def main(argv=None) -> int:
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')}: must be >= 1")
 
-    target_args = ("--hint-layer", str(args.hint_layer)) if args.hint_layer else ()
+    target_args = ()
+    if args.hint_layer:
+        target_args = ("--hint-layer", str(args.hint_layer),
+                       *(("--hint-vocab", args.draft) if args.hint_vocab == "draft" else ()))
     target, drafter, stop = start_processes(args.target, args.draft, args.proposal_top_k, target_args)
     doors = {"plain": front_door(target, drafter, MirrorConfig(use_hints=False), args.k)}
     if args.hint_layer:

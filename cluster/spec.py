@@ -34,6 +34,7 @@ class StackSpec:
     adaptive: AdaptiveKConfig | None = None
     mirror: MirrorConfig | None = None  # the front door's default for requests that do not say
     hint_layer: int | None = None  # targets send early-exit hints read off this layer (tp=1 only)
+    hint_vocab: str | None = None  # hints scored over the sub-vocabulary this draft declares; None = all
     speculation_off_above: int | None = None  # the front door stops drafting past this many requests
     proposal_top_k: int = 32
     max_sessions: int = 64

@@ -48,6 +48,7 @@ FLAG_FOR_FIELD = {
     "epochs": "--epochs",
     "server": "--server",
     "hint_layer": "--hint-layer",
+    "hint_vocab": "--hint-vocab",
     "speculation_off_above": "--speculation-off-above",
     "address": "--address",
     "name": "--name",
@@ -127,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="stop drafting while more than N requests are in flight (saturated targets; like vLLM's speculative_disable_by_batch_size)")
     srv.add_argument("--hint-layer", type=int, default=None,
                      help="targets early-exit hints read off this decoder layer (1-based) during each verify: mirror requests steer their branches with them")
+    srv.add_argument("--hint-vocab", default="auto", metavar="auto|full|DRAFT",
+                     help="with --hint-layer: score hints over a draft's declared sub-vocabulary (auto: the served "
+                          "draft's, if it declares one; full: the whole vocabulary)")
     srv.add_argument("--proposal-top-k", type=int, default=32, help="sparse q width for draft models (0 = dense)")
     srv.add_argument("--max-sessions", type=int, default=64, help="sessions per replica")
     srv.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
@@ -340,6 +344,7 @@ def start_local_stack(target: TargetConfig, drafter: DrafterConfig | None, *, ta
 def cmd_serve(args: argparse.Namespace) -> int:
     _check_threads(args)
     SpeculationConfig(num_speculative_tokens=args.k, proposal_top_k=args.proposal_top_k)
+    args.hint_vocab = _hint_vocab(args.hint_vocab, args.hint_layer, resolve_draft(args.draft, args.target))
     if args.in_process:
         return _serve_in_process(args)
     if args.detach and not args.address:
@@ -376,9 +381,27 @@ def _stack_spec(args: argparse.Namespace, target_gpus: float):
                      threads=args.threads or 1, dtype=args.dtype, device=args.device,
                      num_speculative_tokens=args.k, adaptive=AdaptiveKConfig() if args.adaptive else None,
                      mirror=MirrorConfig() if args.mirror else None, hint_layer=args.hint_layer,
+                     hint_vocab=args.hint_vocab,
                      speculation_off_above=args.speculation_off_above,
                      proposal_top_k=args.proposal_top_k, max_sessions=args.max_sessions, host=args.host,
                      port=args.port, name=args.name, metrics_port=args.metrics_port)
+
+
+def _hint_vocab(choice: str, hint_layer: int | None, draft: str) -> str | None:
+    """``--hint-vocab``, checked before anything starts: auto scores hints over the served draft's
+    sub-vocabulary where it has one."""
+    if hint_layer is None and choice != "auto":
+        raise InvalidRequest("scores early-exit hints, so it needs --hint-layer too", field="hint_vocab")
+    if hint_layer is None or choice == "full":
+        return None
+    from mirrorspec.drafting.draft_model import declared_vocabulary
+
+    if choice != "auto":
+        if declared_vocabulary(choice) is None:
+            raise InvalidRequest(f"{choice} declares no sub-vocabulary to score hints over; name a draft that "
+                                 "does (e.g. demo-draft), or pass full", field="hint_vocab")
+        return choice
+    return draft if draft not in ("ngram", "none") and declared_vocabulary(draft) is not None else None
 
 
 def _target_gpus(requested: float | None) -> float:
@@ -429,7 +452,9 @@ def _serve_in_process(args: argparse.Namespace) -> int:
         drafter = DrafterConfig.for_draft(args.draft, dtype=args.dtype, device=args.device,
                                           max_sessions=args.max_sessions, proposal_top_k=args.proposal_top_k)
     stack = start_local_stack(TargetConfig(model=target.source, max_sessions=args.max_sessions,
-                                           hint_layer=args.hint_layer), drafter,
+                                           hint_layer=args.hint_layer,
+                                           hint_vocab=args.hint_vocab),
+                              drafter,
                               target_model=target, host=args.host, port=args.port, num_speculative_tokens=args.k,
                               metrics_port=args.metrics_port, adaptive=AdaptiveKConfig() if args.adaptive else None,
                               mirror=MirrorConfig() if args.mirror else None,

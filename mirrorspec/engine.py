@@ -331,7 +331,8 @@ def generate(
         mirror: ``True`` or a ``MirrorConfig`` drafts the next window's likely branches while the
             target verifies (``mirrorspec.mirror``); the output is the same as without it.
         hint_layer: with mirror and an HF target, the target sends early-exit hints read off this
-            decoder layer (1-based) part-way through each verify, steering which branches get drafted.
+            decoder layer (1-based) part-way through each verify, steering which branches get drafted;
+            scored over the draft's sub-vocabulary where it declares one (a cheaper hint).
         on_tokens: called with each window's committed tokens as soon as they are known.
 
     Greedy output is token-identical to target-only greedy decoding; sampled output has exactly
@@ -354,7 +355,8 @@ def generate(
     if hint_layer is not None and not isinstance(target, torch.nn.Module):
         raise InvalidRequest("hint_layer needs an HF model as the target (hints are read off its layers)",
                              field="hint_layer")
-    probe = EarlyExitProbe(target, hint_layer) if hint_layer is not None and pipeline is not None else None
+    probe = (EarlyExitProbe(target, hint_layer, vocab_ids=getattr(drafter, "vocab_ids", None))
+             if hint_layer is not None and pipeline is not None else None)
     started = time.perf_counter()
     try:
         for event in decode_windows(drafter, TargetVerifier(session, probe), prompt, params, spec, seed, stats,

@@ -16,9 +16,11 @@ parser.add_argument("--device", default="auto")
 parser.add_argument("--max-sessions", type=int, default=64)
 parser.add_argument("--hint-layer", type=int, default=None,
                     help="send early-exit hints read off this decoder layer (1-based) during each verify: mirror requests steer their branches with them")
+parser.add_argument("--hint-vocab", default=None, metavar="DRAFT",
+                    help="score hints over the sub-vocabulary this draft declares (e.g. demo-draft): cheaper verifies")
 parser.add_argument("--threads", type=int, default=1, help="torch threads for this process")
 args = parser.parse_args()
 torch.set_num_threads(args.threads)
 config = TargetConfig(model=args.model, host=args.host, port=args.port, dtype=args.dtype, device=args.device,
-                      max_sessions=args.max_sessions, hint_layer=args.hint_layer)
+                      max_sessions=args.max_sessions, hint_layer=args.hint_layer, hint_vocab=args.hint_vocab)
 run_until_terminated(lambda: serve(config), "target_service")

@@ -8,7 +8,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import partial
 
+import torch
+
 from mirrorspec.config import InvalidRequest, OutOfRange, ReplicaConfig
+from mirrorspec.drafting.draft_model import DRAFT_VOCAB_KEY, declared_vocabulary
 from mirrorspec.engine import TargetVerifier, validate_prompt
 from mirrorspec.models import KVSession, LoadedModel, LogitSession, load_causal_lm
 from mirrorspec.models.early_exit import EarlyExitProbe
@@ -30,6 +33,9 @@ class TargetConfig(ReplicaConfig):
     model: str = "demo-target"
     hint_layer: int | None = None  # send early-exit hints read off this layer (mirror mode); None = none
     hint_top_k: int = 4  # tokens per window position in a hint
+    # score hints over the sub-vocabulary this draft declares (e.g. "demo-draft"): a fraction of
+    # the full head's cost on the verify's critical path; None = the whole vocabulary
+    hint_vocab: str | None = None
 
 
 @dataclass
@@ -37,6 +43,17 @@ class TargetSession:
     sequence: SequenceState
     verifier: TargetVerifier
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def hint_vocabulary(config: TargetConfig) -> torch.Tensor | None:
+    if config.hint_vocab is None:
+        return None
+    ids = declared_vocabulary(config.hint_vocab)
+    if ids is None:
+        raise InvalidRequest(f"{config.hint_vocab} declares no sub-vocabulary ({DRAFT_VOCAB_KEY} in its config); "
+                             "name a draft that does, or leave hint_vocab unset for the whole vocabulary",
+                             field="hint_vocab")
+    return ids
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -51,7 +68,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if config.hint_layer is not None and new_session is not None:
             raise InvalidRequest("early-exit hints need an unsharded target (tp=1): a hint read on rank 0 "
                                  "alone would stall the other ranks' collectives", field="hint_layer")
-        self.probe = (EarlyExitProbe(loaded.model, config.hint_layer, config.hint_top_k)
+        self.probe = (EarlyExitProbe(loaded.model, config.hint_layer, config.hint_top_k, hint_vocabulary(config))
                       if config.hint_layer is not None else None)
         self.new_session = new_session or (lambda: KVSession(loaded.model))
         self.sessions: SessionStore[TargetSession] = SessionStore(

@@ -30,6 +30,8 @@ from mirrorspec.cli import main
     (["serve", "--tp", "2", "--hint-layer", "20"], "--hint-layer"),
     (["serve", "--speculation-off-above", "-1"], "--speculation-off-above"),
     (["generate", "hi", "--hint-layer", "20"], "--hint-layer"),
+    (["serve", "--hint-vocab", "full"], "--hint-vocab"),
+    (["serve", "--hint-layer", "20", "--hint-vocab", "demo-target"], "--hint-vocab"),
     (["demo", "--k", "99"], "--k"),
     (["demo", "--rebuild", "--epochs", "0"], "--epochs"),
 ])

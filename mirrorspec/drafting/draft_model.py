@@ -6,9 +6,11 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+from transformers import AutoConfig
 
 from mirrorspec.config import SamplingParams
 from mirrorspec.drafting.base import Drafter, Proposal
+from mirrorspec.models.loading import locate_model
 from mirrorspec.models.session import KVSession, LogitSession
 from mirrorspec.sampling import ProposalRows, Stream, proposal_distribution, sample_proposal, uniforms
 
@@ -20,6 +22,13 @@ DRAFT_VOCAB_KEY = "mirrorspec_draft_vocab"
 def draft_vocabulary(model: torch.nn.Module) -> torch.Tensor | None:
     """The sub-vocabulary a trained draft declares in its config, or None (whole vocabulary)."""
     ids = getattr(getattr(model, "config", None), DRAFT_VOCAB_KEY, None)
+    return None if ids is None else torch.tensor(ids, dtype=torch.int64)
+
+
+def declared_vocabulary(source: str) -> torch.Tensor | None:
+    """The sub-vocabulary the model at ``source`` declares, read from its config alone."""
+    location, gguf = locate_model(source)
+    ids = getattr(AutoConfig.from_pretrained(location, **gguf), DRAFT_VOCAB_KEY, None)
     return None if ids is None else torch.tensor(ids, dtype=torch.int64)
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from mirrorspec.config import InvalidRequest
+from mirrorspec.models.session import head_rows
 
 
 @dataclass(frozen=True)
@@ -44,9 +45,14 @@ class EarlyExitProbe:
     ``layer`` counts decoder layers from 1 and must leave at least one layer after it (the hint
     is worth something only if it arrives before the verdict). Decoder-only HF models with
     ``get_decoder().layers`` and ``get_decoder().norm`` (Llama, Mistral, Qwen, SmolLM ...).
+
+    ``vocab_ids`` scores the hint over those ids alone (a draft's frequent-token sub-vocabulary):
+    the full head is a fifth of a small target's verify, and the hint runs on the verify's own
+    thread, so a full-vocabulary hint slows every verdict it precedes. Its probabilities are then
+    renormalised over the sub-vocabulary; they only rank guesses, so that is harmless.
     """
 
-    def __init__(self, model: torch.nn.Module, layer: int, top_k: int = 4):
+    def __init__(self, model: torch.nn.Module, layer: int, top_k: int = 4, vocab_ids: torch.Tensor | None = None):
         decoder = model.get_decoder()
         layers = getattr(decoder, "layers", None)
         norm = getattr(decoder, "norm", None)
@@ -63,6 +69,8 @@ class EarlyExitProbe:
         self._block = layers[layer - 1]
         self._norm = norm
         self._head = model.get_output_embeddings()
+        self._vocab_ids = None if vocab_ids is None else vocab_ids.to(self._head.weight.device)  # [m]
+        self._head_rows = None if vocab_ids is None else head_rows(model, vocab_ids)  # [m, hidden]
 
     @contextmanager
     def watching(self, num_positions: int, on_hint: Callable[[EarlyExitHint], None]) -> Iterator[None]:
@@ -71,10 +79,11 @@ class EarlyExitProbe:
 
         def hook(module, args, output):
             hidden = output[0] if isinstance(output, tuple) else output  # [1, n, hidden]
-            logits = self._head(self._norm(hidden[:, -num_positions:]))[0].float()  # [num_positions, vocab]
-            top = logits.softmax(dim=-1).topk(min(self.top_k, logits.shape[-1]), dim=-1)
-            on_hint(EarlyExitHint(self.layer, tuple(map(tuple, top.indices.tolist())),
-                                  tuple(map(tuple, top.values.tolist()))))
+            normed = self._norm(hidden[0, -num_positions:])  # [num_positions, hidden]
+            logits = (self._head(normed) if self._head_rows is None else normed @ self._head_rows.T).float()
+            top = logits.softmax(dim=-1).topk(min(self.top_k, logits.shape[-1]), dim=-1)  # [num_positions, κ]
+            ids = top.indices if self._vocab_ids is None else self._vocab_ids[top.indices]
+            on_hint(EarlyExitHint(self.layer, tuple(map(tuple, ids.tolist())), tuple(map(tuple, top.values.tolist()))))
 
         handle = self._block.register_forward_hook(hook)
         try:

@@ -54,9 +54,9 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         raise InvalidRequest(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}", field="dtype") from None
 
 
-def load_causal_lm(source: str, *, dtype: str = "auto", device: str = "auto", tokenizer: bool = True) -> LoadedModel:
-    """Load a model for inference from a hub id, a local path, a ``.gguf`` file, ``demo-target``
-    or ``demo-draft``."""
+def locate_model(source: str) -> tuple[str, dict]:
+    """Where ``from_pretrained`` finds ``source`` (a hub id, a local path, a ``.gguf`` file,
+    ``demo-target`` or ``demo-draft``), and the ``gguf_file`` argument it needs if any."""
     if source == DEMO_TARGET:
         from mirrorspec.models.demo_target import ensure_demo_target
 
@@ -65,22 +65,26 @@ def load_causal_lm(source: str, *, dtype: str = "auto", device: str = "auto", to
         from mirrorspec.models.demo_draft import ensure_demo_draft
 
         source = str(ensure_demo_draft())
-    dev = resolve_device(device)
-    kwargs: dict = {"dtype": resolve_dtype(dtype, dev)}
     path = Path(source)
     if source.endswith(".gguf"):
         if not path.is_file():
             raise InvalidRequest(f"GGUF file {source} does not exist", field="model")
-        location, kwargs["gguf_file"] = str(path.parent), path.name
-    else:
-        location = source
-        if source.startswith((".", "/", "~")) and not path.exists():
-            raise InvalidRequest(f"model directory {source} does not exist", field="model")
+        return str(path.parent), {"gguf_file": path.name}
+    if source.startswith((".", "/", "~")) and not path.exists():
+        raise InvalidRequest(f"model directory {source} does not exist", field="model")
+    return source, {}
+
+
+def load_causal_lm(source: str, *, dtype: str = "auto", device: str = "auto", tokenizer: bool = True) -> LoadedModel:
+    """Load a model for inference from anything ``locate_model`` finds."""
+    location, gguf = locate_model(source)
+    source = location if not gguf else str(Path(location) / gguf["gguf_file"])
+    dev = resolve_device(device)
+    kwargs: dict = {"dtype": resolve_dtype(dtype, dev), **gguf}
     model = AutoModelForCausalLM.from_pretrained(location, **kwargs).to(dev).eval()
     tok = None
     if tokenizer:
-        tok_kwargs = {"gguf_file": kwargs["gguf_file"]} if "gguf_file" in kwargs else {}
-        tok = AutoTokenizer.from_pretrained(location, **tok_kwargs)
+        tok = AutoTokenizer.from_pretrained(location, **gguf)
     return LoadedModel(model=model, tokenizer=tok, source=source)
 
 

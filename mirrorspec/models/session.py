@@ -44,6 +44,18 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def head_rows(model: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    """The output head's weights for the vocabulary ids ``rows`` alone: logits over a frequent
+    sub-vocabulary then cost m/vocab of the full head's.
+
+    # [m] -> [m, hidden]
+    """
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("a sub-vocabulary head needs a bias-free output head")
+    return head.weight[rows.to(head.weight.device)].detach()
+
+
 class KVSession:
     """Holds one DynamicCache and the token ids it covers.
 
@@ -61,10 +73,7 @@ class KVSession:
         self._cache = DynamicCache()
         self._head = None
         if output_rows is not None:
-            head = model.get_output_embeddings()
-            if getattr(head, "bias", None) is not None:
-                raise ValueError("output_rows needs a bias-free output head")
-            self._head = head.weight[output_rows.to(head.weight.device)].detach()  # [m, hidden]
+            self._head = head_rows(model, output_rows)  # [m, hidden]
 
     def __len__(self) -> int:
         return len(self.tokens)

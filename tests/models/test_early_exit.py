@@ -26,6 +26,20 @@ def test_a_hint_is_the_head_on_the_layer_output_for_the_window_positions(tiny_di
     assert len(hints) == 1  # the hook is gone outside `watching`
 
 
+def test_a_sub_vocabulary_hint_ranks_only_those_ids_by_the_same_logits(tiny_dir):
+    model = load(tiny_dir["target16"])
+    rows = torch.tensor([1, 4, 6, 9, 11, 15])
+    probe = EarlyExitProbe(model, layer=1, top_k=3, vocab_ids=rows)
+    session, hints, ids = KVSession(model), [], [0, 3, 5, 2, 7]
+    with probe.watching(2, hints.append):
+        session.logits_for(ids, 2)
+    hidden = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[1]
+    logits = model.lm_head(model.model.norm(hidden[:, -2:]))[0][:, rows]  # [2, m]
+    expected = logits.softmax(-1).topk(3)
+    assert hints[0].top_tokens == tuple(map(tuple, rows[expected.indices].tolist()))
+    assert torch.allclose(torch.tensor(hints[0].top_probs), expected.values, atol=1e-5)
+
+
 def test_hint_prob_is_zero_outside_its_top_tokens():
     hint = EarlyExitHint(3, ((4, 2),), ((0.7, 0.2),))
     assert hint.prob(0, 2) == 0.2 and hint.prob(0, 9) == 0.0

@@ -310,10 +310,28 @@ def test_mirror_over_the_network_is_identical_to_target_only_and_to_serial(mirro
     assert metrics.branch_hits._value.get() == hits and "mirrorspec_mirror_windows_total" in metrics.text()
 
 
-def test_a_target_with_a_hint_layer_streams_hints_before_the_verdict(tiny_dir):
+SUB_VOCABULARY = [0, 1, 2, 3, 5, 8, 13]
+
+
+@pytest.fixture(scope="module")
+def draft16_with_sub_vocabulary(tiny_dir, tmp_path_factory):
+    from mirrorspec.drafting.draft_model import DRAFT_VOCAB_KEY
+
+    model = load(tiny_dir["draft16"])
+    setattr(model.config, DRAFT_VOCAB_KEY, SUB_VOCABULARY)
+    path = tmp_path_factory.mktemp("draft16-sub")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("sub_vocabulary", [False, True], ids=["full-vocabulary", "sub-vocabulary"])
+def test_a_target_with_a_hint_layer_streams_hints_before_the_verdict(tiny_dir, draft16_with_sub_vocabulary,
+                                                                     sub_vocabulary):
     """Verify(hints=true) streams the early-exit hint first; mirror requests steer their branches
-    with it, and the output stays target-only's (greedy) and serial's (seeded)."""
-    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, hint_layer=1,
+    with it, and the output stays target-only's (greedy) and serial's (seeded). A target told the
+    draft's sub-vocabulary hints from those ids alone."""
+    draft = draft16_with_sub_vocabulary if sub_vocabulary else tiny_dir["draft16"]
+    s = start_stack(tiny_dir["target16"], draft, k=3, hint_layer=1, hint_vocab=str(draft) if sub_vocabulary else None,
                     mirror=MirrorConfig(stop_at_verdict=False))
     try:
         stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(f"127.0.0.1:{s.target.port}"))
@@ -325,6 +343,8 @@ def test_a_target_with_a_hint_layer_streams_hints_before_the_verdict(tiny_dir):
         assert events[0].hint.layer == 1 and len(events[0].hint.rows) == 3
         assert all(len(row.ids) == 4 and sorted(row.probs, reverse=True) == list(row.probs)
                    for row in events[0].hint.rows)
+        hinted = {i for row in events[0].hint.rows for i in row.ids}
+        assert (hinted <= set(SUB_VOCABULARY)) == sub_vocabulary  # this target hints outside it otherwise
         model = load(tiny_dir["target16"])
         with Client(s.address) as client:
             for prompt in prompts(3, seed=5):
