@@ -86,11 +86,18 @@ class KVSession:
         """
         if not 1 <= num_positions <= len(context):
             raise ValueError(f"num_positions must be in [1, {len(context)}], got {num_positions}")
+        return self._extend(context, num_positions)[0]
+
+    def _extend(self, context: Sequence[int], num_positions: int) -> torch.Tensor:
+        """Make the cache cover ``context``, recomputing at least its last ``num_positions``.
+
+        # -> [1, num_positions, vocab or m]
+        """
         keep = min(common_prefix_length(self.tokens, context), len(context) - num_positions)
         self.rollback(keep)
         new = torch.tensor([list(context[keep:])], dtype=torch.long, device=self.device)
         self.tokens = list(context)
-        return self.forward(new, self._cache, num_positions)[0]
+        return self.forward(new, self._cache, num_positions)
 
     def forward(self, input_ids: torch.Tensor, cache: DynamicCache, num_positions: int) -> torch.Tensor:
         """Feed ``input_ids`` through ``cache``; logits of the last positions, over the head's rows.
@@ -108,11 +115,10 @@ class KVSession:
     def fork(self, prefix: Sequence[int], next_tokens: Sequence[int]) -> BranchBatch:
         """Continuations of ``prefix``, one per next token, decoded side by side (mirror branches
         that fork at the same point). This session keeps ``prefix`` cached and is not changed."""
-        keep = common_prefix_length(self.tokens, prefix)
-        self.rollback(keep)
-        if keep < len(prefix):  # cache the rest of the prefix; its logits are not needed
-            self.forward(torch.tensor([list(prefix[keep:])], dtype=torch.long, device=self.device), self._cache, 1)
-            self.tokens = list(prefix)
+        if common_prefix_length(self.tokens, prefix) < len(prefix):  # cache the rest; its logits are unused
+            self._extend(prefix, 1)
+        else:
+            self.rollback(len(prefix))
         return BranchBatch(self, next_tokens)
 
     def rollback(self, length: int) -> None:
