@@ -196,7 +196,7 @@ class DistillRecipe:
     """
 
     seed: int = 0
-    teacher_prompts: int = 6144
+    teacher_prompts: int = 10240
     teacher_batch_size: int = 128
     shard_batches: int = 4
     max_prompt_tokens: int = 512

@@ -36,3 +36,13 @@ def test_a_short_run_writes_json_and_a_timeline_and_every_mode_is_identical(tmp_
     assert set(out["timeline_modes"]) == {"serial", "mirror", "mirror+hints"}
     [png] = tmp_path.glob("mirror-*-timeline.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("argv,flag", [(["--num-prompts", "0"], "--num-prompts"), (["--reps", "0"], "--reps"),
+                                       (["--datasets", "nope"], "--datasets")])
+def test_hint_benchmark_flags_are_named(argv, flag, capsys):
+    from benchmarks.hints import main as hints_main
+
+    with pytest.raises(SystemExit):
+        hints_main(argv)
+    assert f"error: {flag}" in capsys.readouterr().err

@@ -1,0 +1,136 @@
+"""What an early-exit hint costs the verify, and how often its branches hit, by hint vocabulary.
+
+    python -m benchmarks.hints [--hint-layer 27] [--datasets humaneval,mtbench] [--num-prompts 3]
+                               [--max-tokens 64] [--k 4] [--max-branches 4] [--reps 60]
+
+Part 1 times the very call a hinted verify makes (``KVSession.logits_for`` over K + 1 positions
+inside ``EarlyExitProbe.watching``) with no hint, a hint over the whole vocabulary, and one over
+the draft's declared sub-vocabulary, interleaved so a slow stretch of a shared machine hits all
+three alike; one torch thread, as a target replica runs.
+
+Part 2 decodes the same prompts greedily in process with mirror always branching (up to
+``--max-branches`` per window) and counts how many windows' verdicts a branch held, with the
+draft's own guesses alone and with either hint. Greedy decoding makes these counts exact and
+repeatable, so the vocabularies compare without timing noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.prompts import DATASETS, load_prompts
+from mirrorspec import SamplingParams, SpeculationConfig
+from mirrorspec.config import MirrorConfig
+from mirrorspec.drafting.draft_model import DraftModelDrafter, declared_vocabulary
+from mirrorspec.engine import GenerationStats, TargetVerifier, decode_windows
+from mirrorspec.mirror import MirrorPipeline
+from mirrorspec.models import KVSession, LoadedModel, encode_prompt, load_causal_lm
+from mirrorspec.models.early_exit import EarlyExitProbe
+
+NO_HINT = "none"
+
+
+def verify_cost(model: torch.nn.Module, context: list[int], probes: dict[str, EarlyExitProbe | None], k: int,
+                reps: int) -> dict[str, float]:
+    """Median seconds of a verify pass over ``k`` drafts under each probe."""
+    session = KVSession(model)
+    session.logits_for(context, 1)
+    window = context + context[-k:]  # any k tokens: the cost does not depend on which
+    times: dict[str, list[float]] = {name: [] for name in probes}
+    for _ in range(reps):
+        for name, probe in probes.items():
+            session.rollback(len(context))
+            started = time.perf_counter()
+            if probe is None:
+                session.logits_for(window, k + 1)
+            else:
+                with probe.watching(k + 1, lambda hint: None):
+                    session.logits_for(window, k + 1)
+            times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def branch_hits(target: LoadedModel, draft: torch.nn.Module, prompts: list[list[int]],
+                probe: EarlyExitProbe | None, args: argparse.Namespace) -> tuple[int, int]:
+    """(windows whose verdict a branch held, windows that branched) over ``prompts``."""
+    hits = windows = 0
+    params = SamplingParams(max_new_tokens=args.max_tokens, stop_token_ids=target.stop_token_ids())
+    for ids in prompts:
+        stats = GenerationStats()
+        pipeline = MirrorPipeline(MirrorConfig(stop_at_verdict=False, max_branches=args.max_branches,
+                                               use_hints=probe is not None))
+        drafter = DraftModelDrafter(draft, proposal_top_k=32)
+        try:
+            for _ in decode_windows(drafter, TargetVerifier(KVSession(target.model), probe), ids, params,
+                                    SpeculationConfig(num_speculative_tokens=args.k), 0, stats, pipeline):
+                pass
+        finally:
+            pipeline.close()
+            drafter.release()
+        hits += stats.branch_hits
+        windows += stats.mirror_windows
+    return hits, windows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.hints", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hint-layer", type=int, default=27)
+    parser.add_argument("--datasets", default="humaneval,mtbench")
+    parser.add_argument("--num-prompts", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--max-branches", type=int, default=4)
+    parser.add_argument("--reps", type=int, default=60)
+    parser.add_argument("--target", default="demo-target")
+    parser.add_argument("--draft", default="demo-draft")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args(argv)
+    datasets = [d for d in args.datasets.split(",") if d]
+    for d in datasets:
+        if d not in DATASETS:
+            parser.error(f"--datasets: unknown dataset {d!r}; choose from {', '.join(DATASETS)}")
+    for flag in ("num_prompts", "max_tokens", "k", "max_branches", "reps"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')}: must be >= 1")
+
+    torch.set_num_threads(1)
+    target = load_causal_lm(args.target, dtype="float32")
+    vocab = declared_vocabulary(args.draft)
+    if vocab is None:
+        parser.error(f"--draft: {args.draft} declares no sub-vocabulary to compare with the full one")
+    probes = {NO_HINT: None, "full": EarlyExitProbe(target.model, args.hint_layer),
+              "sub-vocabulary": EarlyExitProbe(target.model, args.hint_layer, vocab_ids=vocab)}
+    prompts = {d: [encode_prompt(target.tokenizer, p.text) for p in load_prompts(d, args.num_prompts)]
+               for d in datasets}
+    cost = verify_cost(target.model, prompts[datasets[0]][0], probes, args.k, args.reps)
+    print(f"verify over {args.k} drafts, hint at layer {args.hint_layer} (1 thread, median of {args.reps}):")
+    for name, seconds in cost.items():
+        print(f"  {name:15s} {seconds * 1e3:7.1f} ms  {seconds / cost[NO_HINT]:.3f}x no hint")
+    draft = load_causal_lm(args.draft, dtype="float32", tokenizer=False).model
+    hits = {}
+    print(f"windows whose verdict a branch held (greedy, <= {args.max_branches} branches, K={args.k}):")
+    for d in datasets:
+        hits[d] = {}
+        for name, probe in probes.items():
+            hit, windows = branch_hits(target, draft, prompts[d], probe, args)
+            hits[d][name] = {"hits": hit, "windows": windows, "hit_rate": hit / max(windows, 1)}
+            print(f"  {d:10s} {'own guesses' if probe is None else name + ' hints':22s} "
+                  f"{hit:4d}/{windows:<4d} = {hit / max(windows, 1):.2f}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / f"hints-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps({"config": vars(args) | {"out": str(args.out)},
+                               "verify_s": cost, "vocab_size": {"full": int(target.model.config.vocab_size),
+                                                                "sub-vocabulary": len(vocab)},
+                               "branch_hits": hits}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
