@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from mirrorspec.config import DistillRecipe
 from mirrorspec.distill.teacher import TeacherShard
 from mirrorspec.drafting.draft_model import DRAFT_VOCAB_KEY
+from mirrorspec.models.demo_draft import VOCAB_TENSOR
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,7 @@ def agreement(student: PreTrainedModel, vocab: list[int], examples: list[Example
 def save_draft_weights(student: PreTrainedModel, vocab: list[int], path: Path) -> None:
     """The shippable part: trained weights (bfloat16) and the sub-vocabulary, in one safetensors file."""
     tensors = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in trained_state(student).items()}
-    tensors["draft_vocab"] = torch.tensor(vocab, dtype=torch.int32)
+    tensors[VOCAB_TENSOR] = torch.tensor(vocab, dtype=torch.int32)
     save_file(tensors, str(path), metadata={"layers": str(student.config.num_hidden_layers)})
 
 
@@ -188,7 +189,7 @@ def assemble_draft(target: PreTrainedModel, weights: Path, out_dir: Path) -> Non
     """A plain checkpoint (``from_pretrained``-loadable, HF-assisted-generation-ready) from the
     shipped weights plus the target's own embedding and head."""
     tensors = load_file(str(weights))
-    vocab = tensors.pop("draft_vocab").tolist()
+    vocab = tensors.pop(VOCAB_TENSOR).tolist()
     layers = 1 + max(int(k.split(".")[2]) for k in tensors if k.startswith("model.layers."))
     student = init_student(target, layers)
     missing, unexpected = student.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)

@@ -10,7 +10,8 @@ from transformers import AutoConfig
 
 from mirrorspec.config import SamplingParams
 from mirrorspec.drafting.base import Drafter, Proposal
-from mirrorspec.models.loading import locate_model
+from mirrorspec.models.demo_draft import shipped_vocabulary
+from mirrorspec.models.loading import DEMO_DRAFT, locate_model
 from mirrorspec.models.session import KVSession, LogitSession
 from mirrorspec.sampling import ProposalRows, Stream, proposal_distribution, sample_proposal, uniforms
 
@@ -27,6 +28,8 @@ def draft_vocabulary(model: torch.nn.Module) -> torch.Tensor | None:
 
 def declared_vocabulary(source: str) -> torch.Tensor | None:
     """The sub-vocabulary the model at ``source`` declares, read from its config alone."""
+    if source == DEMO_DRAFT:
+        return shipped_vocabulary()
     location, gguf = locate_model(source)
     ids = getattr(AutoConfig.from_pretrained(location, **gguf), DRAFT_VOCAB_KEY, None)
     return None if ids is None else torch.tensor(ids, dtype=torch.int64)

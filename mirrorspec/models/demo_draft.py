@@ -12,14 +12,26 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import torch
+
 from mirrorspec.config import InvalidRequest
 from mirrorspec.models.demo_target import build_once, cache_root
 
 SHIPPED_WEIGHTS = Path(__file__).parent / "demo_draft" / "draft.safetensors"
+VOCAB_TENSOR = "draft_vocab"  # the sub-vocabulary's ids, stored beside the trained weights
 
 
 def weights_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def shipped_vocabulary(weights: Path = SHIPPED_WEIGHTS) -> torch.Tensor:
+    """The draft's sub-vocabulary, read off the weights file alone: no checkpoint is assembled
+    (which would load the target), so a head node can learn it cheaply."""
+    from safetensors import safe_open
+
+    with safe_open(str(weights), "pt") as f:
+        return f.get_tensor(VOCAB_TENSOR).long()  # [m]
 
 
 def ensure_demo_draft(weights: Path = SHIPPED_WEIGHTS) -> Path:

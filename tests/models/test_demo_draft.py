@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mirrorspec.config import DistillRecipe
-from mirrorspec.models.demo_draft import SHIPPED_WEIGHTS
+from mirrorspec.models.demo_draft import SHIPPED_WEIGHTS, VOCAB_TENSOR
 
 
 def test_shipped_weights_are_small_and_carry_their_recipe():
@@ -23,18 +23,26 @@ def test_shipped_weights_hold_no_copy_of_the_targets_embedding_or_head():
 
     with safe_open(str(SHIPPED_WEIGHTS), "pt") as f:
         names = list(f.keys())
-    assert "draft_vocab" in names
+    assert VOCAB_TENSOR in names
     assert not [n for n in names if "embed_tokens" in n or "lm_head" in n]
+
+
+def test_the_sub_vocabulary_is_read_off_the_shipped_file_without_assembling():
+    from mirrorspec.drafting.draft_model import declared_vocabulary
+
+    vocab = declared_vocabulary("demo-draft")
+    assert len(vocab) == len(set(vocab.tolist())) == DistillRecipe().draft_vocab_size
 
 
 @pytest.mark.slow
 def test_assembled_draft_is_a_plain_checkpoint_sharing_the_targets_embedding(demo_target):
-    from mirrorspec.drafting.draft_model import DRAFT_VOCAB_KEY
+    from mirrorspec.drafting.draft_model import DRAFT_VOCAB_KEY, declared_vocabulary
     from mirrorspec.models import load_causal_lm
 
     draft = load_causal_lm("demo-draft", tokenizer=False).model
     assert draft.config.vocab_size == demo_target.model.config.vocab_size
     assert len(getattr(draft.config, DRAFT_VOCAB_KEY)) == DistillRecipe().draft_vocab_size
+    assert getattr(draft.config, DRAFT_VOCAB_KEY) == declared_vocabulary("demo-draft").tolist()
     assert torch.equal(draft.get_input_embeddings().weight, demo_target.model.get_input_embeddings().weight)
     assert draft.config.num_hidden_layers < demo_target.model.config.num_hidden_layers // 10
 
