@@ -397,7 +397,11 @@ def _hint_vocab(choice: str, hint_layer: int | None, draft: str) -> str | None:
     from mirrorspec.drafting.draft_model import declared_vocabulary
 
     if choice != "auto":
-        if declared_vocabulary(choice) is None:
+        try:
+            declared = declared_vocabulary(choice)
+        except InvalidRequest as e:  # a missing path: say which flag named it
+            raise InvalidRequest(str(e), field="hint_vocab") from None
+        if declared is None:
             raise InvalidRequest(f"{choice} declares no sub-vocabulary to score hints over; name a draft that "
                                  "does (e.g. demo-draft), or pass full", field="hint_vocab")
         return choice

@@ -32,6 +32,7 @@ from mirrorspec.cli import main
     (["generate", "hi", "--hint-layer", "20"], "--hint-layer"),
     (["serve", "--hint-vocab", "full"], "--hint-vocab"),
     (["serve", "--hint-layer", "20", "--hint-vocab", "demo-target"], "--hint-vocab"),
+    (["serve", "--hint-layer", "20", "--hint-vocab", "./no/such/draft"], "--hint-vocab"),
     (["demo", "--k", "99"], "--k"),
     (["demo", "--rebuild", "--epochs", "0"], "--epochs"),
 ])
