@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.prompts import DATASETS, load_prompts
+from benchmarks.prompts import checked_datasets, load_prompts
 from mirrorspec import SamplingParams, SpeculationConfig
 from mirrorspec.config import MirrorConfig
 from mirrorspec.drafting.draft_model import DraftModelDrafter, declared_vocabulary
@@ -91,13 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft", default="demo-draft")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
-    datasets = [d for d in args.datasets.split(",") if d]
-    for d in datasets:
-        if d not in DATASETS:
-            parser.error(f"--datasets: unknown dataset {d!r}; choose from {', '.join(DATASETS)}")
-    for flag in ("num_prompts", "max_tokens", "k", "max_branches", "reps"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')}: must be >= 1")
+    datasets = checked_datasets(parser, args, positive=("num_prompts", "max_tokens", "k", "max_branches", "reps"))
 
     torch.set_num_threads(1)
     target = load_causal_lm(args.target, dtype="float32")

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.data_plane import start_processes
-from benchmarks.prompts import DATASETS, load_prompts
+from benchmarks.prompts import checked_datasets, load_prompts
 from benchmarks.report import cpu_busy_before_run
 from mirrorspec.client import Client
 from mirrorspec.config import MirrorConfig
@@ -147,13 +147,7 @@ def main(argv=None) -> int:
     parser.add_argument("--proposal-top-k", type=int, default=32)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
-    datasets = [d for d in args.datasets.split(",") if d]
-    for d in datasets:
-        if d not in DATASETS:
-            parser.error(f"--datasets: unknown dataset {d!r}; choose from {', '.join(DATASETS)}")
-    for flag in ("num_prompts", "max_tokens", "k"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')}: must be >= 1")
+    datasets = checked_datasets(parser, args, positive=("num_prompts", "max_tokens", "k"))
 
     target_args = ()
     if args.hint_layer:

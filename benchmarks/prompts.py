@@ -15,10 +15,11 @@ Three workloads, chosen because speculative decoding behaves very differently on
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import importlib.metadata
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,3 +111,17 @@ def load_prompts(dataset: str, n: int) -> list[Prompt]:
     except KeyError:
         raise ValueError(f"unknown dataset {dataset!r}; choose from {', '.join(DATASETS)}") from None
     return loader(n)
+
+
+def checked_datasets(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                     positive: Sequence[str] = ()) -> list[str]:
+    """``args.datasets`` as a list, after checking it and that each count in ``positive`` is >= 1;
+    a bad value is an argparse error naming its flag."""
+    datasets = [d for d in args.datasets.split(",") if d]
+    for d in datasets:
+        if d not in DATASETS:
+            parser.error(f"--datasets: unknown dataset {d!r}; choose from {', '.join(DATASETS)}")
+    for name in positive:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: must be >= 1")
+    return datasets
