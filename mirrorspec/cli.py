@@ -394,16 +394,10 @@ def _hint_vocab(choice: str, hint_layer: int | None, draft: str) -> str | None:
         raise InvalidRequest("scores early-exit hints, so it needs --hint-layer too", field="hint_vocab")
     if hint_layer is None or choice == "full":
         return None
-    from mirrorspec.drafting.draft_model import declared_vocabulary
+    from mirrorspec.drafting.draft_model import declared_vocabulary, hint_vocabulary
 
     if choice != "auto":
-        try:
-            declared = declared_vocabulary(choice)
-        except InvalidRequest as e:  # a missing path: say which flag named it
-            raise InvalidRequest(str(e), field="hint_vocab") from None
-        if declared is None:
-            raise InvalidRequest(f"{choice} declares no sub-vocabulary to score hints over; name a draft that "
-                                 "does (e.g. demo-draft), or pass full", field="hint_vocab")
+        hint_vocabulary(choice)  # fails now, naming the flag, rather than in a replica later
         return choice
     return draft if draft not in ("ngram", "none") and declared_vocabulary(draft) is not None else None
 

@@ -8,10 +8,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import partial
 
-import torch
-
 from mirrorspec.config import InvalidRequest, OutOfRange, ReplicaConfig
-from mirrorspec.drafting.draft_model import DRAFT_VOCAB_KEY, declared_vocabulary
+from mirrorspec.drafting.draft_model import hint_vocabulary
 from mirrorspec.engine import TargetVerifier, validate_prompt
 from mirrorspec.models import KVSession, LoadedModel, LogitSession, load_causal_lm
 from mirrorspec.models.early_exit import EarlyExitProbe
@@ -45,17 +43,6 @@ class TargetSession:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
-def hint_vocabulary(config: TargetConfig) -> torch.Tensor | None:
-    if config.hint_vocab is None:
-        return None
-    ids = declared_vocabulary(config.hint_vocab)
-    if ids is None:
-        raise InvalidRequest(f"{config.hint_vocab} declares no sub-vocabulary ({DRAFT_VOCAB_KEY} in its config); "
-                             "name a draft that does, or leave hint_vocab unset for the whole vocabulary",
-                             field="hint_vocab")
-    return ids
-
-
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     """``new_session`` makes one sequence's KV-cache session: a plain ``KVSession``, or a
     tensor-parallel one whose every step the other ranks replay."""
@@ -68,8 +55,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if config.hint_layer is not None and new_session is not None:
             raise InvalidRequest("early-exit hints need an unsharded target (tp=1): a hint read on rank 0 "
                                  "alone would stall the other ranks' collectives", field="hint_layer")
-        self.probe = (EarlyExitProbe(loaded.model, config.hint_layer, config.hint_top_k, hint_vocabulary(config))
-                      if config.hint_layer is not None else None)
+        self.probe = None
+        if config.hint_layer is not None:
+            vocab_ids = hint_vocabulary(config.hint_vocab) if config.hint_vocab is not None else None
+            self.probe = EarlyExitProbe(loaded.model, config.hint_layer, config.hint_top_k, vocab_ids)
         self.new_session = new_session or (lambda: KVSession(loaded.model))
         self.sessions: SessionStore[TargetSession] = SessionStore(
             config.max_sessions, config.session_ttl_s, on_evict=lambda s: s.verifier.session.close())

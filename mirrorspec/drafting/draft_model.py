@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 from transformers import AutoConfig
 
-from mirrorspec.config import SamplingParams
+from mirrorspec.config import InvalidRequest, SamplingParams
 from mirrorspec.drafting.base import Drafter, Proposal
 from mirrorspec.models.demo_draft import shipped_vocabulary
 from mirrorspec.models.loading import DEMO_DRAFT, locate_model
@@ -20,10 +20,14 @@ from mirrorspec.sampling import ProposalRows, Stream, proposal_distribution, sam
 DRAFT_VOCAB_KEY = "mirrorspec_draft_vocab"
 
 
+def _config_vocabulary(config) -> torch.Tensor | None:
+    ids = getattr(config, DRAFT_VOCAB_KEY, None)
+    return None if ids is None else torch.tensor(ids, dtype=torch.int64)
+
+
 def draft_vocabulary(model: torch.nn.Module) -> torch.Tensor | None:
     """The sub-vocabulary a trained draft declares in its config, or None (whole vocabulary)."""
-    ids = getattr(getattr(model, "config", None), DRAFT_VOCAB_KEY, None)
-    return None if ids is None else torch.tensor(ids, dtype=torch.int64)
+    return _config_vocabulary(getattr(model, "config", None))
 
 
 def declared_vocabulary(source: str) -> torch.Tensor | None:
@@ -31,8 +35,21 @@ def declared_vocabulary(source: str) -> torch.Tensor | None:
     if source == DEMO_DRAFT:
         return shipped_vocabulary()
     location, gguf = locate_model(source)
-    ids = getattr(AutoConfig.from_pretrained(location, **gguf), DRAFT_VOCAB_KEY, None)
-    return None if ids is None else torch.tensor(ids, dtype=torch.int64)
+    return _config_vocabulary(AutoConfig.from_pretrained(location, **gguf))
+
+
+def hint_vocabulary(source: str) -> torch.Tensor:
+    """The sub-vocabulary early-exit hints are scored over, from the draft ``source`` names; a
+    missing draft, or one that declares none, is an error about ``hint_vocab``."""
+    try:
+        ids = declared_vocabulary(source)
+    except InvalidRequest as e:  # a missing path: say which setting named it
+        raise InvalidRequest(str(e), field="hint_vocab") from None
+    if ids is None:
+        raise InvalidRequest(f"{source} declares no sub-vocabulary ({DRAFT_VOCAB_KEY} in its config) to score "
+                             "hints over; name a draft that does (e.g. demo-draft), or score them over the whole "
+                             "vocabulary (hint_vocab unset; --hint-vocab full)", field="hint_vocab")
+    return ids
 
 
 class DraftStep(NamedTuple):
