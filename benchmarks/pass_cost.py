@@ -5,8 +5,11 @@
 For each K it times the very call verification makes (``KVSession.logits_for`` over the last
 K + 1 positions of a cached context, then the roll-back), interleaving K values so a slow stretch
 of a shared machine hits them all alike, and prints medians over a one-token step plus the tuple
-to put in ``AdaptiveKConfig.pass_costs``. On CPU the table is far from linear: kernels change
-with the shape, so a 2-token pass can cost as much as a 5-token one.
+to put in ``AdaptiveKConfig.pass_costs``. On CPU it measures the model twice in one run, as
+``from_pretrained`` leaves it (``nn.Linear``) and with its linears prepacked for oneDNN (what
+``load_causal_lm`` serves with, see ``mirrorspec.models.prepack``), and prints their ratio.
+Unpacked, the table is far from linear: kernels change with the shape, so a 2-token pass can
+cost as much as a 5-token one.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 import torch
 
 from mirrorspec.models import KVSession, encode_prompt, load_causal_lm
+from mirrorspec.models.prepack import prepack_linears
 
 
 def measure(model: torch.nn.Module, context: list[int], max_k: int, reps: int) -> dict[int, float]:
@@ -37,6 +41,10 @@ def measure(model: torch.nn.Module, context: list[int], max_k: int, reps: int) -
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def table(medians: dict[int, float]) -> tuple[float, ...]:
+    return tuple(round(medians[k] / medians[0], 2) for k in sorted(medians) if k > 0)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.pass_cost", description=__doc__.split("\n")[0])
     p.add_argument("--target", default="demo-target")
@@ -46,19 +54,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    target = load_causal_lm(args.target)
+    target = load_causal_lm(args.target, prepack=False)
     context = encode_prompt(target.tokenizer, "Write a Python function that merges two sorted lists.")
-    medians = measure(target.model, context, args.max_k, args.reps)
-    step = medians[0]
-    costs = {k: medians[k] / step for k in medians}
-    for k, c in costs.items():
-        print(f"K={k}: {medians[k] * 1e3:6.1f} ms  {c:4.2f} steps")
-    table = tuple(round(costs[k], 2) for k in range(1, args.max_k + 1))
-    print(f"AdaptiveKConfig(pass_costs={table})")
+    runs = {"plain": measure(target.model, context, args.max_k, args.reps)}
+    if prepack_linears(target.model):
+        runs["prepacked"] = measure(target.model, context, args.max_k, args.reps)
+    for k in range(args.max_k + 1):
+        cells = [f"{name} {m[k] * 1e3:6.1f} ms {m[k] / m[0]:4.2f} steps" for name, m in runs.items()]
+        ratio = f"  plain/prepacked {runs['plain'][k] / runs['prepacked'][k]:.2f}x" if len(runs) == 2 else ""
+        print(f"K={k}: " + "   ".join(cells) + ratio)
+    tables = {name: table(m) for name, m in runs.items()}
+    for name, t in tables.items():
+        print(f"{name}: AdaptiveKConfig(pass_costs={t})")
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"pass-cost-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps({"target": args.target, "threads": args.threads, "step_s": step,
-                               "median_s": medians, "pass_costs": table}, indent=2))
+    out.write_text(json.dumps({"target": args.target, "threads": args.threads,
+                               "runs": {name: {"step_s": m[0], "median_s": m, "pass_costs": tables[name]}
+                                        for name, m in runs.items()}}, indent=2))
     print(f"wrote {out}")
     return 0
 

@@ -8,7 +8,7 @@ stretch of easy text turns it back on.
 
 Costs come from configuration (``draft_cost``: one draft step over one target step, by default
 the drafter's own ``step_cost``; ``pass_costs``: a target pass over K drafts, in one-token steps,
-measured ~1.5-1.9 on a 2-core CPU for the demo target and ~1 on a GPU), not from wall-clock timings: K is then a function of the
+measured ~1.1-1.2 on a 2-core CPU for the demo target with prepacked weights, and ~1 on a GPU), not from wall-clock timings: K is then a function of the
 request's own history only, so a seeded request stays reproducible. Exactness does not depend on
 K at all: every window is exact for whatever K it was given, as long as K is chosen before the
 window's random draws are looked at, which it is.

@@ -63,9 +63,10 @@ class SamplingParams:
 # (the demo draft measured 0.10 on this CPU): ``Drafter.step_cost`` and adaptive K's default.
 DRAFT_MODEL_STEP_COST = 0.1
 
-# Target pass over K = 1, 2, ... drafts, in one-token steps: the demo target, float32, 2 CPU threads
-# (measured by benchmarks/pass_cost.py).
-DEMO_CPU_PASS_COSTS = (1.66, 1.88, 1.48, 1.24, 1.39, 1.76, 1.42, 1.57)
+# Target pass over K = 1, 2, ... drafts, in one-token steps: the demo target, float32, 2 CPU threads,
+# linears prepacked for oneDNN as load_causal_lm serves them (measured by benchmarks/pass_cost.py;
+# plain nn.Linear measured 1.66, 2.02, 1.61, 1.59, 1.67, 1.90, 1.69, 1.86 in the same run).
+DEMO_CPU_PASS_COSTS = (1.17, 1.07, 1.09, 1.06, 1.08, 1.21, 1.22, 1.21)
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,9 @@ class AdaptiveKConfig:
 
     ``pass_costs[K - 1]`` is the cost of a target pass over K drafts (K + 1 tokens) in one-token
     steps; past the table, each extra token adds ``pass_cost_per_token``. The default table was
-    measured for the demo target on a 2-core CPU (float32, 2 threads), where any multi-token pass
-    jumps to ~1.5-2 steps (the kernels change with the shape), so short windows cost nearly as
-    much as long ones. On a GPU a pass over a few tokens costs about one step: pass_costs=() and
+    measured for the demo target on a 2-core CPU (float32, 2 threads, prepacked linears), where a
+    pass over 2-9 tokens costs 1.06-1.22 steps, not in order of length (the kernels change with
+    the shape). On a GPU a pass over a few tokens costs about one step: pass_costs=() and
     pass_cost_per_token ~0.
     """
 
@@ -87,7 +88,7 @@ class AdaptiveKConfig:
     prior_rejected: float = 1.0
     decay: float = 0.9  # per window: the last ~10 windows dominate the estimate
     probe_every: int = 8  # windows spent target-only before drafting again to re-measure
-    probe_k: int | None = None  # None: the K whose window is cheapest (on the CPU table, K = 4)
+    probe_k: int | None = None  # None: the K whose window is cheapest (on the CPU table, K = 1-2)
 
     def __post_init__(self) -> None:
         if (self.draft_cost is not None and self.draft_cost < 0) or self.pass_cost_per_token < 0:

@@ -50,7 +50,7 @@ def teacher_stage(recipe: DistillRecipe, *, threads: int | None = None) -> list[
     from mirrorspec.models import encode_prompt, load_causal_lm
 
     torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
-    target = load_causal_lm("demo-target", dtype=recipe.teacher_dtype)
+    target = load_causal_lm("demo-target", dtype=recipe.teacher_dtype, prepack=False)  # as the cache was written
     prompts = training_prompts(recipe.seed)[:recipe.teacher_prompts]
     encoded = [encode_prompt(target.tokenizer, p.text)[-recipe.max_prompt_tokens:] for p in prompts]
     num_batches = -(-len(encoded) // recipe.teacher_batch_size)
@@ -81,7 +81,7 @@ def student_stage(recipe: DistillRecipe, shards: list[Path], out: Path, *, threa
 
     torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
     started = time.perf_counter()
-    target = load_causal_lm("demo-target", dtype="float32")
+    target = load_causal_lm("demo-target", dtype="float32", prepack=False)  # the student copies its layers
     examples = load_examples(shards)
     if not examples:
         raise ValueError(f"no teacher data in {shards}; run the teacher stage first")

@@ -45,7 +45,8 @@ def ensure_demo_draft(weights: Path = SHIPPED_WEIGHTS) -> Path:
         from mirrorspec.distill.student import assemble_draft
         from mirrorspec.models.loading import load_causal_lm
 
-        target = load_causal_lm("demo-target", dtype="float32", device="cpu", tokenizer=False)
+        target = load_causal_lm("demo-target", dtype="float32", device="cpu", tokenizer=False,
+                                prepack=False)
         assemble_draft(target.model, weights, tmp)
         (tmp / "ASSEMBLED_OK").write_text(f"weights={weights}\nsha256={digest}\n")
 

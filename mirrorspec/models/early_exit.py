@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from mirrorspec.config import InvalidRequest
-from mirrorspec.models.session import head_rows
+from mirrorspec.models.session import sub_vocabulary_head
 
 
 @dataclass(frozen=True)
@@ -68,9 +68,9 @@ class EarlyExitProbe:
         self.top_k = top_k
         self._block = layers[layer - 1]
         self._norm = norm
-        self._head = model.get_output_embeddings()
-        self._vocab_ids = None if vocab_ids is None else vocab_ids.to(self._head.weight.device)  # [m]
-        self._head_rows = None if vocab_ids is None else head_rows(model, vocab_ids)  # [m, hidden]
+        full_head = model.get_output_embeddings()
+        self._vocab_ids = None if vocab_ids is None else vocab_ids.to(full_head.weight.device)  # [m]
+        self._head = full_head if vocab_ids is None else sub_vocabulary_head(model, vocab_ids)
 
     @contextmanager
     def watching(self, num_positions: int, on_hint: Callable[[EarlyExitHint], None]) -> Iterator[None]:
@@ -80,7 +80,7 @@ class EarlyExitProbe:
         def hook(module, args, output):
             hidden = output[0] if isinstance(output, tuple) else output  # [1, n, hidden]
             normed = self._norm(hidden[0, -num_positions:])  # [num_positions, hidden]
-            logits = (self._head(normed) if self._head_rows is None else normed @ self._head_rows.T).float()
+            logits = self._head(normed).float()  # [num_positions, vocab or m]
             top = logits.softmax(dim=-1).topk(min(self.top_k, logits.shape[-1]), dim=-1)  # [num_positions, κ]
             ids = top.indices if self._vocab_ids is None else self._vocab_ids[top.indices]
             on_hint(EarlyExitHint(self.layer, tuple(map(tuple, ids.tolist())), tuple(map(tuple, top.values.tolist()))))

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from mirrorspec.config import InvalidRequest
+from mirrorspec.models.prepack import prepack_linears
 
 DEMO_TARGET = "demo-target"
 DEMO_DRAFT = "demo-draft"  # the draft mirrorspec distils from the demo target (mirrorspec demo)
@@ -75,13 +76,19 @@ def locate_model(source: str) -> tuple[str, dict]:
     return source, {}
 
 
-def load_causal_lm(source: str, *, dtype: str = "auto", device: str = "auto", tokenizer: bool = True) -> LoadedModel:
-    """Load a model for inference from anything ``locate_model`` finds."""
+def load_causal_lm(source: str, *, dtype: str = "auto", device: str = "auto", tokenizer: bool = True,
+                   prepack: bool = True) -> LoadedModel:
+    """Load a model for inference from anything ``locate_model`` finds.
+
+    ``prepack`` packs a float32 CPU model's linear weights for oneDNN (``models.prepack``);
+    pass False where the model will be trained from, edited or sharded afterwards."""
     location, gguf = locate_model(source)
     source = location if not gguf else str(Path(location) / gguf["gguf_file"])
     dev = resolve_device(device)
     kwargs: dict = {"dtype": resolve_dtype(dtype, dev), **gguf}
     model = AutoModelForCausalLM.from_pretrained(location, **kwargs).to(dev).eval()
+    if prepack:
+        prepack_linears(model)
     tok = None
     if tokenizer:
         tok = AutoTokenizer.from_pretrained(location, **gguf)

@@ -16,6 +16,8 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
+from mirrorspec.models.prepack import PackedLinear, is_prepacked
+
 
 class LogitSession(Protocol):
     """Anything that returns next-token logits for the last positions of a context.
@@ -56,6 +58,14 @@ def head_rows(model: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
     return head.weight[rows.to(head.weight.device)].detach()
 
 
+def sub_vocabulary_head(model: torch.nn.Module, rows: torch.Tensor) -> torch.nn.Module:
+    """A linear head over ``head_rows``, packed like the model's own layers when they are.
+
+    # [..., hidden] -> [..., m]
+    """
+    return PackedLinear(head_rows(model, rows), pack=is_prepacked(model))
+
+
 class KVSession:
     """Holds one DynamicCache and the token ids it covers.
 
@@ -73,7 +83,7 @@ class KVSession:
         self._cache = DynamicCache()
         self._head = None
         if output_rows is not None:
-            self._head = head_rows(model, output_rows)  # [m, hidden]
+            self._head = sub_vocabulary_head(model, output_rows)  # [..., hidden] -> [..., m]
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -106,7 +116,7 @@ class KVSession:
         """
         if self._head is not None:
             hidden = self.model.get_decoder()(input_ids=input_ids, past_key_values=cache, use_cache=True)
-            return (hidden.last_hidden_state[:, -num_positions:] @ self._head.T).float()
+            return self._head(hidden.last_hidden_state[:, -num_positions:]).float()
         # logits_to_keep: a 49k-vocabulary head over every prompt position costs more than the prefill
         out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=num_positions)
         return out.logits[:, -num_positions:].float()

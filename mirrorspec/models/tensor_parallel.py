@@ -221,10 +221,12 @@ def init_rank(init_method: str, rank: int, world: int, device: torch.device) -> 
 def load_shard(source: str, rank: int, world: int, init_method: str, dtype: str = "auto", device: str = "auto"):
     """Load the target whole, join the group and keep this rank's shard: what every rank runs."""
     from mirrorspec.models.loading import load_causal_lm, resolve_device
+    from mirrorspec.models.prepack import prepack_linears
 
     init_rank(init_method, rank, world, resolve_device(device))
-    loaded = load_causal_lm(source, dtype=dtype, device=device, tokenizer=False)
+    loaded = load_causal_lm(source, dtype=dtype, device=device, tokenizer=False, prepack=False)
     shard_causal_lm(loaded.model, rank, world)
+    prepack_linears(loaded.model)  # the column shards; row-parallel layers and the head stay plain
     return loaded
 
 
