@@ -18,6 +18,7 @@ import torch
 
 from mirrorspec.config import InvalidRequest, SamplingParams, SpeculationConfig
 from mirrorspec.models.loading import LoadedModel, load_causal_lm
+from mirrorspec.models.prepack import is_prepacked, prepack_linears
 
 from benchmarks.harness import MODES, BenchPlan, Drafts, RunRecord, run_benchmark, select_modes
 from benchmarks.metrics import summarize
@@ -149,7 +150,10 @@ def truncated_target(target: LoadedModel, layers: int) -> torch.nn.Module:
         raise InvalidRequest(f"truncate:N needs 1 <= N < {total} (the target's layer count), got {layers}",
                              field="draft")
     model = AutoModelForCausalLM.from_pretrained(target.source, num_hidden_layers=layers, dtype=target.model.dtype)
-    return model.to(target.model.device).eval()
+    model = model.to(target.model.device).eval()
+    if is_prepacked(target.model):  # the same kernels as the target it is compared with
+        prepack_linears(model)
+    return model
 
 
 def _quiet_transformers() -> None:
@@ -172,6 +176,18 @@ def contention_note(busy: float | None, when: str, device: str) -> list[str]:
         return []
     return [f"other processes used {busy:.0%} of the CPUs {when}: timings are noisy "
             f"(compare ratios within this run only; on a shared machine try --threads 1)"]
+
+
+def shared_process_note(modes: Sequence[str], threads: int, device: str) -> list[str]:
+    """A warning when served modes share this process with multi-threaded in-process modes: the
+    servers' compute threads then keep OpenMP pools beside the main thread's, the process's
+    OpenMP threads outnumber the cores, and libgomp stops spinning between parallel regions, so
+    every mode after the first served call runs slower (the demo target by ~35% on 2 cores)."""
+    if threads < 2 or not device.startswith("cpu") or not any(m.startswith("served") for m in modes):
+        return []
+    return [f"served modes share this process with {threads}-thread in-process modes, so every mode after "
+            "the first served call is slowed (OpenMP pools oversubscribe the cores); compare served with "
+            "in-process at --threads 1, and take in-process figures from a run without served modes"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -241,6 +257,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      progress=not args.no_progress)
     env = environment(target.model.device, target.model.dtype)
     notes += contention_note(env["others_cpu_busy_before_run"], "just before the run", env["device"])
+    notes += shared_process_note([m.name for m in modes], args.threads, env["device"])
     try:
         records, elapsed = _timed_run(plan, env)
     finally:

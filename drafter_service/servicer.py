@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from mirrorspec.config import InvalidRequest, OutOfRange, ReplicaConfig
 from mirrorspec.drafting import DraftModelDrafter, Drafter, NgramDrafter
@@ -48,13 +49,13 @@ class DraftSession:
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
-    def __init__(self, config: DrafterConfig, loaded: LoadedModel | None = None):
+    def __init__(self, config: DrafterConfig, loaded: LoadedModel | None = None, lane: ComputeLane | None = None):
         self.config = config
         self.loaded = loaded
         self.vocab_size = int(loaded.model.config.vocab_size) if loaded else 1 << 31
         self.sessions: SessionStore[DraftSession] = SessionStore(
             config.max_sessions, config.session_ttl_s, on_evict=lambda s: s.drafter.release())
-        self.lane = ComputeLane("drafter-compute")
+        self.lane = lane or ComputeLane("drafter-compute")
         self._new_drafter: Callable[[], Drafter] = (
             (lambda: DraftModelDrafter(loaded.model, config.proposal_top_k)) if loaded else NgramDrafter)
 
@@ -132,10 +133,11 @@ def _draft_response(proposal) -> drafter_pb2.DraftResponse:
 
 async def serve(config: DrafterConfig, loaded: LoadedModel | None = None):
     """Load the draft model if the strategy needs one, and start the gRPC server."""
+    lane = ComputeLane("drafter-compute")  # loads on the thread that will run it (see ComputeLane)
     if loaded is None and config.strategy == "draft-model":
-        loaded = await asyncio.to_thread(load_causal_lm, config.model, dtype=config.dtype, device=config.device,
-                                         tokenizer=False)
-    servicer = DrafterServicer(config, loaded)
+        loaded = await lane.run(partial(load_causal_lm, config.model, dtype=config.dtype, device=config.device,
+                                        tokenizer=False))
+    servicer = DrafterServicer(config, loaded, lane)
     service = Service(drafter_pb2_grpc.add_DrafterServiceServicer_to_server, servicer,
                       drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name)
     return await start_grpc_server([service], config.host, config.port)

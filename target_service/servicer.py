@@ -48,7 +48,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     tensor-parallel one whose every step the other ranks replay."""
 
     def __init__(self, loaded: LoadedModel, config: TargetConfig,
-                 new_session: Callable[[], LogitSession] | None = None):
+                 new_session: Callable[[], LogitSession] | None = None, lane: ComputeLane | None = None):
         self.loaded = loaded
         self.config = config
         self.vocab_size = int(loaded.model.config.vocab_size)
@@ -62,7 +62,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.new_session = new_session or (lambda: KVSession(loaded.model))
         self.sessions: SessionStore[TargetSession] = SessionStore(
             config.max_sessions, config.session_ttl_s, on_evict=lambda s: s.verifier.session.close())
-        self.lane = ComputeLane("target-compute")
+        self.lane = lane or ComputeLane("target-compute")
 
     async def OpenSession(self, request, context):
         # max_new_tokens only feeds the context check here; unset means "the prompt must fit"
@@ -139,10 +139,11 @@ async def _until_done(queue: asyncio.Queue, task: asyncio.Future) -> AsyncIterat
 async def serve(config: TargetConfig, loaded: LoadedModel | None = None,
                 new_session: Callable[[], LogitSession] | None = None):
     """Load the target (unless given) and start its gRPC server."""
+    lane = ComputeLane("target-compute")  # loads on the thread that will run it (see ComputeLane)
     if loaded is None:
-        loaded = await asyncio.to_thread(load_causal_lm, config.model, dtype=config.dtype, device=config.device,
-                                         tokenizer=False)
-    servicer = TargetServicer(loaded, config, new_session)
+        loaded = await lane.run(partial(load_causal_lm, config.model, dtype=config.dtype, device=config.device,
+                                        tokenizer=False))
+    servicer = TargetServicer(loaded, config, new_session, lane)
     service = Service(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer,
                       target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name)
     return await start_grpc_server([service], config.host, config.port)

@@ -62,7 +62,13 @@ async def start_grpc_server(services: list[Service], host: str, port: int) -> Ru
 
 class ComputeLane:
     """One thread for model work per server, like a GPU stream: forwards run one at a time, and
-    the event loop stays free for health checks, new sessions and cancellations."""
+    the event loop stays free for health checks, new sessions and cancellations.
+
+    Loading the model belongs on the lane too. Each thread that has run torch on CPU keeps its
+    own OpenMP pool, and once a process's OpenMP threads outnumber its cores libgomp stops
+    spinning between parallel regions: every region then waits on a futex. On 2 cores, a thread
+    decoding the demo target ran 35% slower per token once another, idle, thread had run torch
+    with 2 threads."""
 
     def __init__(self, name: str):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
