@@ -115,11 +115,13 @@ class MirrorConfig:
     alternatives: int = 2  # runner-up tokens guessed per rejection point
     stop_at_verdict: bool = True
     use_hints: bool = True  # steer branches by the target's early-exit hints, where it sends them
-    probe_every: int = 8  # serving: every N-th window tries the other choice (branch or not)
+    probe_every: int = 8  # serving: the N-th window after a change of choice tries the other one (branch or not)
+    max_probe_every: int = 64  # the gap doubles while probes confirm the choice, up to this
 
     def __post_init__(self) -> None:
-        if self.probe_every < 2:
-            raise InvalidRequest(f"mirror needs probe_every >= 2, got {self.probe_every}", field="mirror")
+        if not 2 <= self.probe_every <= self.max_probe_every:
+            raise InvalidRequest(f"mirror needs 2 <= probe_every <= max_probe_every, got {self.probe_every} "
+                                 f"and {self.max_probe_every}", field="mirror")
         if self.max_branches < 1 or self.alternatives < 0:
             raise InvalidRequest(f"mirror needs max_branches >= 1 and alternatives >= 0, got "
                                  f"{self.max_branches} and {self.alternatives}", field="mirror")

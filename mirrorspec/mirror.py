@@ -115,7 +115,9 @@ class MirrorPipeline:
         self.branch_s = RunningMean()  # drafting time per branch
         self.overrun_s = RunningMean()  # branch drafting past the verdict
         self.hit_rate = RunningMean()
-        self._windows = 0
+        self._branching: bool | None = None  # the choice the estimates make
+        self._probe_gap = self.config.probe_every
+        self._since_probe = 0
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mirror-verify")
 
     def close(self) -> None:
@@ -190,19 +192,28 @@ class MirrorPipeline:
     def should_branch(self) -> bool:
         """Branch in this window? Yes while hits save more drafting than branching costs: the
         verify's slowdown beside the drafter plus the drafting that runs past the verdict.
-        It learns both sides first, then every ``probe_every``-th window tries the other choice
-        so the estimates follow the request. Tests (``stop_at_verdict=False``) always branch."""
+        It learns both sides first, then probes the other choice so the estimates follow the
+        request: ``probe_every`` windows after the choice changes, then at doubling gaps (up to
+        ``max_probe_every``) while probes leave it standing: each probe of a choice that does not
+        pay costs that window's loss, which a fixed gap keeps paying for the whole request.
+        Tests (``stop_at_verdict=False``) always branch."""
         if not self.config.stop_at_verdict:
             return True
-        self._windows += 1
         if not (self.verify_s.count and self.hit_rate.count):
             return True
         if not self.alone_s.count:
             return False
         saving = self.hit_rate.value * self.branch_s.value
         cost = max(self.verify_s.value - self.alone_s.value, 0.0) + self.overrun_s.value
-        probe = self._windows % self.config.probe_every == 0
-        return (saving > cost) != probe
+        branching = saving > cost
+        if branching != self._branching:  # the estimates changed the choice: look back soon
+            self._branching, self._probe_gap, self._since_probe = branching, self.config.probe_every, 0
+        self._since_probe += 1
+        if self._since_probe < self._probe_gap:
+            return branching
+        self._since_probe = 0
+        self._probe_gap = min(2 * self._probe_gap, self.config.max_probe_every)
+        return not branching
 
     def worth_starting(self, p_hit: float, elapsed_s: float) -> bool:
         """Start a branch with hit chance ``p_hit`` at ``elapsed_s`` into the verify? A hit saves

@@ -163,15 +163,32 @@ def test_mirror_falls_back_to_serial_where_branching_does_not_pay_and_probes_bac
         pipeline.observe_hit(True)
         assert not pipeline.should_branch()  # then what a verify costs without a drafter beside it
         pipeline.alone_s.add(0.100)
-        # hits save 0.5 * 40 ms = 20 ms a window; branching costs 10 ms of verify slowdown: branch
+        # hits save 0.5 * 40 ms = 20 ms a window; branching costs 10 ms of verify slowdown: branch,
+        # probing serial 4 windows on, then 8 more on: the gap doubles while the choice stands
         pipeline.observe_hit(False)
-        assert [pipeline.should_branch() for _ in range(4)] == [True, False, True, True]  # window 4 probes
+        assert [pipeline.should_branch() for _ in range(12)] == [True] * 3 + [False] + [True] * 7 + [False]
         for _ in range(30):
             pipeline.observe_hit(False)  # hits dry up: 0 ms saved against 10 ms: go serial
-        assert [pipeline.should_branch() for _ in range(4)] == [False, True, False, False]  # window 8 probes
+        # the choice changed, so the next probe comes 4 windows on again
+        assert [pipeline.should_branch() for _ in range(8)] == [False, False, False, True] + [False] * 4
     finally:
         pipeline.close()
     assert MirrorPipeline(EVERY_BRANCH).should_branch()  # tests: always branch, whatever the timings
+
+
+def test_probe_gaps_double_up_to_the_configured_bound():
+    pipeline = MirrorPipeline(MirrorConfig(probe_every=2, max_probe_every=8))
+    try:
+        pipeline.verify_s.add(0.200)  # branching slows the verify by 100 ms and never hits
+        pipeline.alone_s.add(0.100)
+        pipeline.branch_s.add(0.040)
+        pipeline.observe_hit(False)
+        decisions = [pipeline.should_branch() for _ in range(2 + 4 + 8 + 8)]
+        assert [i + 1 for i, d in enumerate(decisions) if d] == [2, 6, 14, 22]  # gaps 2, 4, 8, 8
+    finally:
+        pipeline.close()
+    with pytest.raises(InvalidRequest, match="max_probe_every"):
+        MirrorConfig(probe_every=16, max_probe_every=8)
 
 
 def test_running_mean_starts_plain_then_weights_recent_samples():
