@@ -54,15 +54,19 @@ def start_in_process(target_dir: Path, draft_dir: Path, proposal_top_k: int):
     return f"127.0.0.1:{target.port}", f"127.0.0.1:{drafter.port}", lambda: (drafter.stop(), target.stop())
 
 
-def start_processes(target_dir: Path | str, draft_dir: Path | str, proposal_top_k: int, target_args: tuple = ()):
-    """Each server in its own process, one torch thread each: (target address, drafter address, stop)."""
+def start_processes(target_dir: Path | str, draft_dir: Path | str | None, proposal_top_k: int,
+                    target_args: tuple = (), threads: int = 1):
+    """Each server in its own process with ``threads`` torch threads (an n-gram drafter where
+    ``draft_dir`` is None): (target address, drafter address, stop)."""
     import subprocess
     import sys
 
+    drafter = (["--strategy", "ngram"] if draft_dir is None else
+               ["--strategy", "draft-model", "--model", str(draft_dir), "--proposal-top-k", str(proposal_top_k)])
     commands = [[sys.executable, "-m", "target_service", "--model", str(target_dir), *target_args],
-                [sys.executable, "-m", "drafter_service", "--strategy", "draft-model", "--model", str(draft_dir),
-                 "--proposal-top-k", str(proposal_top_k)]]
-    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for c in commands]
+                [sys.executable, "-m", "drafter_service", *drafter]]
+    procs = [subprocess.Popen([*c, "--threads", str(threads)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              text=True) for c in commands]
     ports = []
     for proc in procs:
         line = ""

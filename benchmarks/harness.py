@@ -44,6 +44,7 @@ class Drafts:
     model: torch.nn.Module | None = None
     name: str = "none"
     services: ServedStacks = field(default_factory=ServedStacks)  # started lazily by the served modes
+    server_source: str | None = None  # what a drafter server process loads for ``model`` (None: it cannot)
 
 
 @dataclass
@@ -173,7 +174,7 @@ def served_ngram(target: LoadedModel, drafts: Drafts, ids: list[int], params: Sa
 def served_draft(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
                  k: int, seed: int) -> RunOutput:
     """mirrorspec over gRPC on loopback with the draft model in its own drafter server."""
-    return _served(drafts.services.client(target, drafts.model), ids, params, k, seed)
+    return _served(drafts.services.client(target, drafts.model, drafts.server_source), ids, params, k, seed)
 
 
 def _hf_generate(target: LoadedModel, ids: list[int], params: SamplingParams, seed: int,

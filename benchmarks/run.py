@@ -134,7 +134,7 @@ def load_draft(spec: str, target: LoadedModel) -> Drafts:
         raise InvalidRequest(f"the draft's vocabulary ({model.config.vocab_size}) differs from the target's "
                              f"({target.model.config.vocab_size}); it must share the target's tokenizer",
                              field="draft")
-    return Drafts(model=model, name=spec)
+    return Drafts(model=model, name=spec, server_source=None if spec.startswith(TRUNCATE_PREFIX) else spec)
 
 
 def truncated_target(target: LoadedModel, layers: int) -> torch.nn.Module:
@@ -178,16 +178,18 @@ def contention_note(busy: float | None, when: str, device: str) -> list[str]:
             f"(compare ratios within this run only; on a shared machine try --threads 1)"]
 
 
-def shared_process_note(modes: Sequence[str], threads: int, device: str) -> list[str]:
-    """A warning when served modes share this process with multi-threaded in-process modes: the
-    servers' compute threads then keep OpenMP pools beside the main thread's, the process's
-    OpenMP threads outnumber the cores, and libgomp stops spinning between parallel regions, so
-    every mode after the first served call runs slower (the demo target by ~35% on 2 cores)."""
-    if threads < 2 or not device.startswith("cpu") or not any(m.startswith("served") for m in modes):
+def shared_process_note(modes: Sequence[str], threads: int, device: str, drafts: Drafts) -> list[str]:
+    """A warning when a served mode's servers must run as threads of this process (a draft no
+    server process can load) beside multi-threaded in-process modes: the servers' compute
+    threads then keep OpenMP pools beside the main thread's, the process's OpenMP threads
+    outnumber the cores, and libgomp stops spinning between parallel regions, so every mode after
+    the first served call runs slower (the demo target by ~35% on 2 cores)."""
+    shared = "served-draft" in modes and drafts.model is not None and drafts.server_source is None
+    if threads < 2 or not device.startswith("cpu") or not shared:
         return []
-    return [f"served modes share this process with {threads}-thread in-process modes, so every mode after "
-            "the first served call is slowed (OpenMP pools oversubscribe the cores); compare served with "
-            "in-process at --threads 1, and take in-process figures from a run without served modes"]
+    return [f"served-draft serves {drafts.name} from threads of this process, beside {threads}-thread in-process "
+            "modes, so every mode after its first call is slowed (OpenMP pools oversubscribe the cores); "
+            "compare it with in-process modes at --threads 1"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -257,7 +259,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                      progress=not args.no_progress)
     env = environment(target.model.device, target.model.dtype)
     notes += contention_note(env["others_cpu_busy_before_run"], "just before the run", env["device"])
-    notes += shared_process_note([m.name for m in modes], args.threads, env["device"])
+    notes += shared_process_note([m.name for m in modes], args.threads, env["device"], drafts)
     try:
         records, elapsed = _timed_run(plan, env)
     finally:

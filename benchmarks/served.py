@@ -1,42 +1,78 @@
-"""The served path as benchmark modes: drafter, target and front door gRPC servers on loopback,
-started once per run in this process (sharing the already-loaded target), called through Client.
+"""The served path as benchmark modes: target and drafter gRPC servers in their own processes (as
+deployed), a front door in this process, called through Client.
+
+The servers get this process's torch thread count, like the in-process modes. They do not run
+as threads of this process: they would share its GIL with the front door and the client, and past
+one torch thread their OpenMP pools would oversubscribe the cores beside the in-process modes'
+(see ``mirrorspec.serving.server.ComputeLane``), slowing every mode after the first served call.
+Only a draft no server process can load (``truncate:N``, built from the loaded target) is served
+from threads of this process.
 
 Run benchmarks that use these modes inside a loopback-only network namespace on shared machines.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from drafter_service.servicer import DrafterConfig
-from mirrorspec.cli import LocalStack, start_local_stack
+from mirrorspec.cli import start_local_stack
 from mirrorspec.client import Client
 from mirrorspec.models import LoadedModel
 from target_service.servicer import TargetConfig
+
+from benchmarks.data_plane import start_processes
 
 
 class ServedStacks:
     """One stack per drafter kind ("ngram" or the draft model), created on first use."""
 
     def __init__(self) -> None:
-        self._stacks: dict[str, LocalStack] = {}
+        self._stops: dict[str, Callable[[], None]] = {}
         self._clients: dict[str, Client] = {}
 
-    def client(self, target: LoadedModel, draft_model: torch.nn.Module | None) -> Client:
+    def client(self, target: LoadedModel, draft_model: torch.nn.Module | None, draft_source: str | None = None) -> Client:
+        """``draft_source`` names the draft for a server process to load; without one, a draft
+        model is served from threads of this process."""
         kind = "ngram" if draft_model is None else "draft-model"
         if kind not in self._clients:
-            draft = None if draft_model is None else LoadedModel(model=draft_model, tokenizer=None, source="draft")
-            stack = start_local_stack(TargetConfig(model=target.source),
-                                      DrafterConfig(strategy=kind, model=None if draft is None else "draft"),
-                                      target_model=target, draft_model=draft, port=0)
-            self._stacks[kind] = stack
-            self._clients[kind] = Client(stack.address)
+            if draft_model is not None and draft_source is None:
+                address, stop = _stack_in_this_process(target, draft_model)
+            else:
+                address, stop = _stack_in_processes(target.source, draft_source if draft_model is not None else None)
+            self._stops[kind] = stop
+            self._clients[kind] = Client(address)
         return self._clients[kind]
 
     def close(self) -> None:
         for client in self._clients.values():
             client.close()
-        for stack in self._stacks.values():
-            stack.stop()
+        for stop in self._stops.values():
+            stop()
         self._clients.clear()
-        self._stacks.clear()
+        self._stops.clear()
+
+
+def _stack_in_processes(target_source: str, draft_source: str | None) -> tuple[str, Callable[[], None]]:
+    from mirrorspec.serving.server import BackgroundServer
+    from orchestrator.servicer import OrchestratorConfig, serve
+
+    target, drafter, stop_servers = start_processes(target_source, draft_source,
+                                                    DrafterConfig.proposal_top_k, threads=torch.get_num_threads())
+    front = BackgroundServer(lambda: serve(OrchestratorConfig(target=target, drafter=drafter, port=0)),
+                             "orchestrator").start(timeout=300)
+
+    def stop() -> None:
+        front.stop()
+        stop_servers()
+
+    return f"127.0.0.1:{front.port}", stop
+
+
+def _stack_in_this_process(target: LoadedModel, draft_model: torch.nn.Module) -> tuple[str, Callable[[], None]]:
+    draft = LoadedModel(model=draft_model, tokenizer=None, source="draft")
+    stack = start_local_stack(TargetConfig(model=target.source), DrafterConfig(strategy="draft-model", model="draft"),
+                              target_model=target, draft_model=draft, port=0)
+    return stack.address, stack.stop
