@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mirrorspec.models import encode_prompt
+from mirrorspec.models import encode_prompt, load_causal_lm
 from mirrorspec.models.demo_target import CHECKPOINT_NAME, cache_root, locate_demo_gguf
 
 
@@ -16,10 +16,15 @@ def test_gguf_ships_in_the_wheel():
 def test_cached_checkpoint_is_bit_identical_to_the_gguf_model(demo_target):
     from transformers import AutoModelForCausalLM
 
+    from mirrorspec.models.prepack import prepack_linears
+
     gguf = locate_demo_gguf()
     original = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    converted = load_causal_lm("demo-target", tokenizer=False, prepack=False).model
     ids = torch.tensor([encode_prompt(demo_target.tokenizer, "What is speculative decoding?")])
     with torch.inference_mode():
+        assert torch.equal(original(ids).logits, converted(ids).logits)
+        prepack_linears(original)  # and served as load_causal_lm serves it, packed alike: still bit-identical
         assert torch.equal(original(ids).logits, demo_target.model(ids).logits)
     assert (cache_root() / CHECKPOINT_NAME / "CONVERTED_OK").is_file()
 
