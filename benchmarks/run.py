@@ -243,6 +243,7 @@ def _timed_run(plan: BenchPlan, env: dict) -> tuple[list[RunRecord], float]:
     started, cpu_before = time.perf_counter(), cpu_sample()
     records = run_benchmark(plan)
     elapsed = time.perf_counter() - started
+    plan.drafts.services.close()  # reap the served modes' server processes, so their CPU counts as ours
     env["others_cpu_busy_during_run"] = others_busy_fraction(cpu_before, cpu_sample())
     env["load_average_end"] = os.getloadavg()
     return records, elapsed
