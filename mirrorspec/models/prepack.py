@@ -59,7 +59,6 @@ class PackedLinear(nn.Module):
         self.bias = bias
         self._packed = (torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
                         if pack and can_prepack(weight) else None)
-        self._packed_bias = None if bias is None else bias.detach()
 
     @property
     def packed(self) -> bool:
@@ -67,7 +66,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fits(x):
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self._packed_bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def _fits(self, x: torch.Tensor) -> bool:
@@ -82,9 +81,6 @@ class PackedLinear(nn.Module):
 def prepack_linears(model: nn.Module) -> int:
     """Swap every ``nn.Linear`` of an inference model for a ``PackedLinear``, in place; the count
     packed (0 where prepacking does not apply: GPU, bf16, no oneDNN)."""
-    first = next(model.parameters(), None)
-    if first is None or not can_prepack(first):
-        return 0
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
