@@ -28,6 +28,11 @@ def encode_tensor(tensor: torch.Tensor) -> bytes:
 
 
 def decode_tensor(frame: bytes, *, name: str = "tensor") -> torch.Tensor:
+    return torch.from_numpy(decode_array(frame, name=name))
+
+
+def decode_array(frame: bytes, *, name: str = "tensor") -> np.ndarray:
+    """A frame as a native-order, writable numpy array: validation runs on it, and torch takes it without a copy."""
     try:
         header = msgpack.unpackb(frame)
         dtype, shape, data = header["dtype"], header["shape"], header["data"]
@@ -40,7 +45,7 @@ def decode_tensor(frame: bytes, *, name: str = "tensor") -> torch.Tensor:
     count = int(np.prod(shape)) if shape else 1
     if any(int(d) < 0 for d in shape) or count * np_dtype.itemsize != len(data):
         raise InvalidRequest(f"{name} frame says shape {shape} of {dtype} but carries {len(data)} bytes", field=name)
-    return torch.from_numpy(np.frombuffer(data, dtype=np_dtype).astype(_DTYPES[dtype]).reshape(shape))
+    return np.frombuffer(data, dtype=np_dtype).astype(_DTYPES[dtype]).reshape(shape)
 
 
 def encode_proposal(rows: ProposalRows) -> tuple[bytes, bytes | None]:
@@ -52,22 +57,25 @@ def encode_proposal(rows: ProposalRows) -> tuple[bytes, bytes | None]:
 
 def decode_proposal(probs_frame: bytes, ids_frame: bytes | None, *, num_tokens: int, vocab_size: int,
                     draft_tokens: list[int] | None = None) -> ProposalRows:
-    """A validated q: one row per draft token, a proper distribution in each row, containing the draft."""
-    probs = decode_tensor(probs_frame, name="q.probs").float()
-    if probs.dim() != 2 or probs.shape[0] != num_tokens:
+    """A validated q: one row per draft token, a proper distribution in each row, containing the draft.
+
+    The checks run in numpy: a q is a few rows, where each torch op's dispatch would cost more
+    than its arithmetic, and this runs on every window's critical path, twice (front door, target)."""
+    probs = decode_array(probs_frame, name="q.probs").astype(np.float32, copy=False)
+    if probs.ndim != 2 or probs.shape[0] != num_tokens:
         raise InvalidRequest(f"q.probs must have shape [{num_tokens}, m] (one row per draft token), "
                              f"got {list(probs.shape)}", field="q")
-    if not torch.isfinite(probs).all():
+    if not np.isfinite(probs).all():
         raise InvalidRequest("q.probs contains NaN or infinity", field="q")
     if (probs < 0).any():
         raise InvalidRequest("q.probs contains negative probabilities", field="q")
-    sums = probs.sum(-1)
-    if ((sums - 1).abs() > Q_SUM_TOLERANCE).any():
+    sums = probs.sum(-1, dtype=np.float64)
+    if (np.abs(sums - 1) > Q_SUM_TOLERANCE).any():
         raise InvalidRequest(f"each q row must sum to 1 (±{Q_SUM_TOLERANCE}); row sums are "
                              f"{[round(float(s), 6) for s in sums]}", field="q")
     ids = None
     if ids_frame:
-        ids = decode_tensor(ids_frame, name="q.ids").long()
+        ids = decode_array(ids_frame, name="q.ids").astype(np.int64, copy=False)
         if ids.shape != probs.shape:
             raise InvalidRequest(f"q.ids shape {list(ids.shape)} must equal q.probs shape {list(probs.shape)}",
                                  field="q")
@@ -76,14 +84,18 @@ def decode_proposal(probs_frame: bytes, ids_frame: bytes | None, *, num_tokens: 
     elif num_tokens and probs.shape[1] != vocab_size:
         raise InvalidRequest(f"dense q.probs must have {vocab_size} columns (the vocabulary), got {probs.shape[1]}",
                              field="q")
-    rows = ProposalRows(probs=probs, ids=ids)
-    if draft_tokens and not all(0 <= t < vocab_size for t in draft_tokens):
-        raise InvalidRequest(f"draft token ids must lie in [0, {vocab_size})", field="draft_tokens")
     if draft_tokens:
-        drafts = torch.tensor(draft_tokens).unsqueeze(-1)  # [k, 1]
-        # the mass q gives each draft, read off the sparse rows directly (no [k, vocab] tensor per window)
-        mass = (probs * (ids == drafts)).sum(-1) if ids is not None else probs.gather(-1, drafts).squeeze(-1)
-        if (mass <= 0).any():
-            raise InvalidRequest("a draft token has zero probability under its own q row; "
-                                 "q must be the distribution each draft was sampled from", field="q")
-    return rows
+        _check_drafts_have_mass(draft_tokens, probs, ids, vocab_size)
+    return ProposalRows(probs=torch.from_numpy(probs), ids=None if ids is None else torch.from_numpy(ids))
+
+
+def _check_drafts_have_mass(draft_tokens: list[int], probs: np.ndarray, ids: np.ndarray | None,
+                            vocab_size: int) -> None:
+    if not all(0 <= t < vocab_size for t in draft_tokens):
+        raise InvalidRequest(f"draft token ids must lie in [0, {vocab_size})", field="draft_tokens")
+    drafts = np.asarray(draft_tokens, dtype=np.int64)[:, None]  # [k, 1]
+    # the mass q gives each draft, read off the sparse rows directly (no [k, vocab] array per window)
+    mass = (probs * (ids == drafts)).sum(-1) if ids is not None else np.take_along_axis(probs, drafts, -1)[:, 0]
+    if (mass <= 0).any():
+        raise InvalidRequest("a draft token has zero probability under its own q row; "
+                             "q must be the distribution each draft was sampled from", field="q")
