@@ -110,6 +110,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.drafters = ReplicaPool("drafter", parse_addresses(config.drafter), drafter_pb2_grpc.DrafterServiceStub)
         self._workers = ThreadPoolExecutor(max_workers=config.max_concurrent_requests,
                                            thread_name_prefix="request")
+        # a request's drafter session opens here while its worker opens the target session
+        self._openers = ThreadPoolExecutor(max_workers=config.max_concurrent_requests,
+                                           thread_name_prefix="drafter-open")
         self.eos_ids = tuple(_eos_ids(tokenizer))
         self.in_flight = 0  # requests running now (read by workers, changed on the event loop)
 
@@ -219,14 +222,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                cancelled: threading.Event, emit) -> None:
         if prepared.timeline:
             outcome.stats.timeline = []
-        verifier = RemoteVerifier(self.targets, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
-                                  timeout_s=timeout, replacement_wait_s=min(timeout, self.config.replacement_wait_s),
-                                  gives_hints=self.target_info.hint_layer > 0)
-        drafter = None
-        if prepared.spec.num_speculative_tokens > 0 and self._describe_drafters() is not None:
-            step_cost = NgramDrafter.step_cost if self.drafter_info.strategy == "ngram" else Drafter.step_cost
-            drafter = RemoteDrafter(self.drafters, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
-                                    timeout_s=timeout, step_cost=step_cost, paused=self._saturated)
+        # both sessions prefill the prompt: the drafter's prefill runs while the target's does
+        drafting = self._openers.submit(self._open_drafter, prepared, timeout)
+        try:
+            verifier = RemoteVerifier(self.targets, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
+                                      timeout_s=timeout,
+                                      replacement_wait_s=min(timeout, self.config.replacement_wait_s),
+                                      gives_hints=self.target_info.hint_layer > 0)
+        except BaseException:
+            if (drafter := drafting.result()) is not None:
+                drafter.release()
+            raise
+        drafter = drafting.result()
         stop_check = _StopStrings(self.tokenizer, prepared.stop_strings) if prepared.stop_strings else None
         # the verify RPC runs in the pipeline's thread while this one sends the branches' Draft RPCs
         pipeline = MirrorPipeline(prepared.mirror) if prepared.mirror is not None and drafter is not None else None
@@ -257,6 +264,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             verifier.release()
             if drafter is not None:
                 drafter.release()
+
+    def _open_drafter(self, prepared: PreparedRequest, timeout: float) -> RemoteDrafter | None:
+        if prepared.spec.num_speculative_tokens <= 0 or self._describe_drafters() is None:
+            return None
+        step_cost = NgramDrafter.step_cost if self.drafter_info.strategy == "ngram" else Drafter.step_cost
+        return RemoteDrafter(self.drafters, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
+                             timeout_s=timeout, step_cost=step_cost, paused=self._saturated)
 
     def _saturated(self) -> bool:
         limit = self.config.speculation_off_above

@@ -393,6 +393,21 @@ def test_session_limit_is_resource_exhausted(tiny_dir):
         s.stop()
 
 
+def test_a_request_the_target_refuses_leaves_no_drafter_session_behind(tiny_dir):
+    """The drafter's session opens while the target's does; when the target refuses, the
+    drafter's session must be closed rather than left to its TTL."""
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], target_max_sessions=1)
+    try:
+        stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(f"127.0.0.1:{s.target.port}"))
+        stub.OpenSession(target_pb2.OpenTargetSessionRequest(prompt_ids=[0]))
+        with Client(s.address) as client, pytest.raises(grpc.RpcError) as err:
+            client.generate([0, 1], max_tokens=2)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert open_sessions(s) == (1, 0)
+    finally:
+        s.stop()
+
+
 def test_health_and_reflection_on_every_server(stack):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
