@@ -55,18 +55,23 @@ def start_in_process(target_dir: Path, draft_dir: Path, proposal_top_k: int):
 
 
 def start_processes(target_dir: Path | str, draft_dir: Path | str | None, proposal_top_k: int,
-                    target_args: tuple = (), threads: int = 1):
+                    target_args: tuple = (), threads: int = 1, pin: bool = True):
     """Each server in its own process with ``threads`` torch threads (an n-gram drafter where
-    ``draft_dir`` is None): (target address, drafter address, stop)."""
+    ``draft_dir`` is None): (target address, drafter address, stop). With ``pin``, and cores
+    enough, the target and the drafter get disjoint cores (``--cpus``), as deployed on one machine."""
     import subprocess
     import sys
+
+    from mirrorspec.serving.placement import cpu_list, disjoint_cores
 
     drafter = (["--strategy", "ngram"] if draft_dir is None else
                ["--strategy", "draft-model", "--model", str(draft_dir), "--proposal-top-k", str(proposal_top_k)])
     commands = [[sys.executable, "-m", "target_service", "--model", str(target_dir), *target_args],
                 [sys.executable, "-m", "drafter_service", *drafter]]
-    procs = [subprocess.Popen([*c, "--threads", str(threads)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                              text=True) for c in commands]
+    cores = disjoint_cores(threads) if pin else None
+    placements = [["--cpus", cpu_list(c)] for c in cores] if cores else [[], []]
+    procs = [subprocess.Popen([*c, "--threads", str(threads), *where], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True) for c, where in zip(commands, placements)]
     ports = []
     for proc in procs:
         line = ""

@@ -145,6 +145,8 @@ def main(argv=None) -> int:
     parser.add_argument("--target", default="demo-target")
     parser.add_argument("--draft", default="demo-draft")
     parser.add_argument("--proposal-top-k", type=int, default=32)
+    parser.add_argument("--no-pin", action="store_true",
+                        help="let the scheduler place drafter and target (default: one core each, apart)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
     datasets = checked_datasets(parser, args, positive=("num_prompts", "max_tokens", "k"))
@@ -153,7 +155,8 @@ def main(argv=None) -> int:
     if args.hint_layer:
         target_args = ("--hint-layer", str(args.hint_layer),
                        *(("--hint-vocab", args.draft) if args.hint_vocab == "draft" else ()))
-    target, drafter, stop = start_processes(args.target, args.draft, args.proposal_top_k, target_args)
+    target, drafter, stop = start_processes(args.target, args.draft, args.proposal_top_k, target_args,
+                                            pin=not args.no_pin)
     doors = {"plain": front_door(target, drafter, MirrorConfig(use_hints=False), args.k)}
     if args.hint_layer:
         doors["hinted"] = front_door(target, drafter, MirrorConfig(), args.k)

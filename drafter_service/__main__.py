@@ -2,9 +2,8 @@
 
 import argparse
 
-import torch
-
 from drafter_service.servicer import DrafterConfig, serve
+from mirrorspec.serving.placement import add_placement_args, apply_placement
 from mirrorspec.serving.server import run_until_terminated
 
 parser = argparse.ArgumentParser(prog="python -m drafter_service")
@@ -16,9 +15,9 @@ parser.add_argument("--dtype", default="auto")
 parser.add_argument("--device", default="auto")
 parser.add_argument("--max-sessions", type=int, default=64)
 parser.add_argument("--proposal-top-k", type=int, default=32)
-parser.add_argument("--threads", type=int, default=1, help="torch threads for this process")
+add_placement_args(parser)
 args = parser.parse_args()
-torch.set_num_threads(args.threads)
+apply_placement(parser, args)
 config = DrafterConfig(strategy=args.strategy, model=args.model, host=args.host, port=args.port, dtype=args.dtype,
                        device=args.device, max_sessions=args.max_sessions, proposal_top_k=args.proposal_top_k)
 run_until_terminated(lambda: serve(config), "drafter_service")

@@ -2,8 +2,7 @@
 
 import argparse
 
-import torch
-
+from mirrorspec.serving.placement import add_placement_args, apply_placement
 from mirrorspec.serving.server import run_until_terminated
 from target_service.servicer import TargetConfig, serve
 
@@ -18,9 +17,9 @@ parser.add_argument("--hint-layer", type=int, default=None,
                     help="send early-exit hints read off this decoder layer (1-based) during each verify: mirror requests steer their branches with them")
 parser.add_argument("--hint-vocab", default=None, metavar="DRAFT",
                     help="score hints over the sub-vocabulary this draft declares (e.g. demo-draft): cheaper verifies")
-parser.add_argument("--threads", type=int, default=1, help="torch threads for this process")
+add_placement_args(parser)
 args = parser.parse_args()
-torch.set_num_threads(args.threads)
+apply_placement(parser, args)
 config = TargetConfig(model=args.model, host=args.host, port=args.port, dtype=args.dtype, device=args.device,
                       max_sessions=args.max_sessions, hint_layer=args.hint_layer, hint_vocab=args.hint_vocab)
 run_until_terminated(lambda: serve(config), "target_service")
