@@ -42,7 +42,7 @@ def apply_placement(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     torch.set_num_threads(args.threads)
 
 
-def parse_cpu_list(text: str, *, field: str = "cpus") -> tuple[int, ...]:
+def parse_cpu_list(text: str) -> tuple[int, ...]:
     """``"1"``, ``"0,2"``, ``"2-3"`` or ``"0-1,4"`` (the ``taskset -c`` syntax) -> sorted cores."""
     cpus: set[int] = set()
     for part in text.split(","):
@@ -52,33 +52,33 @@ def parse_cpu_list(text: str, *, field: str = "cpus") -> tuple[int, ...]:
             first, last = int(low), int(high if dash else low)
         except ValueError:
             raise InvalidRequest(f"{text!r} is not a CPU list; write it like taskset -c: 1, 0,2 or 2-3",
-                                 field=field) from None
+                                 field="cpus") from None
         if first < 0 or last < first:
-            raise InvalidRequest(f"{part!r} is not a CPU range; write low-high with 0 <= low <= high", field=field)
+            raise InvalidRequest(f"{part!r} is not a CPU range; write low-high with 0 <= low <= high", field="cpus")
         cpus.update(range(first, last + 1))
     return tuple(sorted(cpus))
 
 
-def pin_process(cpus: tuple[int, ...], threads: int, *, field: str = "cpus") -> None:
+def pin_process(cpus: tuple[int, ...], threads: int) -> None:
     """Bind this process to ``cpus`` (a subset of the cores it may use now)."""
     allowed = os.sched_getaffinity(0)
     missing = sorted(set(cpus) - allowed)
     if missing:
         raise InvalidRequest(f"CPUs {missing} are not available to this process (it may use "
-                             f"{cpu_list(tuple(sorted(allowed)))}); pick cores from those", field=field)
+                             f"{cpu_list(tuple(sorted(allowed)))}); pick cores from those", field="cpus")
     if threads > len(cpus):
         raise InvalidRequest(f"{threads} torch threads on {len(cpus)} pinned CPU(s) would time-share cores; "
-                             f"give at least as many CPUs as threads, or lower the thread count", field=field)
+                             f"give at least as many CPUs as threads, or lower the thread count", field="cpus")
     os.sched_setaffinity(0, cpus)
 
 
 def disjoint_cores(threads: int, count: int = 2) -> list[tuple[int, ...]] | None:
     """``count`` disjoint sets of ``threads`` cores each from those this process may use, the
     first set from the top (where the target goes), or None when there are too few cores."""
-    allowed = sorted(os.sched_getaffinity(0))
-    if len(allowed) < threads * count:
+    top_first = sorted(os.sched_getaffinity(0), reverse=True)
+    if len(top_first) < threads * count:
         return None
-    return [tuple(allowed[len(allowed) - threads * (i + 1):len(allowed) - threads * i]) for i in range(count)]
+    return [tuple(sorted(top_first[i * threads:(i + 1) * threads])) for i in range(count)]
 
 
 def cpu_list(cpus: tuple[int, ...]) -> str:
