@@ -70,23 +70,33 @@ def start_processes(target_dir: Path | str, draft_dir: Path | str | None, propos
                 [sys.executable, "-m", "drafter_service", *drafter]]
     cores = disjoint_cores(threads) if pin else None
     placements = [["--cpus", cpu_list(c)] for c in cores] if cores else [[], []]
-    procs = [subprocess.Popen([*c, "--threads", str(threads), *where], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True) for c, where in zip(commands, placements)]
-    ports = []
-    for proc in procs:
-        line = ""
-        while "listening on port" not in line:
-            line = proc.stdout.readline()
-            if not line and proc.poll() is not None:
-                raise RuntimeError(f"{proc.args[2]} exited before listening")
-        ports.append(int(line.rsplit(" ", 1)[1]))
+    logs = [tempfile.TemporaryFile(mode="w+") for _ in commands]  # stderr, for the reason a server did not start
+    procs = [subprocess.Popen([*c, "--threads", str(threads), *where], stdout=subprocess.PIPE, stderr=log, text=True)
+             for c, where, log in zip(commands, placements, logs)]
 
     def stop():
         for proc in procs:
             proc.terminate()
             proc.wait(timeout=30)
+        for log in logs:
+            log.close()
 
+    try:  # a server that does not come up takes the other one down with it
+        ports = [_listening_port(proc, log) for proc, log in zip(procs, logs)]
+    except BaseException:
+        stop()
+        raise
     return f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}", stop
+
+
+def _listening_port(proc, log) -> int:
+    line = ""
+    while "listening on port" not in line:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"{proc.args[2]} exited before listening (code {proc.returncode}):\n{log.read()[-2000:]}")
+    return int(line.rsplit(" ", 1)[1])
 
 
 def measure(target_dir: Path, draft_dir: Path, proposal_top_k: int, k: int, windows: int, separate: bool) -> dict:

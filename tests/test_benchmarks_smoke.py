@@ -87,3 +87,19 @@ def test_draft_model_modes_are_skipped_without_a_draft(tmp_path):
                "--temperatures", "0", "--modes", "mirrorspec-draft,hf-assisted", "--draft", "none")
     assert {r["mode"] for r in out["records"]} == {"target-only"}
     assert any("mirrorspec-draft" in note for note in out["notes"])
+
+
+
+def test_a_server_that_fails_to_start_says_why_and_takes_the_other_down(tiny_dir, tmp_path):
+    """The target comes up; the drafter cannot load its model. The error carries the drafter's
+    own reason, and the target must not be left running."""
+    import psutil
+
+    from benchmarks.data_plane import start_processes
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(RuntimeError, match=r"drafter_service exited before listening \(code 1\)[\s\S]*no-such-draft"):
+        start_processes(tiny_dir["target16"], tmp_path / "no-such-draft", proposal_top_k=4, pin=False)
+    left = [p for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert left == []
