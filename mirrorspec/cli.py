@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mirrorspec.config import AdaptiveKConfig, InvalidRequest, MirrorConfig, SamplingParams, SpeculationConfig
+from mirrorspec.serving.placement import check_threads
 
 if TYPE_CHECKING:  # the services are imported when used, so `mirrorspec --help` stays fast
     from drafter_service.servicer import DrafterConfig
@@ -206,17 +207,12 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _check_threads(args: argparse.Namespace) -> None:
-    if args.threads is not None and args.threads < 1:
-        raise InvalidRequest(f"must be >= 1, got {args.threads}", field="threads")
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     # validate every flag before the (slow) model load
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_new_tokens=args.max_tokens)
     SpeculationConfig(num_speculative_tokens=args.k, proposal_top_k=args.proposal_top_k)
-    _check_threads(args)
+    check_threads(args.threads)
     if args.hint_layer is not None and not (args.local and args.mirror):
         raise InvalidRequest("needs --local and --mirror (a server's targets send hints if they were started "
                              "with `mirrorspec serve --hint-layer`)", field="hint_layer")
@@ -342,7 +338,7 @@ def start_local_stack(target: TargetConfig, drafter: DrafterConfig | None, *, ta
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    _check_threads(args)
+    check_threads(args.threads)
     SpeculationConfig(num_speculative_tokens=args.k, proposal_top_k=args.proposal_top_k)
     args.hint_vocab = _hint_vocab(args.hint_vocab, args.hint_layer, resolve_draft(args.draft, args.target))
     if args.in_process:
@@ -519,7 +515,7 @@ def resolve_draft(draft: str, target: str) -> str:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Show the shipped demo draft at work next to the target alone, or rebuild it."""
-    _check_threads(args)
+    check_threads(args.threads)
     SpeculationConfig(num_speculative_tokens=args.k)
     params = SamplingParams(max_new_tokens=args.max_tokens)
     if args.teacher_prompts is not None and args.teacher_prompts < 1:

@@ -32,14 +32,19 @@ def apply_placement(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     """Pin (if asked), then size torch's thread pool: before any torch work starts threads."""
     import torch
 
-    if args.threads < 1:
-        parser.error(f"--threads: must be >= 1, got {args.threads}")
-    if args.cpus is not None:
-        try:
+    try:
+        check_threads(args.threads)
+        if args.cpus is not None:
             pin_process(parse_cpu_list(args.cpus), args.threads)
-        except InvalidRequest as err:
-            parser.error(f"--cpus: {err}")
+    except InvalidRequest as err:
+        parser.error(f"--{err.field}: {err}")
     torch.set_num_threads(args.threads)
+
+
+def check_threads(threads: int | None) -> None:
+    """A torch thread count, where one is given (None: the caller's default)."""
+    if threads is not None and threads < 1:
+        raise InvalidRequest(f"must be >= 1, got {threads}", field="threads")
 
 
 def parse_cpu_list(text: str) -> tuple[int, ...]:
