@@ -41,17 +41,18 @@ class ProposalRows:
         if self.ids is None:
             return probs
         out = torch.zeros(probs.shape[0], vocab_size, dtype=torch.float32, device=probs.device)
-        return out.scatter_(-1, self.ids.to(probs.device), probs)
+        return out.scatter_add_(-1, self.ids.to(probs.device), probs)  # padding may repeat an id at 0
 
     @staticmethod
     def stack(rows: list[ProposalRows]) -> ProposalRows:
         """Rows drafted one position at a time, joined into one [k, ...] proposal."""
-        probs = torch.cat([r.probs for r in rows])
-        if rows[0].ids is None:
-            return ProposalRows(probs=probs)
+        dense = [r for r in rows if r.ids is None]
+        if dense:  # mixed rows (a one-hot lookup row beside a dense model row): all dense
+            vocab_size = dense[0].probs.shape[-1]
+            return ProposalRows(probs=torch.cat([r.dense(vocab_size, dense[0].probs.device) for r in rows]))
         width = max(r.ids.shape[-1] for r in rows)
         if all(r.ids.shape[-1] == width for r in rows):
-            return ProposalRows(probs=probs, ids=torch.cat([r.ids for r in rows]))
+            return ProposalRows(probs=torch.cat([r.probs for r in rows]), ids=torch.cat([r.ids for r in rows]))
         ids = torch.cat([_pad(r.ids, width, 0) for r in rows])
         return ProposalRows(probs=torch.cat([_pad(r.probs, width, 0.0) for r in rows]), ids=ids)
 
