@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from mirrorspec import GenerationStats, SamplingParams, generate
+from mirrorspec.config import DEFAULT_PROMPT_LOOKUP
 from mirrorspec.drafting import NgramDrafter
 from mirrorspec.models.loading import LoadedModel, encode_prompt
 
@@ -87,10 +88,10 @@ def register_mode(name: str, *, uses_k: bool, needs_draft_model: bool = False,
 # --------------------------------------------------------------------------------------- modes
 
 def _mirrorspec(target: LoadedModel, draft: Any, ids: list[int], params: SamplingParams,
-                k: int, seed: int, adaptive: bool = False, mirror: bool = False) -> RunOutput:
+                k: int, seed: int, adaptive: bool = False, mirror: bool = False, prompt_lookup: int = 0) -> RunOutput:
     started = time.perf_counter()
     result = generate(target.model, draft, ids, params, num_speculative_tokens=k, seed=seed, adaptive=adaptive,
-                      mirror=mirror)
+                      mirror=mirror, prompt_lookup=prompt_lookup)
     return RunOutput(result.token_ids, time.perf_counter() - started, result.finish_reason, result.stats)
 
 
@@ -117,6 +118,16 @@ def mirrorspec_draft(target: LoadedModel, drafts: Drafts, ids: list[int], params
     drafter itself and releases its KV cache at the end of the request.
     """
     return _mirrorspec(target, drafts.model, ids, params, k, seed)
+
+
+@register_mode("mirrorspec-hybrid", uses_k=True, needs_draft_model=True)
+def mirrorspec_hybrid(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
+                      k: int, seed: int) -> RunOutput:
+    """mirrorspec with prompt lookup first (where the context repeats itself), the draft model elsewhere.
+
+    What the serving entry points run with a draft model (``--prompt-lookup``, default 2).
+    """
+    return _mirrorspec(target, drafts.model, ids, params, k, seed, prompt_lookup=DEFAULT_PROMPT_LOOKUP)
 
 
 @register_mode("mirrorspec-ngram-adaptive", uses_k=True)
@@ -175,6 +186,14 @@ def served_draft(target: LoadedModel, drafts: Drafts, ids: list[int], params: Sa
                  k: int, seed: int) -> RunOutput:
     """mirrorspec over gRPC on loopback with the draft model in its own drafter server."""
     return _served(drafts.services.client(target, drafts.model, drafts.server_source), ids, params, k, seed)
+
+
+@register_mode("served-hybrid", uses_k=True, needs_draft_model=True)
+def served_hybrid(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
+                  k: int, seed: int) -> RunOutput:
+    """mirrorspec over gRPC on loopback, the drafter server doing prompt lookup before its draft model."""
+    return _served(drafts.services.client(target, drafts.model, drafts.server_source, DEFAULT_PROMPT_LOOKUP),
+                   ids, params, k, seed)
 
 
 def _hf_generate(target: LoadedModel, ids: list[int], params: SamplingParams, seed: int,

@@ -36,7 +36,7 @@ from benchmarks.data_plane import start_processes
 from benchmarks.prompts import checked_datasets, load_prompts
 from benchmarks.report import cpu_busy_before_run
 from mirrorspec.client import Client
-from mirrorspec.config import MirrorConfig
+from mirrorspec.config import DEFAULT_PROMPT_LOOKUP, InvalidRequest, MirrorConfig, check_prompt_lookup
 from mirrorspec.serving.server import BackgroundServer
 from orchestrator.servicer import OrchestratorConfig, serve
 
@@ -145,18 +145,24 @@ def main(argv=None) -> int:
     parser.add_argument("--target", default="demo-target")
     parser.add_argument("--draft", default="demo-draft")
     parser.add_argument("--proposal-top-k", type=int, default=32)
+    parser.add_argument("--prompt-lookup", type=int, default=DEFAULT_PROMPT_LOOKUP, metavar="N",
+                        help="the drafter's prompt lookup before its draft model (0 = the model alone)")
     parser.add_argument("--no-pin", action="store_true",
                         help="let the scheduler place drafter and target (default: one core each, apart)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
     datasets = checked_datasets(parser, args, positive=("num_prompts", "max_tokens", "k"))
+    try:
+        check_prompt_lookup(args.prompt_lookup)
+    except InvalidRequest as err:
+        parser.error(f"--prompt-lookup: {err}")
 
     target_args = ()
     if args.hint_layer:
         target_args = ("--hint-layer", str(args.hint_layer),
                        *(("--hint-vocab", args.draft) if args.hint_vocab == "draft" else ()))
     target, drafter, stop = start_processes(args.target, args.draft, args.proposal_top_k, target_args,
-                                            pin=not args.no_pin)
+                                            pin=not args.no_pin, prompt_lookup=args.prompt_lookup)
     doors = {"plain": front_door(target, drafter, MirrorConfig(use_hints=False), args.k)}
     if args.hint_layer:
         doors["hinted"] = front_door(target, drafter, MirrorConfig(), args.k)

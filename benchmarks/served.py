@@ -33,15 +33,17 @@ class ServedStacks:
         self._stops: dict[str, Callable[[], None]] = {}
         self._clients: dict[str, Client] = {}
 
-    def client(self, target: LoadedModel, draft_model: torch.nn.Module | None, draft_source: str | None = None) -> Client:
+    def client(self, target: LoadedModel, draft_model: torch.nn.Module | None, draft_source: str | None = None,
+               prompt_lookup: int = 0) -> Client:
         """``draft_source`` names the draft for a server process to load; without one, a draft
-        model is served from threads of this process."""
-        kind = "ngram" if draft_model is None else "draft-model"
+        model is served from threads of this process. ``prompt_lookup``: the drafter's setting."""
+        kind = "ngram" if draft_model is None else f"draft-model, prompt lookup {prompt_lookup}"
         if kind not in self._clients:
             if draft_model is not None and draft_source is None:
-                address, stop = _stack_in_this_process(target, draft_model)
+                address, stop = _stack_in_this_process(target, draft_model, prompt_lookup)
             else:
-                address, stop = _stack_in_processes(target.source, draft_source if draft_model is not None else None)
+                address, stop = _stack_in_processes(target.source, draft_source if draft_model is not None else None,
+                                                    prompt_lookup)
             self._stops[kind] = stop
             self._clients[kind] = Client(address)
         return self._clients[kind]
@@ -55,12 +57,14 @@ class ServedStacks:
         self._stops.clear()
 
 
-def _stack_in_processes(target_source: str, draft_source: str | None) -> tuple[str, Callable[[], None]]:
+def _stack_in_processes(target_source: str, draft_source: str | None,
+                        prompt_lookup: int) -> tuple[str, Callable[[], None]]:
     from mirrorspec.serving.server import BackgroundServer
     from orchestrator.servicer import OrchestratorConfig, serve
 
     target, drafter, stop_servers = start_processes(target_source, draft_source,
-                                                    DrafterConfig.proposal_top_k, threads=torch.get_num_threads())
+                                                    DrafterConfig.proposal_top_k, threads=torch.get_num_threads(),
+                                                    prompt_lookup=prompt_lookup)
     front = BackgroundServer(lambda: serve(OrchestratorConfig(target=target, drafter=drafter, port=0)),
                              "orchestrator").start(timeout=300)
 
@@ -71,8 +75,10 @@ def _stack_in_processes(target_source: str, draft_source: str | None) -> tuple[s
     return f"127.0.0.1:{front.port}", stop
 
 
-def _stack_in_this_process(target: LoadedModel, draft_model: torch.nn.Module) -> tuple[str, Callable[[], None]]:
+def _stack_in_this_process(target: LoadedModel, draft_model: torch.nn.Module,
+                           prompt_lookup: int) -> tuple[str, Callable[[], None]]:
     draft = LoadedModel(model=draft_model, tokenizer=None, source="draft")
-    stack = start_local_stack(TargetConfig(model=target.source), DrafterConfig(strategy="draft-model", model="draft"),
+    drafter = DrafterConfig(strategy="draft-model", model="draft", prompt_lookup=prompt_lookup)
+    stack = start_local_stack(TargetConfig(model=target.source), drafter,
                               target_model=target, draft_model=draft, port=0)
     return stack.address, stack.stop

@@ -56,7 +56,8 @@ class DrafterReplica(_ServerActor):
         torch.set_num_threads(spec.threads)
         self.host = _bind_host(spec)
         config = DrafterConfig.for_draft(spec.draft, dtype=spec.dtype, device=spec.device, host=self.host, port=0,
-                                         max_sessions=spec.max_sessions, proposal_top_k=spec.proposal_top_k)
+                                         max_sessions=spec.max_sessions, proposal_top_k=spec.proposal_top_k,
+                                         prompt_lookup=spec.prompt_lookup)
         self.server = BackgroundServer(lambda: serve(config), "drafter").start(timeout=600)
 
 

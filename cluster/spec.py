@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mirrorspec.config import AdaptiveKConfig, InvalidRequest, MirrorConfig
+from mirrorspec.config import AdaptiveKConfig, InvalidRequest, MirrorConfig, check_prompt_lookup
 
 POOLS = ("drafter", "target")
 CONTROLLER_NAMESPACE = "mirrorspec"
@@ -37,6 +37,7 @@ class StackSpec:
     hint_vocab: str | None = None  # hints scored over the sub-vocabulary this draft declares; None = all
     speculation_off_above: int | None = None  # the front door stops drafting past this many requests
     proposal_top_k: int = 32
+    prompt_lookup: int = 0  # draft-model replicas: prompt lookup drafts first on matches this long
     max_sessions: int = 64
     host: str = "127.0.0.1"  # the front door
     port: int = 50051
@@ -56,6 +57,7 @@ class StackSpec:
         if self.hint_layer is not None and self.tp > 1:
             raise InvalidRequest("early-exit hints need unsharded targets: use tp=1 or drop the hint layer",
                                  field="hint_layer")
+        check_prompt_lookup(self.prompt_lookup)
         if self.threads < 1:
             raise InvalidRequest(f"threads must be >= 1, got {self.threads}", field="threads")
 

@@ -3,6 +3,7 @@
 import argparse
 
 from drafter_service.servicer import DrafterConfig, serve
+from mirrorspec.config import DEFAULT_PROMPT_LOOKUP, InvalidRequest
 from mirrorspec.serving.placement import add_placement_args, apply_placement
 from mirrorspec.serving.server import run_until_terminated
 
@@ -15,9 +16,16 @@ parser.add_argument("--dtype", default="auto")
 parser.add_argument("--device", default="auto")
 parser.add_argument("--max-sessions", type=int, default=64)
 parser.add_argument("--proposal-top-k", type=int, default=32)
+parser.add_argument("--prompt-lookup", type=int, default=DEFAULT_PROMPT_LOOKUP, metavar="N",
+                    help="strategy draft-model: prompt lookup drafts first wherever the context's last N tokens "
+                         "occurred before (0 = the model alone)")
 add_placement_args(parser)
 args = parser.parse_args()
 apply_placement(parser, args)
-config = DrafterConfig(strategy=args.strategy, model=args.model, host=args.host, port=args.port, dtype=args.dtype,
-                       device=args.device, max_sessions=args.max_sessions, proposal_top_k=args.proposal_top_k)
+try:
+    config = DrafterConfig(strategy=args.strategy, model=args.model, host=args.host, port=args.port, dtype=args.dtype,
+                           device=args.device, max_sessions=args.max_sessions, proposal_top_k=args.proposal_top_k,
+                           prompt_lookup=args.prompt_lookup)
+except InvalidRequest as err:
+    parser.error(f"--{(err.field or 'strategy').replace('_', '-')}: {err}")
 run_until_terminated(lambda: serve(config), "drafter_service")

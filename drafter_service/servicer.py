@@ -8,9 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
-from mirrorspec.config import InvalidRequest, OutOfRange, ReplicaConfig
-from mirrorspec.drafting import DraftModelDrafter, Drafter, NgramDrafter
-from mirrorspec.engine import validate_prompt
+from mirrorspec.config import InvalidRequest, OutOfRange, ReplicaConfig, check_prompt_lookup
+from mirrorspec.drafting import Drafter, NgramDrafter
+from mirrorspec.engine import make_drafter, validate_prompt
 from mirrorspec.models import LoadedModel, load_causal_lm
 from mirrorspec.serving.convert import check_token_ids, describe_model, params_from_proto, proposal_to_proto
 from mirrorspec.serving.server import ComputeLane, Service, start_grpc_server
@@ -25,8 +25,10 @@ MAX_BRANCHES = 16  # branch tokens in one DraftBranches call
 class DrafterConfig(ReplicaConfig):
     strategy: str = "ngram"  # "ngram" | "draft-model" (then `model` names the draft model)
     proposal_top_k: int = 32  # sparse q by default: a few KB per window instead of MBs
+    prompt_lookup: int = 0  # draft-model: prompt lookup drafts first on matches this long (HybridDrafter)
 
     def __post_init__(self) -> None:
+        check_prompt_lookup(self.prompt_lookup)
         if self.strategy not in ("ngram", "draft-model"):
             raise InvalidRequest(f"drafter strategy must be 'ngram' or 'draft-model', got {self.strategy!r}",
                                  field="strategy")
@@ -57,7 +59,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             config.max_sessions, config.session_ttl_s, on_evict=lambda s: s.drafter.release())
         self.lane = lane or ComputeLane("drafter-compute")
         self._new_drafter: Callable[[], Drafter] = (
-            (lambda: DraftModelDrafter(loaded.model, config.proposal_top_k)) if loaded else NgramDrafter)
+            partial(make_drafter, loaded.model, config.proposal_top_k, config.prompt_lookup) if loaded
+            else NgramDrafter)
 
     async def OpenSession(self, request, context):
         params = params_from_proto(request.params, default_max_new_tokens=1)
@@ -117,7 +120,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.sessions.evict_expired()
         info = drafter_pb2.DrafterInfo(strategy=self.config.strategy, open_sessions=len(self.sessions),
                                        max_sessions=self.config.max_sessions,
-                                       proposal_top_k=self.config.proposal_top_k)
+                                       proposal_top_k=self.config.proposal_top_k,
+                                       prompt_lookup=self.config.prompt_lookup if self.loaded else 0)
         if self.loaded is not None:
             info.model.CopyFrom(describe_model(self.loaded))
         return info

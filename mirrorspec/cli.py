@@ -16,7 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mirrorspec.config import AdaptiveKConfig, InvalidRequest, MirrorConfig, SamplingParams, SpeculationConfig
+from mirrorspec.config import (
+    DEFAULT_PROMPT_LOOKUP,
+    AdaptiveKConfig,
+    InvalidRequest,
+    MirrorConfig,
+    SamplingParams,
+    SpeculationConfig,
+)
 from mirrorspec.serving.placement import check_threads
 
 if TYPE_CHECKING:  # the services are imported when used, so `mirrorspec --help` stays fast
@@ -24,6 +31,9 @@ if TYPE_CHECKING:  # the services are imported when used, so `mirrorspec --help`
     from mirrorspec.models import LoadedModel
     from mirrorspec.serving.server import BackgroundServer
     from target_service.servicer import TargetConfig
+
+PROMPT_LOOKUP_HELP = ("with a draft model: prompt lookup drafts first wherever the context's last N tokens "
+                      "occurred before, the model drafts the rest (exact either way; 0 = the model alone)")
 
 DRAFT_HELP = ("draft: 'auto' (the demo draft for the demo target, else 'ngram'), 'demo-draft', 'ngram' "
               "(prompt lookup), a model path / hub id sharing the target's tokenizer, or 'none'")
@@ -36,6 +46,7 @@ FLAG_FOR_FIELD = {
     "max_new_tokens": "--max-tokens",
     "num_speculative_tokens": "--k",
     "proposal_top_k": "--proposal-top-k",
+    "prompt_lookup": "--prompt-lookup",
     "prompt": "PROMPT",
     "input_ids": "PROMPT",
     "model": "--target",
@@ -81,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     gen.add_argument("--k", type=int, default=4, help="speculative tokens per window")
     gen.add_argument("--proposal-top-k", type=int, default=0, help="draft-model q restricted to its top-k (0 = dense)")
+    gen.add_argument("--prompt-lookup", type=int, default=None, metavar="N",
+                     help=f"with --local: {PROMPT_LOOKUP_HELP} (default {DEFAULT_PROMPT_LOOKUP}; a server's drafters "
+                          "are set with `mirrorspec serve --prompt-lookup`)")
     gen.add_argument("--no-speculate", action="store_true", help="target-only decoding (the baseline)")
     gen.add_argument("--adaptive", action="store_true",
                      help="with --local: choose K per window in [0, --k] from acceptance (off where it does not pay)")
@@ -133,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --hint-layer: score hints over a draft's declared sub-vocabulary (auto: the served "
                           "draft's, if it declares one; full: the whole vocabulary)")
     srv.add_argument("--proposal-top-k", type=int, default=32, help="sparse q width for draft models (0 = dense)")
+    srv.add_argument("--prompt-lookup", type=int, default=DEFAULT_PROMPT_LOOKUP, metavar="N", help=PROMPT_LOOKUP_HELP)
     srv.add_argument("--max-sessions", type=int, default=64, help="sessions per replica")
     srv.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     srv.add_argument("--threads", type=int, default=None,
@@ -211,7 +226,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # validate every flag before the (slow) model load
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_new_tokens=args.max_tokens)
-    SpeculationConfig(num_speculative_tokens=args.k, proposal_top_k=args.proposal_top_k)
+    if args.prompt_lookup is not None and not args.local:
+        raise InvalidRequest("is set on the server's drafters (`mirrorspec serve --prompt-lookup N`); here it "
+                             "needs --local", field="prompt_lookup")
+    args.prompt_lookup = DEFAULT_PROMPT_LOOKUP if args.prompt_lookup is None else args.prompt_lookup
+    SpeculationConfig(num_speculative_tokens=args.k, proposal_top_k=args.proposal_top_k,
+                      prompt_lookup=args.prompt_lookup)
     check_threads(args.threads)
     if args.hint_layer is not None and not (args.local and args.mirror):
         raise InvalidRequest("needs --local and --mirror (a server's targets send hints if they were started "
@@ -232,7 +252,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = dataclasses.replace(params, stop_token_ids=target.stop_token_ids())
     printer = None if args.json else _StreamPrinter(target.tokenizer)
     result = generate(target.model, draft, ids, params, num_speculative_tokens=0 if draft is None else args.k,
-                      seed=args.seed, proposal_top_k=args.proposal_top_k, adaptive=args.adaptive,
+                      seed=args.seed, proposal_top_k=args.proposal_top_k, prompt_lookup=args.prompt_lookup,
+                      adaptive=args.adaptive,
                       mirror=args.mirror, hint_layer=args.hint_layer, on_tokens=printer.push if printer else None)
     text = target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     if args.json:
@@ -339,7 +360,8 @@ def start_local_stack(target: TargetConfig, drafter: DrafterConfig | None, *, ta
 
 def cmd_serve(args: argparse.Namespace) -> int:
     check_threads(args.threads)
-    SpeculationConfig(num_speculative_tokens=args.k, proposal_top_k=args.proposal_top_k)
+    SpeculationConfig(num_speculative_tokens=args.k, proposal_top_k=args.proposal_top_k,
+                      prompt_lookup=args.prompt_lookup)
     args.hint_vocab = _hint_vocab(args.hint_vocab, args.hint_layer, resolve_draft(args.draft, args.target))
     if args.in_process:
         return _serve_in_process(args)
@@ -379,8 +401,8 @@ def _stack_spec(args: argparse.Namespace, target_gpus: float):
                      mirror=MirrorConfig() if args.mirror else None, hint_layer=args.hint_layer,
                      hint_vocab=args.hint_vocab,
                      speculation_off_above=args.speculation_off_above,
-                     proposal_top_k=args.proposal_top_k, max_sessions=args.max_sessions, host=args.host,
-                     port=args.port, name=args.name, metrics_port=args.metrics_port)
+                     proposal_top_k=args.proposal_top_k, prompt_lookup=args.prompt_lookup,
+                     max_sessions=args.max_sessions, host=args.host, port=args.port, name=args.name, metrics_port=args.metrics_port)
 
 
 def _hint_vocab(choice: str, hint_layer: int | None, draft: str) -> str | None:
@@ -444,7 +466,8 @@ def _serve_in_process(args: argparse.Namespace) -> int:
     drafter = None
     if args.draft != "none":
         drafter = DrafterConfig.for_draft(args.draft, dtype=args.dtype, device=args.device,
-                                          max_sessions=args.max_sessions, proposal_top_k=args.proposal_top_k)
+                                          max_sessions=args.max_sessions, proposal_top_k=args.proposal_top_k,
+                                          prompt_lookup=args.prompt_lookup)
     stack = start_local_stack(TargetConfig(model=target.source, max_sessions=args.max_sessions,
                                            hint_layer=args.hint_layer,
                                            hint_vocab=args.hint_vocab),

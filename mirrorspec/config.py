@@ -139,6 +139,9 @@ class SpeculationConfig:
     num_speculative_tokens: int = 4
     max_speculative_tokens: int = 16
     proposal_top_k: int = 0
+    # > 0: a draft model's window starts with prompt lookup where the context's last
+    # ``prompt_lookup`` tokens occurred before (``HybridDrafter``); 0: the draft model alone
+    prompt_lookup: int = 0
     # None: K is fixed; otherwise K varies per window in [0, num_speculative_tokens]
     adaptive: AdaptiveKConfig | None = None
 
@@ -157,6 +160,20 @@ class SpeculationConfig:
         if self.proposal_top_k < 0:
             raise InvalidRequest(f"proposal_top_k must be >= 0 (0 = dense q), got {self.proposal_top_k}",
                                  field="proposal_top_k")
+        check_prompt_lookup(self.prompt_lookup)
+
+
+MAX_PROMPT_LOOKUP = 8
+# What the serving entry points use with a draft model: the best of 1-3 measured on the demo pair
+# (benchmark modes mirrorspec-hybrid / -draft / -ngram, side by side)
+DEFAULT_PROMPT_LOOKUP = 2
+
+
+def check_prompt_lookup(min_match: int) -> None:
+    if not isinstance(min_match, int) or not 0 <= min_match <= MAX_PROMPT_LOOKUP:
+        raise InvalidRequest(f"prompt_lookup must be an int in [0, {MAX_PROMPT_LOOKUP}]: the context tokens a "
+                             f"lookup must match before it drafts instead of the draft model (0 = the draft model "
+                             f"alone; 2 is a good default), got {min_match!r}", field="prompt_lookup")
 
 
 @dataclass(frozen=True)

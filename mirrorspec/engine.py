@@ -26,7 +26,7 @@ from mirrorspec.config import (
     SamplingParams,
     SpeculationConfig,
 )
-from mirrorspec.drafting import DraftModelDrafter, Drafter, NgramDrafter, Proposal
+from mirrorspec.drafting import DraftModelDrafter, Drafter, HybridDrafter, NgramDrafter, Proposal
 from mirrorspec.models.early_exit import EarlyExitHint, EarlyExitProbe
 from mirrorspec.models.session import KVSession, LogitSession
 from mirrorspec.sampling import (
@@ -288,14 +288,17 @@ def validate_prompt(input_ids: Sequence[int], vocab_size: int, max_context: int,
     return ids
 
 
-def make_drafter(draft: torch.nn.Module | Drafter | str | None, proposal_top_k: int = 0) -> Drafter | None:
-    """A drafter from what a user naturally has: an HF model, a strategy object, or a name."""
+def make_drafter(draft: torch.nn.Module | Drafter | str | None, proposal_top_k: int = 0,
+                 prompt_lookup: int = 0) -> Drafter | None:
+    """A drafter from what a user naturally has: an HF model, a strategy object, or a name.
+    ``prompt_lookup`` > 0 puts prompt lookup in front of a draft model (``HybridDrafter``)."""
     if draft is None or isinstance(draft, Drafter):
         return draft
     if draft == "ngram":
         return NgramDrafter()
     if isinstance(draft, torch.nn.Module):
-        return DraftModelDrafter(draft, proposal_top_k=proposal_top_k)
+        drafter = DraftModelDrafter(draft, proposal_top_k=proposal_top_k)
+        return HybridDrafter(drafter, min_match=prompt_lookup) if prompt_lookup > 0 else drafter
     raise InvalidRequest(f"draft must be an HF causal LM, a Drafter, 'ngram' or None; got {draft!r}", field="draft")
 
 
@@ -308,6 +311,7 @@ def generate(
     num_speculative_tokens: int = 4,
     seed: int | None = None,
     proposal_top_k: int = 0,
+    prompt_lookup: int = 0,
     adaptive: AdaptiveKConfig | bool | None = None,
     mirror: MirrorConfig | bool | None = None,
     hint_layer: int | None = None,
@@ -325,6 +329,8 @@ def generate(
         num_speculative_tokens: K, drafts per window; 0 means target-only.
         seed: makes sampled output reproducible; a fresh one is drawn (and returned) if omitted.
         proposal_top_k: > 0 makes a draft model propose from a sparse top-k q (still exact).
+        prompt_lookup: > 0 lets prompt lookup draft before a draft model wherever the context's last
+            ``prompt_lookup`` tokens occurred earlier (the model drafts the rest; still exact).
         adaptive: ``True`` (default costs) or an ``AdaptiveKConfig`` chooses K per window in
             [0, num_speculative_tokens] from the acceptance seen so far, switching speculation
             off where it does not pay; exactness is unaffected.
@@ -340,13 +346,13 @@ def generate(
     """
     params = params or SamplingParams()
     spec = SpeculationConfig(num_speculative_tokens=num_speculative_tokens, proposal_top_k=proposal_top_k,
-                             adaptive=AdaptiveKConfig() if adaptive is True else adaptive or None)
+                             prompt_lookup=prompt_lookup, adaptive=AdaptiveKConfig() if adaptive is True else adaptive or None)
     session = KVSession(target) if isinstance(target, torch.nn.Module) else target
     max_context = int(getattr(getattr(target, "config", None), "max_position_embeddings", 1 << 30))
     if isinstance(input_ids, torch.Tensor):
         input_ids = input_ids.reshape(-1).tolist()
     prompt = validate_prompt(input_ids, session.vocab_size, max_context, params)
-    drafter = make_drafter(draft, proposal_top_k)
+    drafter = make_drafter(draft, proposal_top_k, prompt_lookup)
     seed = fresh_seed() if seed is None else int(seed)
     stats = GenerationStats()
     tokens: list[int] = []

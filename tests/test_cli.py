@@ -33,6 +33,9 @@ from mirrorspec.cli import main
     (["serve", "--hint-vocab", "full"], "--hint-vocab"),
     (["serve", "--hint-layer", "20", "--hint-vocab", "demo-target"], "--hint-vocab"),
     (["serve", "--hint-layer", "20", "--hint-vocab", "./no/such/draft"], "--hint-vocab"),
+    (["generate", "hi", "--prompt-lookup", "3"], "--prompt-lookup"),
+    (["generate", "hi", "--local", "--prompt-lookup", "9"], "--prompt-lookup"),
+    (["serve", "--prompt-lookup", "-1"], "--prompt-lookup"),
     (["demo", "--k", "99"], "--k"),
     (["demo", "--rebuild", "--epochs", "0"], "--epochs"),
 ])

@@ -20,7 +20,8 @@ from mirrorspec import SamplingParams, generate
 import mirrorspec.engine as engine_module
 from mirrorspec.config import AdaptiveKConfig, MirrorConfig
 from mirrorspec.mirror import Branch, MirrorPipeline
-from mirrorspec.drafting import DraftModelDrafter, Drafter, NgramDrafter, Proposal
+import mirrorspec.drafting.hybrid as hybrid_module
+from mirrorspec.drafting import DraftModelDrafter, Drafter, HybridDrafter, NgramDrafter, Proposal
 from mirrorspec.models import KVSession
 from mirrorspec.sampling import ProposalRows
 from support import MemoSession, chi_square_pvalue, exact_joint
@@ -40,7 +41,8 @@ class Case:
     top_k: int = 0
     top_p: float = 1.0
     proposal_top_k: int = 0  # > 0: sparse q
-    drafter: str = "model"  # "model" | "self" (draft == target, p = q) | "ngram" (one-hot q)
+    # "model" | "self" (draft == target, p = q) | "ngram" (one-hot q) | "hybrid" (lookup, then the model)
+    drafter: str = "model"
     bug: str = "lying_q"  # the planted bug this case must catch
     prompt: tuple[int, ...] = tuple(PROMPT)
     adaptive: AdaptiveKConfig | None = None  # K chosen per window from acceptance so far
@@ -63,6 +65,9 @@ CASES = [
     Case("t1.0-k3-self-draft", 1.0, 3, drafter="self"),
     # a repetitive prompt, so the n-gram lookup actually drafts
     Case("t1.0-k3-ngram-onehot", 1.0, 3, drafter="ngram", bug="residual_is_p", prompt=(0, 3, 5, 2, 3, 5)),
+    # "3 5" repeats, so the lookup offers "3 5" and the model drafts the third token: one window
+    # mixes one-hot rows with dense model rows, and later windows switch between the two
+    Case("t1.0-k3-hybrid-dense", 1.0, 3, drafter="hybrid", bug="misaligned_join", prompt=(0, 3, 5, 3, 5)),
     # K varies window to window (a jumpy policy: fast decay, costly drafts), so the first three
     # tokens come from windows of different lengths
     Case("t1.0-k3-adaptive-sparse", 1.0, 3, proposal_top_k=3,
@@ -107,6 +112,14 @@ class PeekingPipeline(MirrorPipeline):
         return fair
 
 
+def misaligned_join(first: Proposal, then: Proposal) -> Proposal:
+    """Planted bug for lookup + model windows: the model's q rows are reported first, so each
+    row describes another position's draw."""
+    if not then.tokens:
+        return first
+    return Proposal(tokens=first.tokens + then.tokens, q=ProposalRows.stack([then.q, first.q]))
+
+
 def residual_is_p(p, q):
     """Planted bug: on rejection, resample from p instead of norm(max(0, p - q))."""
     return p
@@ -120,6 +133,8 @@ def sessions(tiny_target, tiny_draft):
 def make_drafter(case: Case, target: MemoSession, draft: MemoSession) -> Drafter:
     if case.drafter == "ngram":
         return NgramDrafter(max_ngram=2)
+    if case.drafter == "hybrid":
+        return HybridDrafter(DraftModelDrafter(draft, proposal_top_k=case.proposal_top_k), min_match=2)
     source = target if case.drafter == "self" else draft
     # mirror cases guess every token, so each rejection outcome has a branch and verdicts hit
     return DraftModelDrafter(source, proposal_top_k=case.proposal_top_k, num_alternatives=8 if case.mirror else 3)
@@ -159,6 +174,8 @@ def test_planted_bug_is_caught(case, sessions, monkeypatch):
         drafter = LyingDrafter(drafter)
     elif case.bug == "peeking_branch":
         monkeypatch.setattr(engine_module, "MirrorPipeline", PeekingPipeline)
+    elif case.bug == "misaligned_join":
+        monkeypatch.setattr(hybrid_module, "_join", misaligned_join)
     else:
         monkeypatch.setattr(rejection_module, "recovery_distribution", residual_is_p)
     pvalue = pvalue_for(case, target, drafter, target)

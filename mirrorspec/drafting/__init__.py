@@ -2,6 +2,7 @@
 
 from mirrorspec.drafting.base import Drafter, Proposal
 from mirrorspec.drafting.draft_model import DraftModelDrafter
+from mirrorspec.drafting.hybrid import HybridDrafter
 from mirrorspec.drafting.ngram import NgramDrafter
 
-__all__ = ["DraftModelDrafter", "Drafter", "NgramDrafter", "Proposal"]
+__all__ = ["DraftModelDrafter", "Drafter", "HybridDrafter", "NgramDrafter", "Proposal"]

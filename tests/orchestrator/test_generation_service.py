@@ -49,6 +49,25 @@ def test_n_gram_drafter_over_the_network_is_identical_too(tiny_dir):
         ngram.stop()
 
 
+def test_a_drafter_with_prompt_lookup_looks_up_and_stays_identical_to_target_only(tiny_dir):
+    hybrid = start_stack(tiny_dir["target16"], tiny_dir["draft16"], prompt_lookup=2, k=4)
+    try:
+        stub = drafter_pb2_grpc.DrafterServiceStub(grpc.insecure_channel(f"127.0.0.1:{hybrid.drafter.port}"))
+        assert stub.Info(common_pb2.InfoRequest()).prompt_lookup == 2
+        context = [0, 3, 5, 2, 6, 1, 3, 5]  # "3 5" occurred before, followed by "2 6 1"
+        sid = stub.OpenSession(drafter_pb2.OpenDraftSessionRequest(prompt_ids=context)).session_id
+        response = stub.Draft(drafter_pb2.DraftRequest(session_id=sid, context_length=8, k=3))
+        draft = proposal_from_proto(response.tokens, response.q, 16)
+        assert draft.tokens == (2, 6, 1) and draft.q.dense(16).max(-1).values.tolist() == [1.0] * 3
+        model = load(tiny_dir["target16"])
+        with Client(hybrid.address) as client:
+            for prompt in [context, *prompts(4, seed=2)]:
+                for mirror in (False, True):
+                    assert client.generate(prompt, max_tokens=30, mirror=mirror).token_ids == target_only(model, prompt, 30)
+    finally:
+        hybrid.stop()
+
+
 def test_stream_delivers_the_same_tokens_in_order_with_stats_last(stack):
     with Client(stack.address) as client:
         unary = client.generate([0, 4, 2], max_tokens=30, temperature=0.9, seed=5)

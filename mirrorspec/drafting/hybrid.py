@@ -1,0 +1,65 @@
+"""Prompt lookup where the text repeats itself, the draft model everywhere else.
+
+The two strategies win in different places: lookup is free and long-reaching where the output
+copies its input or itself (code edits, quoted names, repeated phrasing), and a draft model
+guesses the rest. Taking the lookup's continuation when the context's last ``min_match``
+tokens occurred before, and letting the draft model draft the positions the lookup cannot fill,
+gets both.
+
+Exactness: which strategy proposes a position depends only on the context before it, so each
+position's q is still the distribution its token was drawn from given that context (one-hot for
+looked-up tokens, the model's for drafted ones), which is all rejection sampling needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mirrorspec.config import SamplingParams
+from mirrorspec.drafting.base import Drafter, Proposal
+from mirrorspec.drafting.draft_model import DraftModelDrafter
+from mirrorspec.drafting.ngram import NgramDrafter
+from mirrorspec.sampling import ProposalRows
+
+
+class HybridDrafter(Drafter):
+    name = "hybrid"
+
+    def __init__(self, model: DraftModelDrafter, min_match: int = 2, max_match: int = 3):
+        self.model = model
+        # a one-token match is found almost anywhere and predicts little: ask for more
+        self.lookup = NgramDrafter(max_ngram=max(max_match, min_match), min_ngram=min_match)
+        self.step_cost = model.step_cost  # the dearer of the two: adaptive K stays on the safe side
+
+    def propose(self, context: Sequence[int], k: int, params: SamplingParams, seed: int) -> Proposal:
+        looked_up = self.lookup.lookup(context, k) if k > 0 else []
+        if not looked_up:
+            return self.model.propose(context, k, params, seed)
+        found = Proposal(tokens=tuple(looked_up), q=ProposalRows.one_hot(looked_up),
+                         alternatives=tuple((t,) for t in looked_up))
+        if len(looked_up) == k:
+            return found
+        # the match ran into the end of the context: the model drafts on from the looked-up tokens
+        return _join(found, self.model.propose([*context, *looked_up], k - len(looked_up), params, seed))
+
+    def propose_branches(self, head: Sequence[int], next_tokens: Sequence[int], k: int, params: SamplingParams,
+                         seed: int) -> list[Proposal]:
+        """The model's batched branches unless some branch's context repeats itself."""
+        if any(self.lookup.lookup([*head, c], 1) for c in next_tokens):
+            return super().propose_branches(head, next_tokens, k, params, seed)
+        return self.model.propose_branches(head, next_tokens, k, params, seed)
+
+    @property
+    def vocab_ids(self):
+        """The draft model's sub-vocabulary (early-exit hints are scored over it), or None."""
+        return self.model.vocab_ids
+
+    def release(self) -> None:
+        self.model.release()
+
+
+def _join(first: Proposal, then: Proposal) -> Proposal:
+    if not then.tokens:
+        return first
+    return Proposal(tokens=first.tokens + then.tokens, q=ProposalRows.stack([first.q, then.q]),
+                    alternatives=first.alternatives + then.alternatives)
