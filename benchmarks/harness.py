@@ -130,6 +130,13 @@ def mirrorspec_hybrid(target: LoadedModel, drafts: Drafts, ids: list[int], param
     return _mirrorspec(target, drafts.model, ids, params, k, seed, prompt_lookup=DEFAULT_PROMPT_LOOKUP)
 
 
+@register_mode("mirrorspec-hybrid-adaptive", uses_k=True, needs_draft_model=True)
+def mirrorspec_hybrid_adaptive(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
+                               k: int, seed: int) -> RunOutput:
+    """mirrorspec with prompt lookup in front of the draft model and adaptive K in [0, K]."""
+    return _mirrorspec(target, drafts.model, ids, params, k, seed, adaptive=True, prompt_lookup=DEFAULT_PROMPT_LOOKUP)
+
+
 @register_mode("mirrorspec-ngram-adaptive", uses_k=True)
 def mirrorspec_ngram_adaptive(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
                               k: int, seed: int) -> RunOutput:
