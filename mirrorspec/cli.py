@@ -402,7 +402,8 @@ def _stack_spec(args: argparse.Namespace, target_gpus: float):
                      hint_vocab=args.hint_vocab,
                      speculation_off_above=args.speculation_off_above,
                      proposal_top_k=args.proposal_top_k, prompt_lookup=args.prompt_lookup,
-                     max_sessions=args.max_sessions, host=args.host, port=args.port, name=args.name, metrics_port=args.metrics_port)
+                     max_sessions=args.max_sessions, host=args.host, port=args.port, name=args.name,
+                     metrics_port=args.metrics_port)
 
 
 def _hint_vocab(choice: str, hint_layer: int | None, draft: str) -> str | None:
@@ -574,8 +575,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"\ntarget alone      {alone.tokens_per_second:6.1f} tok/s")
     for name, run in (("with demo draft", spec), ("+ prompt lookup", lookup)):
         s = run.stats
-        print(f"{name:<17} {run.tokens_per_second:6.1f} tok/s  ({run.tokens_per_second / alone.tokens_per_second:.2f}x), "
-              f"K={args.k}, alpha {s.token_acceptance_rate:.2f}, {s.mean_accepted_length:.2f} tokens/pass")
+        speedup = run.tokens_per_second / alone.tokens_per_second
+        print(f"{name:<17} {run.tokens_per_second:6.1f} tok/s  ({speedup:.2f}x), K={args.k}, "
+              f"alpha {s.token_acceptance_rate:.2f}, {s.mean_accepted_length:.2f} tokens/pass")
     identical = spec.token_ids == alone.token_ids == lookup.token_ids
     print(f"greedy output identical to the target alone: {'yes' if identical else 'NO'}")
     return 0 if identical else 1

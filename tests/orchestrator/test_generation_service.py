@@ -63,7 +63,8 @@ def test_a_drafter_with_prompt_lookup_looks_up_and_stays_identical_to_target_onl
         with Client(hybrid.address) as client:
             for prompt in [context, *prompts(4, seed=2)]:
                 for mirror in (False, True):
-                    assert client.generate(prompt, max_tokens=30, mirror=mirror).token_ids == target_only(model, prompt, 30)
+                    served = client.generate(prompt, max_tokens=30, mirror=mirror)
+                    assert served.token_ids == target_only(model, prompt, 30)
     finally:
         hybrid.stop()
 
