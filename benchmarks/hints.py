@@ -1,7 +1,8 @@
 """What an early-exit hint costs the verify, and how often its branches hit, by hint vocabulary.
 
     python -m benchmarks.hints [--hint-layer 27] [--datasets humaneval,mtbench] [--num-prompts 3]
-                               [--max-tokens 64] [--k 4] [--max-branches 4] [--reps 60]
+                               [--max-tokens 64] [--k 4] [--max-branches 4] [--alternatives 2]
+                               [--prompt-lookup 2] [--reps 60]
 
 Part 1 times the very call a hinted verify makes (``KVSession.logits_for`` over K + 1 positions
 inside ``EarlyExitProbe.watching``) with no hint, a hint over the whole vocabulary, and one over
@@ -10,8 +11,10 @@ three alike; one torch thread, as a target replica runs.
 
 Part 2 decodes the same prompts greedily in process with mirror always branching (up to
 ``--max-branches`` per window) and counts how many windows' verdicts a branch held, with the
-draft's own guesses alone and with either hint. Greedy decoding makes these counts exact and
-repeatable, so the vocabularies compare without timing noise.
+draft's own guesses alone and with either hint. The drafter is what the servers run by default:
+prompt lookup in front of the draft model (``--prompt-lookup 0``: the model alone). Greedy
+decoding makes these counts exact and repeatable, so the vocabularies compare without timing
+noise.
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ import torch
 
 from benchmarks.prompts import checked_datasets, load_prompts
 from mirrorspec import SamplingParams, SpeculationConfig
-from mirrorspec.config import MirrorConfig
-from mirrorspec.drafting.draft_model import DraftModelDrafter, declared_vocabulary
-from mirrorspec.engine import GenerationStats, TargetVerifier, decode_windows
+from mirrorspec.config import DEFAULT_PROMPT_LOOKUP, InvalidRequest, MirrorConfig, check_prompt_lookup
+from mirrorspec.drafting.draft_model import declared_vocabulary
+from mirrorspec.engine import GenerationStats, TargetVerifier, decode_windows, make_drafter
 from mirrorspec.mirror import MirrorPipeline
 from mirrorspec.models import KVSession, LoadedModel, encode_prompt, load_causal_lm
 from mirrorspec.models.early_exit import EarlyExitProbe
@@ -64,8 +67,8 @@ def branch_hits(target: LoadedModel, draft: torch.nn.Module, prompts: list[list[
     for ids in prompts:
         stats = GenerationStats()
         pipeline = MirrorPipeline(MirrorConfig(stop_at_verdict=False, max_branches=args.max_branches,
-                                               use_hints=probe is not None))
-        drafter = DraftModelDrafter(draft, proposal_top_k=32)
+                                               alternatives=args.alternatives, use_hints=probe is not None))
+        drafter = make_drafter(draft, proposal_top_k=32, prompt_lookup=args.prompt_lookup)
         try:
             for _ in decode_windows(drafter, TargetVerifier(KVSession(target.model), probe), ids, params,
                                     SpeculationConfig(num_speculative_tokens=args.k), 0, stats, pipeline):
@@ -85,13 +88,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--max-branches", type=int, default=4)
+    parser.add_argument("--max-branches", type=int, default=MirrorConfig.max_branches)
+    parser.add_argument("--alternatives", type=int, default=MirrorConfig.alternatives)
+    parser.add_argument("--prompt-lookup", type=int, default=DEFAULT_PROMPT_LOOKUP, metavar="N",
+                        help="prompt lookup before the draft model, as the servers run it (0 = the model alone)")
     parser.add_argument("--reps", type=int, default=60)
     parser.add_argument("--target", default="demo-target")
     parser.add_argument("--draft", default="demo-draft")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
     datasets = checked_datasets(parser, args, positive=("num_prompts", "max_tokens", "k", "max_branches", "reps"))
+    try:
+        check_prompt_lookup(args.prompt_lookup)
+    except InvalidRequest as err:
+        parser.error(f"--prompt-lookup: {err}")
+    if args.alternatives < 0:
+        parser.error(f"--alternatives must be >= 0, got {args.alternatives}")
 
     torch.set_num_threads(1)
     target = load_causal_lm(args.target, dtype="float32")

@@ -3,6 +3,7 @@ their own processes, one torch thread each (each side has its own core on a 2-co
 
     mirrorspec bench mirror [--datasets humaneval,mtbench] [--num-prompts 3] [--max-tokens 64]
                                 [--k 4] [--hint-layer 27 [--hint-vocab draft|full]]
+                                [--max-branches 4] [--alternatives 2]
                                 [--target demo-target --draft demo-draft]
                                 [--out benchmarks/results]
 
@@ -29,7 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from benchmarks.data_plane import start_processes
@@ -147,6 +148,10 @@ def main(argv=None) -> int:
     parser.add_argument("--proposal-top-k", type=int, default=32)
     parser.add_argument("--prompt-lookup", type=int, default=DEFAULT_PROMPT_LOOKUP, metavar="N",
                         help="the drafter's prompt lookup before its draft model (0 = the model alone)")
+    parser.add_argument("--max-branches", type=int, default=MirrorConfig.max_branches,
+                        help="branches drafted per window at most (default %(default)s)")
+    parser.add_argument("--alternatives", type=int, default=MirrorConfig.alternatives,
+                        help="the drafter's runner-up tokens guessed per rejection point (default %(default)s)")
     parser.add_argument("--no-pin", action="store_true",
                         help="let the scheduler place drafter and target (default: one core each, apart)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
@@ -156,6 +161,10 @@ def main(argv=None) -> int:
         check_prompt_lookup(args.prompt_lookup)
     except InvalidRequest as err:
         parser.error(f"--prompt-lookup: {err}")
+    try:
+        mirror = MirrorConfig(max_branches=args.max_branches, alternatives=args.alternatives)
+    except InvalidRequest as err:
+        parser.error(f"--max-branches / --alternatives: {err}")
 
     target_args = ()
     if args.hint_layer:
@@ -163,9 +172,9 @@ def main(argv=None) -> int:
                        *(("--hint-vocab", args.draft) if args.hint_vocab == "draft" else ()))
     target, drafter, stop = start_processes(args.target, args.draft, args.proposal_top_k, target_args,
                                             pin=not args.no_pin, prompt_lookup=args.prompt_lookup)
-    doors = {"plain": front_door(target, drafter, MirrorConfig(use_hints=False), args.k)}
+    doors = {"plain": front_door(target, drafter, replace(mirror, use_hints=False), args.k)}
     if args.hint_layer:
-        doors["hinted"] = front_door(target, drafter, MirrorConfig(), args.k)
+        doors["hinted"] = front_door(target, drafter, mirror, args.k)
     modes = [m for m in MODES if m != "mirror+hints" or args.hint_layer]
     request = {"target-only": ("plain", dict(k=0)), "serial": ("plain", dict(mirror=False)),
                "mirror": ("plain", dict(mirror=True)), "mirror+hints": ("hinted", dict(mirror=True))}

@@ -96,10 +96,24 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         return drafter_pb2.DraftBranchesResponse(drafts=[_draft_response(p) for p in proposals],
                                                  draft_time_s=time.perf_counter() - started)
 
-    def _advance(self, session: DraftSession, request, reserve: int = 0) -> int:
+    async def RankTokens(self, request, context):
+        session = self.sessions.get(request.session_id)
+        if request.k >= request.context_length:
+            raise OutOfRange(f"RankTokens ranks the last k tokens of a context and needs one before them; "
+                             f"k={request.k} with context_length={request.context_length}", field="k")
+        async with session.lock:
+            k = self._commit(session, request)
+            seq = session.sequence
+            started = time.perf_counter()
+            ranked = await self.lane.run(session.drafter.alternatives_for, list(seq.context[:-k]),
+                                         list(seq.context[-k:])) if k else ()
+        response = drafter_pb2.DraftResponse(draft_time_s=time.perf_counter() - started)
+        response.alternatives.extend(drafter_pb2.TokenAlternatives(ids=a) for a in ranked)
+        return response
+
+    def _commit(self, session: DraftSession, request) -> int:
         """Commit what the request commits (forking first if it keeps less than the session
-        holds); the k to draft, within the bounds and the context window (``reserve``: tokens
-        the call appends before drafting)."""
+        holds); the request's k, refused beyond this drafter's bound."""
         if request.k > self.config.max_speculative_tokens:
             raise OutOfRange(f"k={request.k} exceeds this drafter's max_speculative_tokens "
                              f"({self.config.max_speculative_tokens})", field="k")
@@ -108,7 +122,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         if request.HasField("keep"):
             seq.rewind(int(request.keep))
         seq.commit(commit, int(request.context_length))
-        k = int(request.k)
+        return int(request.k)
+
+    def _advance(self, session: DraftSession, request, reserve: int = 0) -> int:
+        """``_commit``, then the k to draft within the context window (``reserve``: tokens the
+        call appends before drafting)."""
+        k = self._commit(session, request)
+        seq = session.sequence
         if self.loaded is not None:
             k = max(min(k, self.loaded.max_context - len(seq.context) - reserve), 0)
         return k

@@ -15,8 +15,10 @@ Guesses that fork at the same point j are drafted together (``Drafter.propose_br
 batched forward per step for a draft model, one call for a remote drafter).
 
 Guesses, best first: for each rejection point j < K, the drafter's own runner-up tokens at j
-(a rejected draft is never the recovered token: the residual is 0 there); for "all accepted",
-the drafter's greedy next token after its last draft. Ranked by P(n = j) under the running
+(a rejected draft is never the recovered token: the residual is 0 there; where the window was
+looked up rather than drafted, the drafter ranks the looked-up tokens with its model during the
+verify, ``Drafter.alternatives_for``); for "all accepted", the drafter's greedy next token after
+its last draft. Ranked by P(n = j) under the running
 acceptance estimate. A verifier that gives early-exit hints (``mirrorspec.models.early_exit``)
 sends the target's own leaning part-way through the verify: the pipeline drafts its best own
 guess, waits for the hint (or the verdict), then ranks the hint's guesses with the rest.
@@ -24,11 +26,12 @@ guess, waits for the hint (or the verdict), then ranks the hint's guesses with t
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 from mirrorspec.config import MirrorConfig, SamplingParams
@@ -67,29 +70,77 @@ class Prefetch:
         return branch.proposal if branch is not None and branch.k == k else None
 
 
-def guesses(proposal: Proposal, alpha: float, alternatives: int) -> list[tuple[float, int, int | None]]:
-    """(score, j, c) for every guess; c None = "the drafter's greedy token after all K drafts"."""
-    k = len(proposal)
-    out: list[tuple[float, int, int | None]] = [(alpha ** k, k, None)]
+def guesses(proposal: Proposal, alpha: float | Sequence[float],
+            alternatives: int) -> list[tuple[float, int, int | None]]:
+    """(score, j, c) for every guess; c None = "the drafter's greedy token after all K drafts".
+    ``alpha``: the chance each draft passes, one for all or one per position."""
+    rates = per_position(alpha, len(proposal))
+    out: list[tuple[float, int, int | None]] = [(math.prod(rates), len(proposal), None)]
+    reach = 1.0  # P(the window gets to position j)
     for j, (draft, tops) in enumerate(zip(proposal.tokens, proposal.alternatives)):
-        p_reject_here = alpha ** j * (1 - alpha)
+        p_reject_here = reach * (1 - rates[j])
         runners_up = [t for t in tops if t != draft][:alternatives]
         out += [(p_reject_here / (rank + 1), j, c) for rank, c in enumerate(runners_up)]
+        reach *= rates[j]
     return sorted(out, key=lambda g: -g[0])
 
 
-def hint_guesses(proposal: Proposal, hint: EarlyExitHint, alpha: float) -> list[tuple[float, int, int]]:
+def per_position(alpha: float | Sequence[float], k: int) -> list[float]:
+    return [float(alpha)] * k if isinstance(alpha, (int, float)) else [float(a) for a in alpha]
+
+
+def looked_up(proposal: Proposal) -> tuple[bool, ...]:
+    """Which drafts came without runners-up: looked up, not drafted by a model. They pass far more
+    often than drafted ones (prompt lookup only fires where the text repeats), so the two are
+    counted apart when ranking guesses."""
+    tops = proposal.alternatives
+    return tuple(j >= len(tops) or all(t == draft for t in tops[j]) for j, draft in enumerate(proposal.tokens))
+
+
+def with_runners_up(drafter: Drafter, context: Sequence[int], proposal: Proposal) -> Proposal:
+    """``proposal`` with the drafter's own top tokens where it came without runners-up (a looked-up
+    window has none), so a rejection there can be guessed too. Only guesses change: the proposal
+    under verification is the one already sent."""
+    if not any(looked_up(proposal)):
+        return proposal
+    scored = drafter.alternatives_for(context, proposal.tokens)
+    return replace(proposal, alternatives=scored) if len(scored) == len(proposal) else proposal
+
+
+def hint_guesses(proposal: Proposal, hint: EarlyExitHint,
+                 alpha: float | Sequence[float]) -> list[tuple[float, int, int]]:
     """(score, j, c) from the target's early-exit hint: a draft passes with a chance between the
     running alpha and the hint's own probability of it (the early exit is not calibrated, so
     neither is trusted alone); where it fails, the target's token is one of the hint's others."""
+    rates = per_position(alpha, len(proposal))
     out: list[tuple[float, int, int]] = []
     reach = 1.0  # P(the window gets to position j)
     for j in range(len(proposal) + 1):
         draft = proposal.tokens[j] if j < len(proposal) else None
-        passes = 0.5 * (alpha + hint.prob(j, draft)) if draft is not None else 0.0
+        passes = 0.5 * (rates[j] + hint.prob(j, draft)) if draft is not None else 0.0
         out += [(reach * (1 - passes) * p, j, c) for c, p in zip(hint.top_tokens[j], hint.top_probs[j]) if c != draft]
         reach *= passes
     return sorted(out, key=lambda g: -g[0])
+
+
+class AcceptanceByKind:
+    """How often looked-up and drafted tokens pass, counted apart, each shrunk towards the
+    request's overall alpha while its own count is small (a Beta prior of ``prior_weight``)."""
+
+    def __init__(self, prior_weight: float = 2.0):
+        self.prior_weight = prior_weight
+        self.passed = {True: 0, False: 0}  # keyed by looked_up
+        self.tested = {True: 0, False: 0}
+
+    def rates(self, kinds: Sequence[bool], alpha: float) -> list[float]:
+        w = self.prior_weight
+        return [(self.passed[kind] + w * alpha) / (self.tested[kind] + w) for kind in kinds]
+
+    def observe(self, kinds: Sequence[bool], num_accepted: int) -> None:
+        """The drafts before ``num_accepted`` passed; the one at it (if any) failed."""
+        for j, kind in enumerate(kinds[:num_accepted + 1]):
+            self.tested[kind] += 1
+            self.passed[kind] += j < num_accepted
 
 
 class MirrorPipeline:
@@ -101,8 +152,8 @@ class MirrorPipeline:
 
     Serving (``stop_at_verdict``), branching is also bounded by measured cost, from running
     averages of this request's own timings:
-    - a branch still drafting when the verdict comes delays the next window, so one is started
-      only while its expected saving beats its expected delay (``worth_starting``);
+    - a branch still drafting when the verdict comes delays the next window, so a group of them
+      is started only while its expected saving beats its expected delay (``worth_starting``);
     - drafting beside a verify can slow the verify (shared cores, memory bandwidth), so a window
       branches only while hits save more than that costs (``should_branch``); it falls back to
       serial drafting where mirror does not pay, and probes the other choice now and then.
@@ -112,9 +163,10 @@ class MirrorPipeline:
         self.config = config or MirrorConfig()
         self.verify_s = RunningMean()  # verify time in windows that branched
         self.alone_s = RunningMean()  # verify time in windows that did not
-        self.branch_s = RunningMean()  # drafting time per branch
+        self.group_s = RunningMean()  # drafting time per group of branches that fork at one point
         self.overrun_s = RunningMean()  # branch drafting past the verdict
         self.hit_rate = RunningMean()
+        self.acceptance = AcceptanceByKind()  # ranks guesses: looked-up drafts pass far more often
         self._branching: bool | None = None  # the choice the estimates make
         self._probe_gap = self.config.probe_every
         self._since_probe = 0
@@ -128,9 +180,11 @@ class MirrorPipeline:
                               k_after: Callable[[int, int], int]) -> Prefetch:
         """Verify ``proposal``; meanwhile draft branches. ``k_after(n, produced_tokens)`` is the K
         window t+1 would get after verdict n (0: no next window worth drafting)."""
+        kinds = looked_up(proposal)
         if not self.should_branch():  # a serial window: verify right here, no thread hop
             verdict, span = _timed(verifier.verify, context, proposal, params, seed)
             self.alone_s.add(span[1] - span[0])
+            self.acceptance.observe(kinds, verdict.num_accepted)
             return Prefetch(verdict, span[1] - span[0], 0.0, {}, span, (span[0], span[0]), branched=False)
         hints: list[EarlyExitHint] = []
         heard = threading.Event()  # a hint came, or the verify is over
@@ -144,8 +198,11 @@ class MirrorPipeline:
         future = self._pool.submit(_timed, verify, context, proposal, params, seed)
         future.add_done_callback(lambda _: heard.set())
         branches: dict[tuple[int, int], Branch] = {}
-        pending = guesses(proposal, alpha, self.config.alternatives)
         started = time.perf_counter()
+        rates = self.acceptance.rates(kinds, alpha)
+        pending = guesses(with_runners_up(drafter, context, proposal), rates, self.config.alternatives)
+        drafting_s = 0.0  # in propose calls, not waiting for hints
+        groups = 0
         while len(branches) < self.config.max_branches:
             if self.config.stop_at_verdict and future.done():
                 break
@@ -153,37 +210,52 @@ class MirrorPipeline:
                 wants_hints = False
                 heard.wait()
                 if hints:
-                    pending = sorted([*pending, *hint_guesses(proposal, hints[0], alpha)], key=lambda g: -g[0])
+                    pending = sorted([*pending, *hint_guesses(proposal, hints[0], rates)], key=lambda g: -g[0])
                 continue
             if not pending:
                 break
-            if self.config.stop_at_verdict and not self.worth_starting(pending[0][0], time.perf_counter() - started):
+            # the guesses that fork where the best one does are drafted together, in one batched
+            # forward per step, for about the price of one: they start (or not) as one group
+            j = pending[0][1]
+            group = [g for g in pending if g[1] == j][:self.config.max_branches - len(branches)]
+            if self.config.stop_at_verdict and not self.worth_starting(sum(g[0] for g in group),
+                                                                       time.perf_counter() - started):
                 break  # the rest are likelier misses still
-            _, j, c = pending.pop(0)
+            pending = [g for g in pending if g[1] != j]
             k = k_after(j, j + 1)
             if k <= 0:  # no next window after this verdict (or not one worth drafting)
                 continue
-            head = [*context, *proposal.tokens[:j]]
-            if c is None:  # all accepted: guess the bonus token as the drafter's greedy choice
+            group_started = time.perf_counter()
+            drafted_group = self._draft_group(drafter, [*context, *proposal.tokens[:j]], [g[2] for g in group],
+                                              k, params, seed, exclude={t for (i, t) in branches if i == j})
+            branches.update({(j, token): Branch(j, token, k, drafted) for token, drafted in drafted_group})
+            drafting_s += time.perf_counter() - group_started
+            groups += 1
+        drafted = time.perf_counter()
+        verdict, verify_span = future.result()
+        self.acceptance.observe(kinds, verdict.num_accepted)
+        self.verify_s.add(verify_span[1] - verify_span[0])
+        if groups:
+            self.group_s.add(drafting_s / groups)
+            self.overrun_s.add(max(drafted - verify_span[1], 0.0))
+        return Prefetch(verdict, verify_span[1] - verify_span[0], drafted - started, branches, verify_span,
+                        (started, drafted))
+
+    @staticmethod
+    def _draft_group(drafter: Drafter, head: list[int], guessed: list[int | None], k: int, params: SamplingParams,
+                     seed: int, exclude: set[int]) -> list[tuple[int, Proposal]]:
+        """Branches after ``head`` for each guessed next token (None: the drafter's own greedy
+        choice there, the guess for "all accepted"), drafted together."""
+        tokens: list[int] = []
+        for c in guessed:
+            if c is None:
                 bonus = drafter.propose(head, 1, GREEDY, seed)
                 if not bonus.tokens:
                     continue
                 c = bonus.tokens[0]
-            # the other guesses that fork at j ride along: drafted together, in one batched forward
-            room = self.config.max_branches - len(branches)
-            group = [t for t in dict.fromkeys([c, *(g[2] for g in pending if g[1] == j and g[2] is not None)])
-                     if (j, t) not in branches][:room]
-            pending = [g for g in pending if not (g[1] == j and g[2] in group)]
-            for token, drafted in zip(group, drafter.propose_branches(head, group, k, params, seed)):
-                branches[(j, token)] = Branch(j, token, k, drafted)
-        drafted = time.perf_counter()
-        verdict, verify_span = future.result()
-        self.verify_s.add(verify_span[1] - verify_span[0])
-        if branches:
-            self.branch_s.add((drafted - started) / len(branches))
-            self.overrun_s.add(max(drafted - verify_span[1], 0.0))
-        return Prefetch(verdict, verify_span[1] - verify_span[0], drafted - started, branches, verify_span,
-                        (started, drafted))
+            tokens.append(c)
+        group = [t for t in dict.fromkeys(tokens) if t not in exclude]
+        return list(zip(group, drafter.propose_branches(head, group, k, params, seed))) if group else []
 
     def observe_hit(self, hit: bool) -> None:
         """Whether the last window's branches held the verdict (the engine knows, at ``take``)."""
@@ -203,7 +275,7 @@ class MirrorPipeline:
             return True
         if not self.alone_s.count:
             return False
-        saving = self.hit_rate.value * self.branch_s.value
+        saving = self.hit_rate.value * self.group_s.value
         cost = max(self.verify_s.value - self.alone_s.value, 0.0) + self.overrun_s.value
         branching = saving > cost
         if branching != self._branching:  # the estimates changed the choice: look back soon
@@ -216,13 +288,14 @@ class MirrorPipeline:
         return not branching
 
     def worth_starting(self, p_hit: float, elapsed_s: float) -> bool:
-        """Start a branch with hit chance ``p_hit`` at ``elapsed_s`` into the verify? A hit saves
-        the drafting it did before the verdict (at most the verify time left, r); a miss delays
-        the fresh draft by the part that runs past the verdict (D - r for a branch of D)."""
-        if not (self.verify_s.count and self.branch_s.count):
+        """Start a group of branches (those forking at one point, drafted together) that holds the
+        verdict with chance ``p_hit``, at ``elapsed_s`` into the verify? A hit saves the drafting
+        it did before the verdict (at most the verify time left, r); a miss delays the fresh draft
+        by the part that runs past the verdict (D - r for a group of D)."""
+        if not (self.verify_s.count and self.group_s.count):
             return True  # nothing measured yet: learn
         left = max(self.verify_s.value - elapsed_s, 0.0)
-        cost = self.branch_s.value
+        cost = self.group_s.value
         p_hit = min(max(p_hit, 0.0), 1.0)
         return left >= cost or p_hit * left > (1 - p_hit) * (cost - left)
 

@@ -170,6 +170,7 @@ class RemoteDrafter(Drafter):
         self.paused_windows = 0
         self.vocab_size = vocab_size
         self.failure: str | None = None
+        self._ranks = True  # the replicas answer RankTokens (mirror guesses for looked-up windows)
         # drafts are optional: never wait for a drafter to come up, go on target-only instead
         self.session = _DraftSession(pool, prompt, params, seed, timeout_s, replacement_wait_s=0.0)
         self._guard(lambda: self.session.open(prompt))
@@ -199,26 +200,49 @@ class RemoteDrafter(Drafter):
             return False
         return True
 
+    def alternatives_for(self, context: Sequence[int], tokens: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+        """RankTokens on the replica (which commits ``tokens`` there, as a branch head would be).
+        A replica that predates RankTokens answers UNIMPLEMENTED: then no guesses for looked-up
+        windows, for the rest of the request, and the drafter goes on drafting."""
+        if not tokens or self.failure is not None or not self._ranks:
+            return ()
+
+        def rank() -> tuple[tuple[int, ...], ...]:
+            try:
+                response = self._call("RankTokens", [*context, *tokens], len(tokens))
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                self._ranks = False
+                return ()
+            ranked = tuple(tuple(a.ids) for a in response.alternatives)
+            return ranked if len(ranked) == len(tokens) else ()
+
+        return self._guard(rank) or ()
+
     def _draft(self, context: Sequence[int], k: int, branch_tokens: list[int] | None = None) -> list[Proposal]:
         """Draft after ``context`` (one proposal), or after each of ``branch_tokens``."""
+        response = self._call("DraftBranches" if branch_tokens else "Draft", context, k, branch_tokens)
+        drafts = list(response.drafts) if branch_tokens else [response]
+        if branch_tokens and len(drafts) != len(branch_tokens):
+            raise InvalidRequest(f"the drafter answered {len(drafts)} branches for {len(branch_tokens)} asked",
+                                 field="branch_tokens")
+        return [proposal_from_proto(d.tokens, d.q, self.vocab_size, d.alternatives) for d in drafts]
+
+    def _call(self, method: str, context: Sequence[int], k: int, branch_tokens: list[int] | None = None):
+        """One DrafterService call that commits (or forks to) ``context`` first; timed."""
         def rpc(replica: Replica, session_id: str, keep: int, commit: list[int]):
             request = drafter_pb2.DraftRequest(session_id=session_id, commit_tokens=commit,
                                                context_length=len(context), k=k, branch_tokens=branch_tokens or ())
             if keep < len(self.session.held):
                 request.keep = keep
-            call = replica.stub.DraftBranches if branch_tokens else replica.stub.Draft
-            return call(request, timeout=self.session.timeout_s)
+            return getattr(replica.stub, method)(request, timeout=self.session.timeout_s)
 
         started = time.perf_counter()
         response = self.session.call(context, rpc)
-        drafts = list(response.drafts) if branch_tokens else [response]
-        if branch_tokens and len(drafts) != len(branch_tokens):
-            raise InvalidRequest(f"the drafter answered {len(drafts)} branches for {len(branch_tokens)} asked",
-                                 field="branch_tokens")
-        proposals = [proposal_from_proto(d.tokens, d.q, self.vocab_size, d.alternatives) for d in drafts]
         self.times.call_s += time.perf_counter() - started
         self.times.server_s += response.draft_time_s
-        return proposals
+        return response
 
     def _guard(self, fn: Callable):
         try:

@@ -9,7 +9,7 @@ from mirrorspec.config import InvalidRequest, MirrorConfig
 from mirrorspec.drafting import DraftModelDrafter, NgramDrafter, Proposal
 from mirrorspec.config import SpeculationConfig
 from mirrorspec.engine import GenerationStats, TargetVerifier, decode_windows
-from mirrorspec.mirror import Branch, MirrorPipeline, Prefetch, guesses, hint_guesses
+from mirrorspec.mirror import Branch, MirrorPipeline, Prefetch, guesses, hint_guesses, with_runners_up
 from mirrorspec.models import KVSession
 from mirrorspec.models.early_exit import EarlyExitHint
 from mirrorspec.sampling import ProposalRows, TokenKind, WindowVerdict
@@ -144,7 +144,7 @@ def test_a_branch_is_started_only_while_it_is_worth_its_delay():
     try:
         assert pipeline.worth_starting(0.01, elapsed_s=5.0)  # nothing measured yet
         pipeline.verify_s.add(0.100)
-        pipeline.branch_s.add(0.040)
+        pipeline.group_s.add(0.040)
         assert pipeline.worth_starting(0.01, elapsed_s=0.050)  # it ends before the verdict: free
         # 20 ms left, 20 ms past the verdict: worth it only if a hit is likelier than a miss
         assert pipeline.worth_starting(0.6, elapsed_s=0.080)
@@ -159,7 +159,7 @@ def test_mirror_falls_back_to_serial_where_branching_does_not_pay_and_probes_bac
     try:
         assert pipeline.should_branch()  # learn what branching gives first
         pipeline.verify_s.add(0.110)
-        pipeline.branch_s.add(0.040)
+        pipeline.group_s.add(0.040)
         pipeline.observe_hit(True)
         assert not pipeline.should_branch()  # then what a verify costs without a drafter beside it
         pipeline.alone_s.add(0.100)
@@ -181,7 +181,7 @@ def test_probe_gaps_double_up_to_the_configured_bound():
     try:
         pipeline.verify_s.add(0.200)  # branching slows the verify by 100 ms and never hits
         pipeline.alone_s.add(0.100)
-        pipeline.branch_s.add(0.040)
+        pipeline.group_s.add(0.040)
         pipeline.observe_hit(False)
         decisions = [pipeline.should_branch() for _ in range(2 + 4 + 8 + 8)]
         assert [i + 1 for i, d in enumerate(decisions) if d] == [2, 6, 14, 22]  # gaps 2, 4, 8, 8
@@ -212,3 +212,21 @@ def test_drafter_alternatives_are_its_top_tokens(tiny_draft):
     assert len(proposal.alternatives) == 3
     for token, tops in zip(proposal.tokens, proposal.alternatives):
         assert tops[0] == token  # greedy: the draft is the drafter's own first choice
+
+
+class ScoringDrafter(NgramDrafter):
+    """Looks up like the n-gram drafter; ranks tokens 7, 8, 9 at every position when asked."""
+
+    def alternatives_for(self, context, tokens):
+        return tuple((7, 8, 9) for _ in tokens)
+
+
+def test_a_window_without_runners_up_takes_the_drafters_alternatives_for_its_guesses():
+    looked_up = Proposal(tokens=(7, 5), q=ProposalRows.one_hot([7, 5]), alternatives=((7,), (5,)))
+    filled = with_runners_up(ScoringDrafter(), [0, 1], looked_up)
+    assert filled.tokens == looked_up.tokens and filled.q is looked_up.q  # the proposal itself is unchanged
+    rejection_guesses = {g[1:] for g in guesses(filled, alpha=0.5, alternatives=2) if g[1] < 2}
+    assert rejection_guesses == {(0, 8), (0, 9), (1, 7), (1, 8)}  # a rejected draft is never its own guess
+    assert with_runners_up(NgramDrafter(), [0, 1], looked_up) is looked_up  # no opinion: as it was
+    drafted = Proposal(tokens=(7,), q=ProposalRows.one_hot([7]), alternatives=((7, 2, 3),))
+    assert with_runners_up(ScoringDrafter(), [0, 1], drafted) is drafted  # has its own: not asked

@@ -62,5 +62,12 @@ class Drafter(ABC):
         Strategies that can draft them together (one batched forward) override this."""
         return [self.propose([*head, c], k, params, seed) for c in next_tokens]
 
+    def alternatives_for(self, context: Sequence[int], tokens: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+        """The drafter's own most likely tokens, best first, at each position of ``tokens`` continuing
+        ``context``: mirror's guesses of the target's token where it rejects, for proposals that came
+        without them (looked-up tokens). Called during the verify, off the critical path, so a
+        strategy that has to run its model for them costs the window nothing. () = no opinion."""
+        return ()
+
     def release(self) -> None:
         """Drop per-sequence state (KV caches) once the request is over."""

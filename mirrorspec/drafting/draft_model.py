@@ -111,6 +111,13 @@ class DraftModelDrafter(Drafter):
             batch.feed([steps[-1].token for steps in branches])
         return [_proposal(steps) for steps in branches]
 
+    def alternatives_for(self, context: Sequence[int], tokens: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+        """One forward over ``tokens``: the cache catches up on them now, not in the next draft."""
+        if not tokens:
+            return ()
+        logits = self.session.logits_for([*context, *tokens[:-1]], len(tokens))  # [len(tokens), vocab or m]
+        return tuple(self._top_ids(logits[i:i + 1]) for i in range(len(tokens)))
+
     def _draw(self, logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> DraftStep:
         """One drafted position from its logits (# [1, vocab or m]) and its uniform (# [1])."""
         q = self._in_vocabulary_ids(proposal_distribution(logits, params, self.proposal_top_k))

@@ -49,6 +49,11 @@ class HybridDrafter(Drafter):
             return super().propose_branches(head, next_tokens, k, params, seed)
         return self.model.propose_branches(head, next_tokens, k, params, seed)
 
+    def alternatives_for(self, context: Sequence[int], tokens: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+        """The model's view of looked-up tokens: where the target rejects one, its token is likelier
+        among the model's top choices than anywhere else the drafter can look."""
+        return self.model.alternatives_for(context, tokens)
+
     @property
     def vocab_ids(self):
         """The draft model's sub-vocabulary (early-exit hints are scored over it), or None."""

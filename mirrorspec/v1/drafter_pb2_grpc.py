@@ -50,6 +50,11 @@ class DrafterServiceStub:
                 request_serializer=mirrorspec_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
                 response_deserializer=mirrorspec_dot_v1_dot_drafter__pb2.DraftBranchesResponse.FromString,
                 _registered_method=True)
+        self.RankTokens = channel.unary_unary(
+                '/mirrorspec.v1.DrafterService/RankTokens',
+                request_serializer=mirrorspec_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
+                response_deserializer=mirrorspec_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/mirrorspec.v1.DrafterService/CloseSession',
                 request_serializer=mirrorspec_dot_v1_dot_common__pb2.CloseSessionRequest.SerializeToString,
@@ -87,6 +92,16 @@ class DrafterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RankTokens(self, request, context):
+        """The drafter's own top tokens at each of the last `k` tokens of the context, after committing
+        like Draft; drafts nothing (the response carries `alternatives` only). Mirror asks for them
+        while the target verifies a window the drafter looked up rather than drafted (prompt lookup),
+        so a rejection there can be guessed too. Model-free strategies answer no alternatives.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CloseSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -116,6 +131,11 @@ def add_DrafterServiceServicer_to_server(servicer, server):
                     servicer.DraftBranches,
                     request_deserializer=mirrorspec_dot_v1_dot_drafter__pb2.DraftRequest.FromString,
                     response_serializer=mirrorspec_dot_v1_dot_drafter__pb2.DraftBranchesResponse.SerializeToString,
+            ),
+            'RankTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.RankTokens,
+                    request_deserializer=mirrorspec_dot_v1_dot_drafter__pb2.DraftRequest.FromString,
+                    response_serializer=mirrorspec_dot_v1_dot_drafter__pb2.DraftResponse.SerializeToString,
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
@@ -209,6 +229,33 @@ class DrafterService:
             '/mirrorspec.v1.DrafterService/DraftBranches',
             mirrorspec_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
             mirrorspec_dot_v1_dot_drafter__pb2.DraftBranchesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RankTokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mirrorspec.v1.DrafterService/RankTokens',
+            mirrorspec_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
+            mirrorspec_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
             options,
             channel_credentials,
             insecure,

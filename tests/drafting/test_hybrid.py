@@ -87,3 +87,16 @@ def test_prompt_lookup_out_of_range_says_what_is_allowed(bad):
     with pytest.raises(InvalidRequest, match=r"prompt_lookup must be an int in \[0, 8\]") as err:
         SpeculationConfig(prompt_lookup=bad)
     assert err.value.field == "prompt_lookup"
+
+
+def test_looked_up_tokens_get_the_models_alternatives_for_mirror_guesses(tiny_draft):
+    context = [0, 3, 5, 2, 6, 1, 3, 5]
+    hybrid = HybridDrafter(DraftModelDrafter(tiny_draft), min_match=2)
+    looked_up = hybrid.propose(context, 3, SAMPLED, seed=0)
+    tops = hybrid.alternatives_for(context, looked_up.tokens)
+    # what the model itself ranks first at each position, had it drafted there
+    model = DraftModelDrafter(tiny_draft)
+    for i, token in enumerate(looked_up.tokens):
+        alone = model.propose([*context, *looked_up.tokens[:i]], 1, SamplingParams(), seed=0)
+        assert tops[i] == alone.alternatives[0]
+    assert NgramDrafter().alternatives_for(context, looked_up.tokens) == ()  # no model: no opinion

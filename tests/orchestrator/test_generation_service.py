@@ -49,7 +49,7 @@ def test_n_gram_drafter_over_the_network_is_identical_too(tiny_dir):
         ngram.stop()
 
 
-def test_a_drafter_with_prompt_lookup_looks_up_and_stays_identical_to_target_only(tiny_dir):
+def test_a_drafter_with_prompt_lookup_looks_up_and_stays_identical_to_target_only(tiny_dir, stack):
     hybrid = start_stack(tiny_dir["target16"], tiny_dir["draft16"], prompt_lookup=2, k=4)
     try:
         stub = drafter_pb2_grpc.DrafterServiceStub(grpc.insecure_channel(f"127.0.0.1:{hybrid.drafter.port}"))
@@ -59,6 +59,22 @@ def test_a_drafter_with_prompt_lookup_looks_up_and_stays_identical_to_target_onl
         response = stub.Draft(drafter_pb2.DraftRequest(session_id=sid, context_length=8, k=3))
         draft = proposal_from_proto(response.tokens, response.q, 16)
         assert draft.tokens == (2, 6, 1) and draft.q.dense(16).max(-1).values.tolist() == [1.0] * 3
+        assert [list(a.ids) for a in response.alternatives] == [[2], [6], [1]]  # looked up: no runners-up
+        # while the target verifies, mirror asks the model's own view of the looked-up tokens
+        ranked = stub.RankTokens(drafter_pb2.DraftRequest(session_id=sid, commit_tokens=[2, 6, 1], context_length=11,
+                                                          k=3))
+        model_alone = drafter_pb2_grpc.DrafterServiceStub(grpc.insecure_channel(f"127.0.0.1:{stack.drafter.port}"))
+        assert model_alone.Info(common_pb2.InfoRequest()).prompt_lookup == 0  # the same draft16, no lookup
+        assert len(ranked.alternatives) == 3
+        for i, tops in enumerate(ranked.alternatives):
+            head = [*context, 2, 6, 1][:8 + i]
+            fresh = model_alone.OpenSession(drafter_pb2.OpenDraftSessionRequest(prompt_ids=head)).session_id
+            alone = model_alone.Draft(drafter_pb2.DraftRequest(session_id=fresh, context_length=len(head), k=1))
+            model_alone.CloseSession(common_pb2.CloseSessionRequest(session_id=fresh))  # other tests count sessions
+            assert list(tops.ids) == list(alone.alternatives[0].ids)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.RankTokens(drafter_pb2.DraftRequest(session_id=sid, context_length=11, k=11))
+        assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE and "k=11" in err.value.details()
         model = load(tiny_dir["target16"])
         with Client(hybrid.address) as client:
             for prompt in [context, *prompts(4, seed=2)]:
