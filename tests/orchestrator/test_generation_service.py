@@ -85,6 +85,28 @@ def test_a_drafter_with_prompt_lookup_looks_up_and_stays_identical_to_target_onl
         hybrid.stop()
 
 
+def test_a_drafter_that_predates_rank_tokens_still_drafts_mirror_requests(tiny_dir, monkeypatch):
+    """A replica without RankTokens answers UNIMPLEMENTED: looked-up windows then go without
+    guesses, and the request keeps its drafter (no fallback to target-only)."""
+    from drafter_service.servicer import DrafterServicer
+
+    async def unimplemented(self, request, context):  # what gRPC answers for a method a server lacks
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+
+    monkeypatch.setattr(DrafterServicer, "RankTokens", unimplemented)
+    old = start_stack(tiny_dir["target16"], tiny_dir["draft16"], prompt_lookup=2, k=4,
+                      mirror=MirrorConfig(stop_at_verdict=False))
+    try:
+        model = load(tiny_dir["target16"])
+        with Client(old.address) as client:
+            prompt = [0, 3, 5, 2, 6, 1, 3, 5]  # the first window is looked up
+            served = client.generate(prompt, max_tokens=30)
+        assert served.token_ids == target_only(model, prompt, 30)
+        assert not served.stats.drafter_fallback and served.stats.mirror_windows > 1
+    finally:
+        old.stop()
+
+
 def test_stream_delivers_the_same_tokens_in_order_with_stats_last(stack):
     with Client(stack.address) as client:
         unary = client.generate([0, 4, 2], max_tokens=30, temperature=0.9, seed=5)
