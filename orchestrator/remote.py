@@ -202,8 +202,8 @@ class RemoteDrafter(Drafter):
 
     def alternatives_for(self, context: Sequence[int], tokens: Sequence[int]) -> tuple[tuple[int, ...], ...]:
         """RankTokens on the replica (which commits ``tokens`` there, as a branch head would be).
-        A replica that predates RankTokens answers UNIMPLEMENTED: then no guesses for looked-up
-        windows, for the rest of the request, and the drafter goes on drafting."""
+        A replica that predates RankTokens answers UNIMPLEMENTED, and a model-free one answers
+        none: then no more asking for the rest of the request, and the drafter goes on drafting."""
         if not tokens or self.failure is not None or not self._ranks:
             return ()
 
@@ -216,6 +216,8 @@ class RemoteDrafter(Drafter):
                 self._ranks = False
                 return ()
             ranked = tuple(tuple(a.ids) for a in response.alternatives)
+            if not ranked:  # a model-free strategy (n-gram): it will have no opinion next time either
+                self._ranks = False
             return ranked if len(ranked) == len(tokens) else ()
 
         return self._guard(rank) or ()
