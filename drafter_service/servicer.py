@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -58,17 +57,22 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.sessions: SessionStore[DraftSession] = SessionStore(
             config.max_sessions, config.session_ttl_s, on_evict=lambda s: s.drafter.release())
         self.lane = lane or ComputeLane("drafter-compute")
-        self._new_drafter: Callable[[], Drafter] = (
-            partial(make_drafter, loaded.model, config.proposal_top_k, config.prompt_lookup) if loaded
-            else NgramDrafter)
 
     async def OpenSession(self, request, context):
         params = params_from_proto(request.params, default_max_new_tokens=1)
         max_context = self.loaded.max_context if self.loaded is not None else 1 << 31
         prompt = validate_prompt(request.prompt_ids, self.vocab_size, max_context, params, field="prompt_ids")
         session_id = self.sessions.open(DraftSession(SequenceState(prompt, params, int(request.seed)),
-                                                     self._new_drafter()))
+                                                     self._new_drafter(request.caller_looks_up)))
         return drafter_pb2.OpenDraftSessionResponse(session_id=session_id)
+
+    def _new_drafter(self, caller_looks_up: bool) -> Drafter:
+        """This replica's strategy for one session; without its prompt lookup where the caller runs
+        that lookup itself (the orchestrator, on its token log), so the session only models."""
+        if self.loaded is None:
+            return NgramDrafter()
+        lookup = 0 if caller_looks_up else self.config.prompt_lookup
+        return make_drafter(self.loaded.model, self.config.proposal_top_k, lookup)
 
     async def Draft(self, request, context):
         session = self.sessions.get(request.session_id)

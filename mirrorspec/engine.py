@@ -361,7 +361,7 @@ def generate(
     if hint_layer is not None and not isinstance(target, torch.nn.Module):
         raise InvalidRequest("hint_layer needs an HF model as the target (hints are read off its layers)",
                              field="hint_layer")
-    probe = (EarlyExitProbe(target, hint_layer, vocab_ids=getattr(drafter, "vocab_ids", None))
+    probe = (EarlyExitProbe(target, hint_layer, vocab_ids=drafter.vocab_ids if drafter else None)
              if hint_layer is not None and pipeline is not None else None)
     started = time.perf_counter()
     try:

@@ -164,15 +164,19 @@ class RemoteDrafter(Drafter):
 
     def __init__(self, pool: ReplicaPool, prompt: Sequence[int], params: SamplingParams, seed: int, vocab_size: int,
                  timeout_s: float | None = None, step_cost: float = Drafter.step_cost,
-                 paused: Callable[[], bool] | None = None):
+                 paused: Callable[[], bool] | None = None, caller_lookup: int = 0):
         self.step_cost = step_cost  # of the replica's strategy, for adaptive K
+        # the replicas' prompt lookup (its min match), run by the caller in front of this drafter
+        # (orchestrator.lookup); 0: the replicas look up themselves, if they do
+        self.caller_lookup = caller_lookup
         self.paused = paused
         self.paused_windows = 0
         self.vocab_size = vocab_size
         self.failure: str | None = None
         self._ranks = True  # the replicas answer RankTokens (mirror guesses for looked-up windows)
         # drafts are optional: never wait for a drafter to come up, go on target-only instead
-        self.session = _DraftSession(pool, prompt, params, seed, timeout_s, replacement_wait_s=0.0)
+        self.session = _DraftSession(pool, prompt, params, seed, timeout_s, replacement_wait_s=0.0,
+                                     caller_looks_up=caller_lookup > 0)
         self._guard(lambda: self.session.open(prompt))
 
     @property
@@ -180,7 +184,7 @@ class RemoteDrafter(Drafter):
         return self.session.times
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, seed: int) -> Proposal:
-        if not self._drafting(k):
+        if not self.drafting(k):
             return Proposal.empty()
         return self._guard(lambda: self._draft(context, k)[0]) or Proposal.empty()
 
@@ -188,11 +192,13 @@ class RemoteDrafter(Drafter):
                          seed: int) -> list[Proposal]:
         """All of them in one DraftBranches call (one batched forward per step on the replica)."""
         none = [Proposal.empty() for _ in next_tokens]
-        if not self._drafting(k):
+        if not self.drafting(k):
             return none
         return self._guard(lambda: self._draft(head, k, list(next_tokens))) or none
 
-    def _drafting(self, k: int) -> bool:
+    def drafting(self, k: int) -> bool:
+        """Whether a window of ``k`` gets drafts: not after a failure, nor while paused (a paused
+        window is counted here, once per window)."""
         if self.failure is not None or k <= 0:
             return False
         if self.paused is not None and self.paused():
@@ -264,9 +270,13 @@ class RemoteDrafter(Drafter):
 
 
 class _DraftSession(PooledSession):
+    def __init__(self, *args, caller_looks_up: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.caller_looks_up = caller_looks_up  # the replica's prompt lookup runs in the orchestrator
+
     def open_request(self, context: Sequence[int], params: SamplingParams):
         return drafter_pb2.OpenDraftSessionRequest(prompt_ids=list(context), params=params_to_proto(params),
-                                                   seed=self.seed)
+                                                   seed=self.seed, caller_looks_up=self.caller_looks_up)
 
 
 class RemoteVerifier(PooledSession):

@@ -35,6 +35,7 @@ from mirrorspec.v1 import (
     generation_pb2_grpc,
     target_pb2_grpc,
 )
+from orchestrator.lookup import front_door_drafter
 from orchestrator.metrics import SpecDecodeMetrics
 from orchestrator.pool import ReplicaPool, parse_addresses
 from orchestrator.remote import RemoteDrafter, RemoteVerifier
@@ -63,6 +64,9 @@ class OrchestratorConfig:
     # speculative_disable_by_batch_size): past it the targets are saturated, and the extra tokens a
     # verify scores cost more than speculation saves. None = always draft.
     speculation_off_above: int | None = None
+    # run the drafter replicas' prompt lookup here, on the token log (orchestrator.lookup): a
+    # looked-up window then makes no drafter call. False leaves lookup to the replicas.
+    front_door_lookup: bool = True
 
     def __post_init__(self) -> None:
         if self.speculation_off_above is not None and self.speculation_off_above < 0:
@@ -230,10 +234,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                                       replacement_wait_s=min(timeout, self.config.replacement_wait_s),
                                       gives_hints=self.target_info.hint_layer > 0)
         except BaseException:
-            if (drafter := drafting.result()) is not None:
-                drafter.release()
+            if (remote := drafting.result()) is not None:
+                remote.release()
             raise
-        drafter = drafting.result()
+        remote = drafting.result()
+        drafter = front_door_drafter(remote)
         stop_check = _StopStrings(self.tokenizer, prepared.stop_strings) if prepared.stop_strings else None
         # the verify RPC runs in the pipeline's thread while this one sends the branches' Draft RPCs
         pipeline = MirrorPipeline(prepared.mirror) if prepared.mirror is not None and drafter is not None else None
@@ -254,23 +259,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     outcome.finish_reason = finish
                     return
         finally:
-            outcome.drafter_fallback = drafter is not None and drafter.failure is not None
+            outcome.drafter_fallback = remote is not None and remote.failure is not None
             outcome.target_moves = verifier.moves
-            outcome.drafter_moves = drafter.moves if drafter is not None else 0
-            outcome.paused_windows = drafter.paused_windows if drafter is not None else 0
-            outcome.network_s = verifier.times.network_s + (drafter.times.network_s if drafter else 0.0)
+            outcome.drafter_moves = remote.moves if remote is not None else 0
+            outcome.paused_windows = remote.paused_windows if remote is not None else 0
+            outcome.network_s = verifier.times.network_s + (remote.times.network_s if remote else 0.0)
             if pipeline is not None:
                 pipeline.close()
             verifier.release()
-            if drafter is not None:
-                drafter.release()
+            if remote is not None:
+                remote.release()
 
     def _open_drafter(self, prepared: PreparedRequest, timeout: float) -> RemoteDrafter | None:
         if prepared.spec.num_speculative_tokens <= 0 or self._describe_drafters() is None:
             return None
         step_cost = NgramDrafter.step_cost if self.drafter_info.strategy == "ngram" else Drafter.step_cost
+        lookup_here = self.config.front_door_lookup and self.drafter_info.strategy == "draft-model"
         return RemoteDrafter(self.drafters, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
-                             timeout_s=timeout, step_cost=step_cost, paused=self._saturated)
+                             timeout_s=timeout, step_cost=step_cost, paused=self._saturated,
+                             caller_lookup=self.drafter_info.prompt_lookup if lookup_here else 0)
 
     def _saturated(self) -> bool:
         limit = self.config.speculation_off_above

@@ -52,6 +52,9 @@ class Drafter(ABC):
     name: str = "drafter"
     # one drafted token's cost over one target step: adaptive K weighs drafting with it
     step_cost: float = DRAFT_MODEL_STEP_COST
+    # the ids it proposes from, where it keeps to a sub-vocabulary (early-exit hints are then
+    # scored over them); None = the whole vocabulary
+    vocab_ids: torch.Tensor | None = None
 
     @abstractmethod
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, seed: int) -> Proposal: ...

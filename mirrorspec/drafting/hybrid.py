@@ -17,15 +17,17 @@ from collections.abc import Sequence
 
 from mirrorspec.config import SamplingParams
 from mirrorspec.drafting.base import Drafter, Proposal
-from mirrorspec.drafting.draft_model import DraftModelDrafter
 from mirrorspec.drafting.ngram import NgramDrafter
 from mirrorspec.sampling import ProposalRows
 
 
 class HybridDrafter(Drafter):
+    """``model`` drafts where lookup finds nothing: a ``DraftModelDrafter`` in process, or a draft
+    model behind gRPC (the orchestrator looks up on its own token log, ``orchestrator.lookup``)."""
+
     name = "hybrid"
 
-    def __init__(self, model: DraftModelDrafter, min_match: int = 2, max_match: int = 3):
+    def __init__(self, model: Drafter, min_match: int = 2, max_match: int = 3):
         self.model = model
         # a one-token match is found almost anywhere and predicts little: ask for more
         self.lookup = NgramDrafter(max_ngram=max(max_match, min_match), min_ngram=min_match)

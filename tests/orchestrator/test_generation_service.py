@@ -85,6 +85,53 @@ def test_a_drafter_with_prompt_lookup_looks_up_and_stays_identical_to_target_onl
         hybrid.stop()
 
 
+def test_the_front_door_looks_up_itself_and_asks_the_drafter_only_where_lookup_finds_nothing(tiny_dir, monkeypatch):
+    """With a drafter pool that looks up (prompt_lookup 2), the orchestrator runs that lookup on its
+    own token log: the replica gets a Draft call exactly where the in-process HybridDrafter asks
+    its model, and the output, greedy or seeded, is the in-process hybrid's to the token."""
+    from drafter_service.servicer import DrafterServicer
+    from mirrorspec.drafting import DraftModelDrafter
+
+    counts = {"rpc": 0, "model": 0}
+    draft_rpc, model_propose = DrafterServicer.Draft, DraftModelDrafter.propose
+
+    async def counted_rpc(self, request, context):
+        counts["rpc"] += 1
+        return await draft_rpc(self, request, context)
+
+    def counted_propose(self, *args, **kwargs):
+        counts["model"] += 1
+        return model_propose(self, *args, **kwargs)
+
+    monkeypatch.setattr(DrafterServicer, "Draft", counted_rpc)
+    monkeypatch.setattr(DraftModelDrafter, "propose", counted_propose)
+    target, draft = load(tiny_dir["target16"]), load(tiny_dir["draft16"])
+    repeats = [0, 3, 5, 2, 6, 1, 3, 5, 2, 6, 1, 3, 5]  # lookup fills whole windows, and runs out
+    cases = [(repeats, {}), (repeats, {"temperature": 1.0, "seed": 4}), ([1, 4, 2], {"temperature": 0.8, "seed": 9})]
+    rpcs = {}
+    for front_door_lookup in (True, False):
+        s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], prompt_lookup=2, k=4,
+                        front_door_lookup=front_door_lookup)
+        try:
+            with Client(s.address) as client:
+                for prompt, sampling in cases:
+                    counts.update(rpc=0, model=0)
+                    params = SamplingParams(max_new_tokens=30, temperature=sampling.get("temperature", 0.0))
+                    expected = generate(target, draft, prompt, params, num_speculative_tokens=4,
+                                        seed=sampling.get("seed"), proposal_top_k=4, prompt_lookup=2)
+                    in_process_model_drafts = counts["model"]
+                    counts.update(rpc=0, model=0)
+                    served = client.generate(prompt, max_tokens=30, **sampling)
+                    assert served.token_ids == expected.token_ids
+                    assert counts["model"] == in_process_model_drafts  # the same drafts, wherever looked up
+                    if front_door_lookup:  # a call only where the model drafts
+                        assert counts["rpc"] == in_process_model_drafts < served.stats.windows
+                    rpcs[front_door_lookup] = rpcs.get(front_door_lookup, 0) + counts["rpc"]
+        finally:
+            s.stop()
+    assert rpcs[True] < rpcs[False]
+
+
 def test_a_drafter_that_predates_rank_tokens_still_drafts_mirror_requests(tiny_dir, monkeypatch):
     """A replica without RankTokens answers UNIMPLEMENTED: looked-up windows then go without
     guesses, and the request keeps its drafter (no fallback to target-only)."""

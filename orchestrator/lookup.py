@@ -1,0 +1,44 @@
+"""Prompt lookup at the front door, where the token log is.
+
+A draft-model replica with prompt lookup (``DrafterInfo.prompt_lookup``) looks up first and lets
+its model draft only where the context does not repeat itself. Lookup reads nothing but the
+context, and the orchestrator holds the authoritative context of every request, so it finds the
+very matches the replica would. Run here, a looked-up window costs no drafter call at all: over
+gRPC that call is a round trip after an idle pause on each side, about as long as the lookup
+window's whole drafting saves in the first place on a loaded machine. The replica's session is
+opened without its own lookup (``caller_looks_up``), drafts only where lookup found nothing, and
+catches up on the skipped tokens at its next call (commit-then-draft sends everything since).
+
+Same output: this is ``HybridDrafter`` with the remote drafter as its model, the composition the
+replica itself runs in process, so every position is drafted by the same source from the same
+context, and each q row is what its token was drawn from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mirrorspec.config import SamplingParams
+from mirrorspec.drafting import HybridDrafter, Proposal
+from orchestrator.remote import RemoteDrafter
+
+
+class FrontDoorLookup(HybridDrafter):
+    """Lookup here, the replica's draft model behind it; it drafts nothing, looked up or not,
+    where the remote drafter would not (after a drafter failure, or while speculation is paused)."""
+
+    name = "front-door-lookup"
+
+    def __init__(self, remote: RemoteDrafter, min_match: int):
+        super().__init__(remote, min_match=min_match)
+        self.remote = remote
+
+    def propose(self, context: Sequence[int], k: int, params: SamplingParams, seed: int) -> Proposal:
+        if not self.remote.drafting(k):
+            return Proposal.empty()
+        return super().propose(context, k, params, seed)
+
+
+def front_door_drafter(remote: RemoteDrafter | None) -> FrontDoorLookup | RemoteDrafter | None:
+    """The request's drafter: lookup here in front of ``remote`` where it leaves lookup to us."""
+    return FrontDoorLookup(remote, remote.caller_lookup) if remote is not None and remote.caller_lookup else remote
