@@ -198,9 +198,19 @@ def served_draft(target: LoadedModel, drafts: Drafts, ids: list[int], params: Sa
 @register_mode("served-hybrid", uses_k=True, needs_draft_model=True)
 def served_hybrid(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
                   k: int, seed: int) -> RunOutput:
-    """mirrorspec over gRPC on loopback, the drafter server doing prompt lookup before its draft model."""
+    """mirrorspec over gRPC on loopback, prompt lookup before the draft model (what the servers run):
+    the front door looks up on its token log and calls the drafter server only where lookup fails."""
     return _served(drafts.services.client(target, drafts.model, drafts.server_source, DEFAULT_PROMPT_LOOKUP),
                    ids, params, k, seed)
+
+
+@register_mode("served-hybrid-drafter-lookup", uses_k=True, needs_draft_model=True)
+def served_hybrid_drafter_lookup(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
+                                 k: int, seed: int) -> RunOutput:
+    """served-hybrid with the lookup left to the drafter server (front_door_lookup=False): a
+    drafter call every window, looked up or not."""
+    return _served(drafts.services.client(target, drafts.model, drafts.server_source, DEFAULT_PROMPT_LOOKUP,
+                                          front_door_lookup=False), ids, params, k, seed)
 
 
 def _hf_generate(target: LoadedModel, ids: list[int], params: SamplingParams, seed: int,
