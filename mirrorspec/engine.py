@@ -196,20 +196,23 @@ def decode_windows(
     seed: int,
     stats: GenerationStats,
     mirror: MirrorPipeline | None = None,
+    drafted_ahead: tuple[int, Proposal] | None = None,
 ) -> Iterator[WindowEvent]:
     """The speculative loop. ``drafter=None`` or K=0 is exactly target-only decoding.
 
     With ``mirror``, each verify overlaps the drafting of branches for the next window; a
     branch whose key matches the verdict replaces the fresh draft (same proposal, earlier).
+    ``drafted_ahead`` = (k, the drafter's proposal after ``prompt`` for that k), drafted while the
+    target prefilled: the first window takes it if it asks for that k (``first_window_k``), as
+    a mirror branch is taken by its key: it is the very proposal a fresh draft would make.
     """
     context = list(prompt)
     produced = 0
     stop = set(params.stop_token_ids)
-    policy = (AdaptiveK(spec.adaptive, spec.num_speculative_tokens, drafter.step_cost)
-              if spec.adaptive and drafter else None)
+    policy = window_policy(spec, drafter)
 
     def capped(k: int, produced_so_far: int) -> int:
-        return min(k, params.max_new_tokens - produced_so_far - 1) if drafter else 0
+        return capped_k(k, params, produced_so_far) if drafter else 0
 
     def k_after(num_drafted: int) -> Callable[[int, int], int]:
         """K of the next window after a verdict of n accepted (m tokens committed)."""
@@ -224,6 +227,9 @@ def decode_windows(
         stats.branch_hits += proposal is not None
         if prefetch is not None and prefetch.branches:
             mirror.observe_hit(proposal is not None)
+        if drafted_ahead is not None:  # the first window only
+            proposal = drafted_ahead[1] if drafted_ahead[0] == k else None
+            drafted_ahead = None
         if proposal is None:
             started = time.perf_counter()
             proposal = drafter.propose(context, k, params, seed) if k > 0 else Proposal.empty()
@@ -267,6 +273,23 @@ def decode_windows(
         yield WindowEvent(tokens, len(proposal), verdict.num_accepted, verdict.next_kind, finish)
         if finish:
             return
+
+
+def window_policy(spec: SpeculationConfig, drafter: Drafter | None) -> AdaptiveK | None:
+    """The request's adaptive-K state, or None for a fixed K."""
+    return AdaptiveK(spec.adaptive, spec.num_speculative_tokens, drafter.step_cost) if spec.adaptive and drafter else None
+
+
+def capped_k(k: int, params: SamplingParams, produced: int) -> int:
+    """No drafts past the request's last token: the window's own next token is its last."""
+    return min(k, params.max_new_tokens - produced - 1)
+
+
+def first_window_k(spec: SpeculationConfig, params: SamplingParams, drafter: Drafter) -> int:
+    """The K ``decode_windows`` asks of ``drafter`` for the first window, so a caller can draft it
+    ahead, while the target prefills (``drafted_ahead``)."""
+    policy = window_policy(spec, drafter)
+    return capped_k(policy.next_k() if policy else spec.num_speculative_tokens, params, 0)
 
 
 def validate_prompt(input_ids: Sequence[int], vocab_size: int, max_context: int, params: SamplingParams,

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from mirrorspec.config import AdaptiveKConfig, InvalidRequest, MirrorConfig, SamplingParams, SpeculationConfig
-from mirrorspec.drafting import Drafter, NgramDrafter
-from mirrorspec.engine import GenerationStats, decode_windows, validate_prompt
+from mirrorspec.drafting import Drafter, NgramDrafter, Proposal
+from mirrorspec.engine import GenerationStats, decode_windows, first_window_k, validate_prompt
 from mirrorspec.mirror import MirrorPipeline
 from mirrorspec.models import encode_chat, encode_prompt
 from mirrorspec.models.detokenize import IncrementalDetokenizer
@@ -96,6 +96,13 @@ class RequestOutcome:
     network_s: float = 0.0
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+
+
+@dataclass(frozen=True)
+class OpenedDrafter:
+    remote: RemoteDrafter  # the pool session: its failure, moves, pauses and call times
+    drafter: Drafter  # what the window loop drafts with: lookup here in front of ``remote``, or it alone
+    drafted_ahead: tuple[int, Proposal] | None  # (k, the first window), drafted while the target prefilled
 
 
 _DONE = object()
@@ -226,7 +233,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                cancelled: threading.Event, emit) -> None:
         if prepared.timeline:
             outcome.stats.timeline = []
-        # both sessions prefill the prompt: the drafter's prefill runs while the target's does
+        # the drafter opens its session and drafts the first window while the target prefills
         drafting = self._openers.submit(self._open_drafter, prepared, timeout)
         try:
             verifier = RemoteVerifier(self.targets, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
@@ -234,17 +241,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                                       replacement_wait_s=min(timeout, self.config.replacement_wait_s),
                                       gives_hints=self.target_info.hint_layer > 0)
         except BaseException:
-            if (remote := drafting.result()) is not None:
-                remote.release()
+            if (opened := drafting.result()) is not None:
+                opened.remote.release()
             raise
-        remote = drafting.result()
-        drafter = front_door_drafter(remote)
+        opened = drafting.result()
+        remote, drafter = (opened.remote, opened.drafter) if opened is not None else (None, None)
         stop_check = _StopStrings(self.tokenizer, prepared.stop_strings) if prepared.stop_strings else None
         # the verify RPC runs in the pipeline's thread while this one sends the branches' Draft RPCs
         pipeline = MirrorPipeline(prepared.mirror) if prepared.mirror is not None and drafter is not None else None
         try:
             for event in decode_windows(drafter, verifier, prepared.prompt, prepared.params, prepared.spec,
-                                        prepared.seed, outcome.stats, pipeline):
+                                        prepared.seed, outcome.stats, pipeline,
+                                        opened.drafted_ahead if opened is not None else None):
                 if cancelled.is_set():
                     outcome.finish_reason = "cancelled"
                     return
@@ -270,14 +278,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if remote is not None:
                 remote.release()
 
-    def _open_drafter(self, prepared: PreparedRequest, timeout: float) -> RemoteDrafter | None:
+    def _open_drafter(self, prepared: PreparedRequest, timeout: float) -> OpenedDrafter | None:
+        """The request's drafter session, and its first window drafted ahead: this runs while the
+        target prefills the prompt, which takes far longer than the drafter's prefill and first
+        draft together, so the first Verify can go out as soon as the prefill is done."""
         if prepared.spec.num_speculative_tokens <= 0 or self._describe_drafters() is None:
             return None
         step_cost = NgramDrafter.step_cost if self.drafter_info.strategy == "ngram" else Drafter.step_cost
         lookup_here = self.config.front_door_lookup and self.drafter_info.strategy == "draft-model"
-        return RemoteDrafter(self.drafters, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
-                             timeout_s=timeout, step_cost=step_cost, paused=self._saturated,
-                             caller_lookup=self.drafter_info.prompt_lookup if lookup_here else 0)
+        remote = RemoteDrafter(self.drafters, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
+                               timeout_s=timeout, step_cost=step_cost, paused=self._saturated,
+                               caller_lookup=self.drafter_info.prompt_lookup if lookup_here else 0)
+        drafter = front_door_drafter(remote)
+        k = first_window_k(prepared.spec, prepared.params, drafter)
+        ahead = (k, drafter.propose(prepared.prompt, k, prepared.params, prepared.seed)) if k > 0 else None
+        return OpenedDrafter(remote, drafter, ahead)
 
     def _saturated(self) -> bool:
         limit = self.config.speculation_off_above

@@ -62,6 +62,40 @@ def test_seeded_runs_reproduce_and_k0_equals_target_only(tiny_target, tiny_draft
             == generate(tiny_target, None, [0, 4], params, seed=7).token_ids)
 
 
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive-k"])
+def test_a_first_window_drafted_ahead_is_taken_only_for_the_k_the_loop_asks(tiny_target, tiny_draft, adaptive):
+    """The front door drafts the first window while the target prefills: the loop takes it when
+    it asks for that k (then the drafter is not asked again for it), and drafts afresh otherwise;
+    a seeded sample is the same either way."""
+    from mirrorspec.config import AdaptiveKConfig, SpeculationConfig
+    from mirrorspec.engine import GenerationStats, TargetVerifier, decode_windows, first_window_k
+    from mirrorspec.models.session import KVSession
+
+    class Counting(DraftModelDrafter):
+        calls = 0
+
+        def propose(self, context, k, params, seed):
+            self.calls += 1
+            return super().propose(context, k, params, seed)
+
+    prompt, params, seed = [1, 4, 2, 6], SamplingParams(temperature=1.0, max_new_tokens=12), 5
+    spec = SpeculationConfig(num_speculative_tokens=3, adaptive=AdaptiveKConfig() if adaptive else None)
+
+    def run(drafted_ahead=None):
+        drafter = Counting(tiny_draft, proposal_top_k=3)
+        events = decode_windows(drafter, TargetVerifier(KVSession(tiny_target)), prompt, params, spec, seed,
+                                GenerationStats(), drafted_ahead=drafted_ahead)
+        return [t for e in events for t in e.tokens], drafter.calls
+
+    fresh, calls = run()
+    k = first_window_k(spec, params, Counting(tiny_draft))  # the loop's own first k, or the taking below fails
+    assert k == 3 or adaptive and k >= 2
+    ahead = Counting(tiny_draft, proposal_top_k=3).propose(prompt, k, params, seed)
+    assert run((k, ahead)) == (fresh, calls - 1)  # taken: the same tokens, one draft fewer
+    other = Counting(tiny_draft, proposal_top_k=3).propose(prompt, k - 1, params, seed)
+    assert run((k - 1, other)) == (fresh, calls)  # another k: drafted afresh
+
+
 def test_statistics_add_up(tiny_target, tiny_draft):
     result = generate(tiny_target, tiny_draft, [0, 2, 6], SamplingParams(temperature=0.8, max_new_tokens=40),
                       num_speculative_tokens=4, seed=1)

@@ -132,6 +132,44 @@ def test_the_front_door_looks_up_itself_and_asks_the_drafter_only_where_lookup_f
     assert rpcs[True] < rpcs[False]
 
 
+def test_the_first_window_is_drafted_while_the_target_prefills(tiny_dir, monkeypatch):
+    """The front door drafts window 1 during the target's OpenSession (a prefill far longer than
+    the drafter's): its Draft call is over before the prefill is, and the output is unchanged."""
+    from drafter_service.servicer import DrafterServicer
+    from target_service.servicer import TargetServicer
+
+    events = []
+    open_target, draft_rpc = TargetServicer.OpenSession, DrafterServicer.Draft
+
+    async def slow_prefill(self, request, context):
+        await asyncio.sleep(0.5)  # a long prompt on a big target
+        response = await open_target(self, request, context)
+        events.append(("target opened", time.perf_counter()))
+        return response
+
+    async def timed_draft(self, request, context):
+        response = await draft_rpc(self, request, context)
+        events.append(("drafted", time.perf_counter()))
+        return response
+
+    monkeypatch.setattr(TargetServicer, "OpenSession", slow_prefill)
+    monkeypatch.setattr(DrafterServicer, "Draft", timed_draft)
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3)
+    try:
+        with Client(s.address) as client:
+            for sampling in ({}, {"temperature": 1.0, "seed": 2}):
+                events.clear()
+                served = client.generate([2, 9, 4], max_tokens=12, **sampling)
+                expected = generate(load(tiny_dir["target16"]), load(tiny_dir["draft16"]), [2, 9, 4], SamplingParams(
+                    max_new_tokens=12, temperature=sampling.get("temperature", 0.0)), num_speculative_tokens=3,
+                    seed=sampling.get("seed"), proposal_top_k=4)
+                assert served.token_ids == expected.token_ids
+                assert [what for what, _ in events[:2]] == ["drafted", "target opened"]
+                assert served.stats.drafted == expected.stats.drafted  # window 1's drafts were verified
+    finally:
+        s.stop()
+
+
 def test_a_drafter_that_predates_rank_tokens_still_drafts_mirror_requests(tiny_dir, monkeypatch):
     """A replica without RankTokens answers UNIMPLEMENTED: looked-up windows then go without
     guesses, and the request keeps its drafter (no fallback to target-only)."""
