@@ -3,11 +3,12 @@
 A draft-model replica with prompt lookup (``DrafterInfo.prompt_lookup``) looks up first and lets
 its model draft only where the context does not repeat itself. Lookup reads nothing but the
 context, and the orchestrator holds the authoritative context of every request, so it finds the
-very matches the replica would. Run here, a looked-up window costs no drafter call at all: over
-gRPC that call is a round trip after an idle pause on each side, about as long as the lookup
-window's whole drafting saves in the first place on a loaded machine. The replica's session is
-opened without its own lookup (``caller_looks_up``), drafts only where lookup found nothing, and
-catches up on the skipped tokens at its next call (commit-then-draft sends everything since).
+very matches the replica would. Run here, a looked-up window costs no drafter call at all, and
+the replica's compute lane (one per replica, shared by all its sessions) serves only the windows
+that need its model: on the benchmark prompts, greedy at K=4, that is 50% fewer drafter calls on
+code edits, 26% on HumanEval, 8% on MT-Bench. The replica's session is opened without its own
+lookup (``caller_looks_up``), drafts only where lookup found nothing, and catches up on the
+skipped tokens at its next call (commit-then-draft sends everything since).
 
 Same output: this is ``HybridDrafter`` with the remote drafter as its model, the composition the
 replica itself runs in process, so every position is drafted by the same source from the same
