@@ -17,11 +17,15 @@ parser.add_argument("--mirror", action="store_true",
                     help="by default, draft the next window while the target verifies (requests may override)")
 parser.add_argument("--speculation-off-above", type=int, default=None, metavar="N",
                     help="stop drafting while more than N requests are in flight (saturated targets; like vLLM's speculative_disable_by_batch_size)")
+parser.add_argument("--no-front-door-lookup", action="store_true",
+                    help="leave the drafters' prompt lookup to them (default: run it here, on the token log, "
+                         "and call a drafter only where lookup finds nothing)")
 parser.add_argument("--metrics-port", type=int, default=None)
 args = parser.parse_args()
 config = OrchestratorConfig(target=args.target, drafter=args.drafter, host=args.host, port=args.port,
                             num_speculative_tokens=args.k, metrics_port=args.metrics_port,
                             adaptive=AdaptiveKConfig() if args.adaptive else None,
                             mirror=MirrorConfig() if args.mirror else None,
-                            speculation_off_above=args.speculation_off_above)
+                            speculation_off_above=args.speculation_off_above,
+                            front_door_lookup=not args.no_front_door_lookup)
 run_until_terminated(lambda: serve(config), "orchestrator")
