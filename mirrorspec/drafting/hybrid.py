@@ -46,10 +46,14 @@ class HybridDrafter(Drafter):
 
     def propose_branches(self, head: Sequence[int], next_tokens: Sequence[int], k: int, params: SamplingParams,
                          seed: int) -> list[Proposal]:
-        """The model's batched branches unless some branch's context repeats itself."""
-        if any(self.lookup.lookup([*head, c], 1) for c in next_tokens):
-            return super().propose_branches(head, next_tokens, k, params, seed)
-        return self.model.propose_branches(head, next_tokens, k, params, seed)
+        """Branches whose context repeats itself are looked up one by one (and topped up by the
+        model where the match runs out); the model drafts all the others together, in one batched
+        forward per step (over gRPC: one DraftBranches call). Each is ``propose`` on its context."""
+        repeats = [bool(k > 0 and self.lookup.lookup([*head, c], 1)) for c in next_tokens]
+        drafted = [c for c, repeat in zip(next_tokens, repeats) if not repeat]
+        batch = iter(self.model.propose_branches(head, drafted, k, params, seed) if drafted else ())
+        return [self.propose([*head, c], k, params, seed) if repeat else next(batch)
+                for c, repeat in zip(next_tokens, repeats)]
 
     def alternatives_for(self, context: Sequence[int], tokens: Sequence[int]) -> tuple[tuple[int, ...], ...]:
         """The model's view of looked-up tokens: where the target rejects one, its token is likelier
