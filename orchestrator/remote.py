@@ -197,8 +197,9 @@ class RemoteDrafter(Drafter):
         return self._guard(lambda: self._draft(head, k, list(next_tokens))) or none
 
     def drafting(self, k: int) -> bool:
-        """Whether a window of ``k`` gets drafts: not after a failure, nor while paused (a paused
-        window is counted here, once per window)."""
+        """Whether a call for ``k`` drafts gets any: not after a failure, nor while paused. Each
+        refused call while paused is counted: once per window when drafting serially, once per
+        branch group in mirror mode."""
         if self.failure is not None or k <= 0:
             return False
         if self.paused is not None and self.paused():
