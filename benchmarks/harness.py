@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from mirrorspec import GenerationStats, SamplingParams, generate
-from mirrorspec.config import DEFAULT_PROMPT_LOOKUP
+from mirrorspec.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_PROMPT_LOOKUP
 from mirrorspec.drafting import NgramDrafter
 from mirrorspec.models.loading import LoadedModel, encode_prompt
 
@@ -88,10 +88,11 @@ def register_mode(name: str, *, uses_k: bool, needs_draft_model: bool = False,
 # --------------------------------------------------------------------------------------- modes
 
 def _mirrorspec(target: LoadedModel, draft: Any, ids: list[int], params: SamplingParams,
-                k: int, seed: int, adaptive: bool = False, mirror: bool = False, prompt_lookup: int = 0) -> RunOutput:
+                k: int, seed: int, adaptive: bool = False, mirror: bool = False, prompt_lookup: int = 0,
+                draft_confidence: float = 0.0) -> RunOutput:
     started = time.perf_counter()
     result = generate(target.model, draft, ids, params, num_speculative_tokens=k, seed=seed, adaptive=adaptive,
-                      mirror=mirror, prompt_lookup=prompt_lookup)
+                      mirror=mirror, prompt_lookup=prompt_lookup, draft_confidence=draft_confidence)
     return RunOutput(result.token_ids, time.perf_counter() - started, result.finish_reason, result.stats)
 
 
@@ -128,6 +129,22 @@ def mirrorspec_hybrid(target: LoadedModel, drafts: Drafts, ids: list[int], param
     What the serving entry points run with a draft model (``--prompt-lookup``, default 2).
     """
     return _mirrorspec(target, drafts.model, ids, params, k, seed, prompt_lookup=DEFAULT_PROMPT_LOOKUP)
+
+
+@register_mode("mirrorspec-draft-confident", uses_k=True, needs_draft_model=True)
+def mirrorspec_draft_confident(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
+                               k: int, seed: int) -> RunOutput:
+    """mirrorspec with the draft model, each window ending after the draft's first unsure token
+    (``--draft-confidence``, default 0.3)."""
+    return _mirrorspec(target, drafts.model, ids, params, k, seed, draft_confidence=DEFAULT_DRAFT_CONFIDENCE)
+
+
+@register_mode("mirrorspec-hybrid-confident", uses_k=True, needs_draft_model=True)
+def mirrorspec_hybrid_confident(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
+                                k: int, seed: int) -> RunOutput:
+    """mirrorspec-hybrid with the draft model's windows ending after its first unsure token."""
+    return _mirrorspec(target, drafts.model, ids, params, k, seed, prompt_lookup=DEFAULT_PROMPT_LOOKUP,
+                       draft_confidence=DEFAULT_DRAFT_CONFIDENCE)
 
 
 @register_mode("mirrorspec-hybrid-adaptive", uses_k=True, needs_draft_model=True)

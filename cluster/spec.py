@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mirrorspec.config import AdaptiveKConfig, InvalidRequest, MirrorConfig, check_prompt_lookup
+from mirrorspec.config import (
+    AdaptiveKConfig,
+    InvalidRequest,
+    MirrorConfig,
+    check_draft_confidence,
+    check_prompt_lookup,
+)
 
 POOLS = ("drafter", "target")
 CONTROLLER_NAMESPACE = "mirrorspec"
@@ -38,6 +44,7 @@ class StackSpec:
     speculation_off_above: int | None = None  # the front door stops drafting past this many requests
     proposal_top_k: int = 32
     prompt_lookup: int = 0  # draft-model replicas: prompt lookup drafts first on matches this long
+    draft_confidence: float = 0.0  # draft-model replicas: a window ends after the model's first token below this
     max_sessions: int = 64
     host: str = "127.0.0.1"  # the front door
     port: int = 50051
@@ -58,6 +65,7 @@ class StackSpec:
             raise InvalidRequest("early-exit hints need unsharded targets: use tp=1 or drop the hint layer",
                                  field="hint_layer")
         check_prompt_lookup(self.prompt_lookup)
+        check_draft_confidence(self.draft_confidence)
         if self.threads < 1:
             raise InvalidRequest(f"threads must be >= 1, got {self.threads}", field="threads")
 

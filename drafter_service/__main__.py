@@ -3,7 +3,7 @@
 import argparse
 
 from drafter_service.servicer import DrafterConfig, serve
-from mirrorspec.config import DEFAULT_PROMPT_LOOKUP, InvalidRequest
+from mirrorspec.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_PROMPT_LOOKUP, InvalidRequest
 from mirrorspec.serving.placement import add_placement_args, apply_placement
 from mirrorspec.serving.server import run_until_terminated
 
@@ -19,13 +19,16 @@ parser.add_argument("--proposal-top-k", type=int, default=32)
 parser.add_argument("--prompt-lookup", type=int, default=DEFAULT_PROMPT_LOOKUP, metavar="N",
                     help="strategy draft-model: prompt lookup drafts first wherever the context's last N tokens "
                          "occurred before (0 = the model alone)")
+parser.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE, metavar="P",
+                    help="strategy draft-model: a window ends after the first token the model gives less than "
+                         "probability P (0 = always draft K)")
 add_placement_args(parser)
 args = parser.parse_args()
 apply_placement(parser, args)
 try:
     config = DrafterConfig(strategy=args.strategy, model=args.model, host=args.host, port=args.port, dtype=args.dtype,
                            device=args.device, max_sessions=args.max_sessions, proposal_top_k=args.proposal_top_k,
-                           prompt_lookup=args.prompt_lookup)
+                           prompt_lookup=args.prompt_lookup, draft_confidence=args.draft_confidence)
 except InvalidRequest as err:
     parser.error(f"--{(err.field or 'strategy').replace('_', '-')}: {err}")
 run_until_terminated(lambda: serve(config), "drafter_service")

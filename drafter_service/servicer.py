@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 
-from mirrorspec.config import InvalidRequest, OutOfRange, ReplicaConfig, check_prompt_lookup
+from mirrorspec.config import InvalidRequest, OutOfRange, ReplicaConfig, check_draft_confidence, check_prompt_lookup
 from mirrorspec.drafting import Drafter, NgramDrafter
 from mirrorspec.engine import make_drafter, validate_prompt
 from mirrorspec.models import LoadedModel, load_causal_lm
@@ -25,9 +25,11 @@ class DrafterConfig(ReplicaConfig):
     strategy: str = "ngram"  # "ngram" | "draft-model" (then `model` names the draft model)
     proposal_top_k: int = 32  # sparse q by default: a few KB per window instead of MBs
     prompt_lookup: int = 0  # draft-model: prompt lookup drafts first on matches this long (HybridDrafter)
+    draft_confidence: float = 0.0  # draft-model: a window ends after the model's first token below this
 
     def __post_init__(self) -> None:
         check_prompt_lookup(self.prompt_lookup)
+        check_draft_confidence(self.draft_confidence)
         if self.strategy not in ("ngram", "draft-model"):
             raise InvalidRequest(f"drafter strategy must be 'ngram' or 'draft-model', got {self.strategy!r}",
                                  field="strategy")
@@ -72,7 +74,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         if self.loaded is None:
             return NgramDrafter()
         lookup = 0 if caller_looks_up else self.config.prompt_lookup
-        return make_drafter(self.loaded.model, self.config.proposal_top_k, lookup)
+        return make_drafter(self.loaded.model, self.config.proposal_top_k, lookup, self.config.draft_confidence)
 
     async def Draft(self, request, context):
         session = self.sessions.get(request.session_id)

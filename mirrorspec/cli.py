@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mirrorspec.config import (
+    DEFAULT_DRAFT_CONFIDENCE,
     DEFAULT_PROMPT_LOOKUP,
     AdaptiveKConfig,
     InvalidRequest,
@@ -35,6 +36,10 @@ if TYPE_CHECKING:  # the services are imported when used, so `mirrorspec --help`
 PROMPT_LOOKUP_HELP = ("with a draft model: prompt lookup drafts first wherever the context's last N tokens "
                       "occurred before, the model drafts the rest (exact either way; 0 = the model alone)")
 
+DRAFT_CONFIDENCE_HELP = ("with a draft model: a window ends after the first token the model gives less than "
+                         "probability P, the drafts after it being likely rejections (exact either way; "
+                         "0 = always draft K)")
+
 DRAFT_HELP = ("draft: 'auto' (the demo draft for the demo target, else 'ngram'), 'demo-draft', 'ngram' "
               "(prompt lookup), a model path / hub id sharing the target's tokenizer, or 'none'")
 
@@ -47,6 +52,7 @@ FLAG_FOR_FIELD = {
     "num_speculative_tokens": "--k",
     "proposal_top_k": "--proposal-top-k",
     "prompt_lookup": "--prompt-lookup",
+    "draft_confidence": "--draft-confidence",
     "prompt": "PROMPT",
     "input_ids": "PROMPT",
     "model": "--target",
@@ -95,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-lookup", type=int, default=None, metavar="N",
                      help=f"with --local: {PROMPT_LOOKUP_HELP} (default {DEFAULT_PROMPT_LOOKUP}; a server's drafters "
                           "are set with `mirrorspec serve --prompt-lookup`)")
+    gen.add_argument("--draft-confidence", type=float, default=None, metavar="P",
+                     help=f"with --local: {DRAFT_CONFIDENCE_HELP} (default {DEFAULT_DRAFT_CONFIDENCE}; a server's "
+                          "drafters are set with `mirrorspec serve --draft-confidence`)")
     gen.add_argument("--no-speculate", action="store_true", help="target-only decoding (the baseline)")
     gen.add_argument("--adaptive", action="store_true",
                      help="with --local: choose K per window in [0, --k] from acceptance (off where it does not pay)")
@@ -148,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "draft's, if it declares one; full: the whole vocabulary)")
     srv.add_argument("--proposal-top-k", type=int, default=32, help="sparse q width for draft models (0 = dense)")
     srv.add_argument("--prompt-lookup", type=int, default=DEFAULT_PROMPT_LOOKUP, metavar="N", help=PROMPT_LOOKUP_HELP)
+    srv.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE, metavar="P",
+                     help=DRAFT_CONFIDENCE_HELP)
     srv.add_argument("--max-sessions", type=int, default=64, help="sessions per replica")
     srv.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     srv.add_argument("--threads", type=int, default=None,
@@ -229,9 +240,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.prompt_lookup is not None and not args.local:
         raise InvalidRequest("is set on the server's drafters (`mirrorspec serve --prompt-lookup N`); here it "
                              "needs --local", field="prompt_lookup")
+    if args.draft_confidence is not None and not args.local:
+        raise InvalidRequest("is set on the server's drafters (`mirrorspec serve --draft-confidence P`); here it "
+                             "needs --local", field="draft_confidence")
     args.prompt_lookup = DEFAULT_PROMPT_LOOKUP if args.prompt_lookup is None else args.prompt_lookup
+    args.draft_confidence = DEFAULT_DRAFT_CONFIDENCE if args.draft_confidence is None else args.draft_confidence
     SpeculationConfig(num_speculative_tokens=args.k, proposal_top_k=args.proposal_top_k,
-                      prompt_lookup=args.prompt_lookup)
+                      prompt_lookup=args.prompt_lookup, draft_confidence=args.draft_confidence)
     check_threads(args.threads)
     if args.hint_layer is not None and not (args.local and args.mirror):
         raise InvalidRequest("needs --local and --mirror (a server's targets send hints if they were started "
@@ -253,7 +268,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     printer = None if args.json else _StreamPrinter(target.tokenizer)
     result = generate(target.model, draft, ids, params, num_speculative_tokens=0 if draft is None else args.k,
                       seed=args.seed, proposal_top_k=args.proposal_top_k, prompt_lookup=args.prompt_lookup,
-                      adaptive=args.adaptive,
+                      draft_confidence=args.draft_confidence, adaptive=args.adaptive,
                       mirror=args.mirror, hint_layer=args.hint_layer, on_tokens=printer.push if printer else None)
     text = target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     if args.json:
@@ -361,7 +376,7 @@ def start_local_stack(target: TargetConfig, drafter: DrafterConfig | None, *, ta
 def cmd_serve(args: argparse.Namespace) -> int:
     check_threads(args.threads)
     SpeculationConfig(num_speculative_tokens=args.k, proposal_top_k=args.proposal_top_k,
-                      prompt_lookup=args.prompt_lookup)
+                      prompt_lookup=args.prompt_lookup, draft_confidence=args.draft_confidence)
     args.hint_vocab = _hint_vocab(args.hint_vocab, args.hint_layer, resolve_draft(args.draft, args.target))
     if args.in_process:
         return _serve_in_process(args)
@@ -402,6 +417,7 @@ def _stack_spec(args: argparse.Namespace, target_gpus: float):
                      hint_vocab=args.hint_vocab,
                      speculation_off_above=args.speculation_off_above,
                      proposal_top_k=args.proposal_top_k, prompt_lookup=args.prompt_lookup,
+                     draft_confidence=args.draft_confidence,
                      max_sessions=args.max_sessions, host=args.host, port=args.port, name=args.name,
                      metrics_port=args.metrics_port)
 
@@ -468,7 +484,7 @@ def _serve_in_process(args: argparse.Namespace) -> int:
     if args.draft != "none":
         drafter = DrafterConfig.for_draft(args.draft, dtype=args.dtype, device=args.device,
                                           max_sessions=args.max_sessions, proposal_top_k=args.proposal_top_k,
-                                          prompt_lookup=args.prompt_lookup)
+                                          prompt_lookup=args.prompt_lookup, draft_confidence=args.draft_confidence)
     stack = start_local_stack(TargetConfig(model=target.source, max_sessions=args.max_sessions,
                                            hint_layer=args.hint_layer,
                                            hint_vocab=args.hint_vocab),

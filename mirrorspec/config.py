@@ -142,6 +142,8 @@ class SpeculationConfig:
     # > 0: a draft model's window starts with prompt lookup where the context's last
     # ``prompt_lookup`` tokens occurred before (``HybridDrafter``); 0: the draft model alone
     prompt_lookup: int = 0
+    # > 0: a draft model's window ends after the first token it gives less than this probability
+    draft_confidence: float = 0.0
     # None: K is fixed; otherwise K varies per window in [0, num_speculative_tokens]
     adaptive: AdaptiveKConfig | None = None
 
@@ -161,12 +163,26 @@ class SpeculationConfig:
             raise InvalidRequest(f"proposal_top_k must be >= 0 (0 = dense q), got {self.proposal_top_k}",
                                  field="proposal_top_k")
         check_prompt_lookup(self.prompt_lookup)
+        check_draft_confidence(self.draft_confidence)
 
 
 MAX_PROMPT_LOOKUP = 8
 # What the serving entry points use with a draft model: the best of 1-3 measured on the demo pair
 # (benchmark modes mirrorspec-hybrid / -draft / -ngram, side by side)
 DEFAULT_PROMPT_LOOKUP = 2
+
+
+# What the serving entry points use with a draft model: measured on the demo pair (benchmark modes
+# mirrorspec-hybrid-confident / mirrorspec-hybrid, side by side); transformers' default is 0.4
+DEFAULT_DRAFT_CONFIDENCE = 0.3
+
+
+def check_draft_confidence(threshold: float) -> None:
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold < 1.0:
+        raise InvalidRequest(f"draft_confidence must be a probability in [0, 1): a draft model's window ends after "
+                             f"the first token it gives less than this (0 = always draft K; "
+                             f"{DEFAULT_DRAFT_CONFIDENCE} is a good default), got {threshold!r}",
+                             field="draft_confidence")
 
 
 def check_prompt_lookup(min_match: int) -> None:

@@ -312,15 +312,16 @@ def validate_prompt(input_ids: Sequence[int], vocab_size: int, max_context: int,
 
 
 def make_drafter(draft: torch.nn.Module | Drafter | str | None, proposal_top_k: int = 0,
-                 prompt_lookup: int = 0) -> Drafter | None:
+                 prompt_lookup: int = 0, draft_confidence: float = 0.0) -> Drafter | None:
     """A drafter from what a user naturally has: an HF model, a strategy object, or a name.
-    ``prompt_lookup`` > 0 puts prompt lookup in front of a draft model (``HybridDrafter``)."""
+    ``prompt_lookup`` > 0 puts prompt lookup in front of a draft model (``HybridDrafter``);
+    ``draft_confidence`` > 0 ends a draft model's window after its first unsure token."""
     if draft is None or isinstance(draft, Drafter):
         return draft
     if draft == "ngram":
         return NgramDrafter()
     if isinstance(draft, torch.nn.Module):
-        drafter = DraftModelDrafter(draft, proposal_top_k=proposal_top_k)
+        drafter = DraftModelDrafter(draft, proposal_top_k=proposal_top_k, confidence=draft_confidence)
         return HybridDrafter(drafter, min_match=prompt_lookup) if prompt_lookup > 0 else drafter
     raise InvalidRequest(f"draft must be an HF causal LM, a Drafter, 'ngram' or None; got {draft!r}", field="draft")
 
@@ -335,6 +336,7 @@ def generate(
     seed: int | None = None,
     proposal_top_k: int = 0,
     prompt_lookup: int = 0,
+    draft_confidence: float = 0.0,
     adaptive: AdaptiveKConfig | bool | None = None,
     mirror: MirrorConfig | bool | None = None,
     hint_layer: int | None = None,
@@ -354,6 +356,8 @@ def generate(
         proposal_top_k: > 0 makes a draft model propose from a sparse top-k q (still exact).
         prompt_lookup: > 0 lets prompt lookup draft before a draft model wherever the context's last
             ``prompt_lookup`` tokens occurred earlier (the model drafts the rest; still exact).
+        draft_confidence: > 0 ends a draft model's window after the first token it gives less than
+            this probability (still exact: the window's length then depends on the context alone).
         adaptive: ``True`` (default costs) or an ``AdaptiveKConfig`` chooses K per window in
             [0, num_speculative_tokens] from the acceptance seen so far, switching speculation
             off where it does not pay; exactness is unaffected.
@@ -369,13 +373,14 @@ def generate(
     """
     params = params or SamplingParams()
     spec = SpeculationConfig(num_speculative_tokens=num_speculative_tokens, proposal_top_k=proposal_top_k,
-                             prompt_lookup=prompt_lookup, adaptive=AdaptiveKConfig() if adaptive is True else adaptive or None)
+                             prompt_lookup=prompt_lookup, draft_confidence=draft_confidence,
+                             adaptive=AdaptiveKConfig() if adaptive is True else adaptive or None)
     session = KVSession(target) if isinstance(target, torch.nn.Module) else target
     max_context = int(getattr(getattr(target, "config", None), "max_position_embeddings", 1 << 30))
     if isinstance(input_ids, torch.Tensor):
         input_ids = input_ids.reshape(-1).tolist()
     prompt = validate_prompt(input_ids, session.vocab_size, max_context, params)
-    drafter = make_drafter(draft, proposal_top_k, prompt_lookup)
+    drafter = make_drafter(draft, proposal_top_k, prompt_lookup, draft_confidence)
     seed = fresh_seed() if seed is None else int(seed)
     stats = GenerationStats()
     tokens: list[int] = []

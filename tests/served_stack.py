@@ -6,11 +6,13 @@ from target_service.servicer import TargetConfig
 
 
 def start_stack(target_dir, draft_dir=None, strategy="draft-model", proposal_top_k=4, k=3,
-                target_max_sessions=64, hint_layer=None, hint_vocab=None, prompt_lookup=0, **replicas) -> LocalStack:
+                target_max_sessions=64, hint_layer=None, hint_vocab=None, prompt_lookup=0, draft_confidence=0.0,
+                **replicas) -> LocalStack:
     drafter = None
     if strategy is not None:
         drafter = DrafterConfig(strategy=strategy, model=str(draft_dir) if draft_dir else None,
-                                proposal_top_k=proposal_top_k, prompt_lookup=prompt_lookup)
+                                proposal_top_k=proposal_top_k, prompt_lookup=prompt_lookup,
+                                draft_confidence=draft_confidence)
     target = TargetConfig(model=str(target_dir), max_sessions=target_max_sessions, hint_layer=hint_layer,
                           hint_vocab=hint_vocab)
     return start_local_stack(target, drafter, port=0, num_speculative_tokens=k, **replicas)

@@ -36,6 +36,10 @@ from mirrorspec.cli import main
     (["generate", "hi", "--prompt-lookup", "3"], "--prompt-lookup"),
     (["generate", "hi", "--local", "--prompt-lookup", "9"], "--prompt-lookup"),
     (["serve", "--prompt-lookup", "-1"], "--prompt-lookup"),
+    (["generate", "hi", "--draft-confidence", "0.3"], "--draft-confidence"),
+    (["generate", "hi", "--local", "--draft-confidence", "1.5"], "--draft-confidence"),
+    (["serve", "--draft-confidence", "-0.1"], "--draft-confidence"),
+    (["serve", "--draft-confidence", "nan"], "--draft-confidence"),
     (["demo", "--k", "99"], "--k"),
     (["demo", "--rebuild", "--epochs", "0"], "--epochs"),
 ])

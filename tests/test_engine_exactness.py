@@ -47,6 +47,7 @@ class Case:
     prompt: tuple[int, ...] = tuple(PROMPT)
     adaptive: AdaptiveKConfig | None = None  # K chosen per window from acceptance so far
     mirror: MirrorConfig | None = None  # next window drafted on branches during the verify
+    draft_confidence: float = 0.0  # > 0: a window ends after the draft's first unsure token
 
 
 CASES = [
@@ -78,6 +79,10 @@ CASES = [
     # of the next token (found by scanning), so there is room for a biased pick to show.
     Case("t1.0-k1-mirror-dense", 1.0, 1, bug="peeking_branch", prompt=(0, 7, 3, 0),
          mirror=MirrorConfig(max_branches=8, alternatives=7, stop_at_verdict=False)),
+    # windows end after the draft's first unsure token, so the first three tokens come from windows
+    # of one, two or three drafts depending on what was drafted
+    Case("t1.0-k3-confidence-dense", 1.0, 3, draft_confidence=0.4, bug="argmax_when_unsure"),
+    Case("t0.7-k3-confidence-sparse", 0.7, 3, proposal_top_k=3, draft_confidence=0.4),
 ]
 
 
@@ -112,6 +117,19 @@ class PeekingPipeline(MirrorPipeline):
         return fair
 
 
+def argmax_when_unsure(self, logits, params, u):
+    """Planted bug for confidence-ended windows, a tempting speed trick: where the draft is
+    unsure, draft its favourite token instead of the sampled one, still reporting the q it was
+    meant to be drawn from."""
+    step = original_draw(self, logits, params, u)
+    if not self._unsure(step):
+        return step
+    return step._replace(token=self._id_of(int(logits[0].argmax())))
+
+
+original_draw = DraftModelDrafter._draw
+
+
 def misaligned_join(first: Proposal, then: Proposal) -> Proposal:
     """Planted bug for lookup + model windows: the model's q rows are reported first, so each
     row describes another position's draw."""
@@ -137,7 +155,8 @@ def make_drafter(case: Case, target: MemoSession, draft: MemoSession) -> Drafter
         return HybridDrafter(DraftModelDrafter(draft, proposal_top_k=case.proposal_top_k), min_match=2)
     source = target if case.drafter == "self" else draft
     # mirror cases guess every token, so each rejection outcome has a branch and verdicts hit
-    return DraftModelDrafter(source, proposal_top_k=case.proposal_top_k, num_alternatives=8 if case.mirror else 3)
+    return DraftModelDrafter(source, proposal_top_k=case.proposal_top_k, num_alternatives=8 if case.mirror else 3,
+                             confidence=case.draft_confidence)
 
 
 def sample_first_tokens(target, drafter: Drafter, case: Case, samples: int = SAMPLES) -> list[tuple[int, ...]]:
@@ -176,6 +195,8 @@ def test_planted_bug_is_caught(case, sessions, monkeypatch):
         monkeypatch.setattr(engine_module, "MirrorPipeline", PeekingPipeline)
     elif case.bug == "misaligned_join":
         monkeypatch.setattr(hybrid_module, "_join", misaligned_join)
+    elif case.bug == "argmax_when_unsure":
+        monkeypatch.setattr(DraftModelDrafter, "_draw", argmax_when_unsure)
     else:
         monkeypatch.setattr(rejection_module, "recovery_distribution", residual_is_p)
     pvalue = pvalue_for(case, target, drafter, target)

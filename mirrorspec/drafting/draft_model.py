@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 from transformers import AutoConfig
 
-from mirrorspec.config import InvalidRequest, SamplingParams
+from mirrorspec.config import InvalidRequest, SamplingParams, check_draft_confidence
 from mirrorspec.drafting.base import Drafter, Proposal
 from mirrorspec.models.demo_draft import shipped_vocabulary
 from mirrorspec.models.loading import DEMO_DRAFT, locate_model
@@ -56,6 +56,7 @@ class DraftStep(NamedTuple):
     token: int
     q: ProposalRows  # one row
     alternatives: tuple[int, ...]
+    confidence: float  # the draft's own probability of ``token`` (temperature 1)
 
 
 def _proposal(steps: list[DraftStep]) -> Proposal:
@@ -71,15 +72,24 @@ class DraftModelDrafter(Drafter):
     declares a sub-vocabulary (``mirrorspec_draft_vocab``) scores and proposes only those ids:
     its head shrinks by the same factor, and q, being the distribution the token was really
     drawn from, keeps rejection sampling exact.
+
+    ``confidence`` > 0 ends a window early, after the first token the draft itself gives less
+    than that probability (temperature 1, as transformers' ``assistant_confidence_threshold``):
+    the drafts after an unsure one are likely rejected, and each costs a draft forward. Exact,
+    because whether position i + 1 is drafted depends only on the tokens up to i, which are the
+    output's own wherever position i + 1 is reached: a window length chosen by the context alone.
     """
 
     name = "draft-model"
 
-    def __init__(self, model: torch.nn.Module | LogitSession, proposal_top_k: int = 0, num_alternatives: int = 3):
+    def __init__(self, model: torch.nn.Module | LogitSession, proposal_top_k: int = 0, num_alternatives: int = 3,
+                 confidence: float = 0.0):
+        check_draft_confidence(confidence)
         self.vocab_ids = draft_vocabulary(model) if isinstance(model, torch.nn.Module) else None  # [m] or None
         self.session = KVSession(model, self.vocab_ids) if isinstance(model, torch.nn.Module) else model
         self.proposal_top_k = proposal_top_k
         self.num_alternatives = num_alternatives  # top tokens kept per position, for mirror branch guesses
+        self.confidence = confidence
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, seed: int) -> Proposal:
         if k <= 0:
@@ -90,6 +100,8 @@ class DraftModelDrafter(Drafter):
         steps: list[DraftStep] = []
         for i in range(k):
             steps.append(self._draw(self.session.logits_for(sequence, 1), params, u[i:i + 1]))  # [1, vocab]
+            if self._unsure(steps[-1]):
+                break
             sequence.append(steps[-1].token)
         return _proposal(steps)
 
@@ -104,11 +116,16 @@ class DraftModelDrafter(Drafter):
         u = uniforms(seed, range(start, start + k), Stream.DRAFT)  # [k]
         batch = self.session.fork(head, next_tokens)
         branches: list[list[DraftStep]] = [[] for _ in next_tokens]
+        drafting = [True] * len(branches)  # a branch stops after its first unsure token, as in propose
         for i in range(k):
             logits = batch.step()  # [B, vocab or m]
             for b, steps in enumerate(branches):
-                steps.append(self._draw(logits[b:b + 1], params, u[i:i + 1]))
-            batch.feed([steps[-1].token for steps in branches])
+                if drafting[b]:
+                    steps.append(self._draw(logits[b:b + 1], params, u[i:i + 1]))
+                    drafting[b] = not self._unsure(steps[-1])
+            if not any(drafting):
+                break
+            batch.feed([steps[-1].token for steps in branches])  # stopped rows run on, unread
         return [_proposal(steps) for steps in branches]
 
     def alternatives_for(self, context: Sequence[int], tokens: Sequence[int]) -> tuple[tuple[int, ...], ...]:
@@ -120,8 +137,16 @@ class DraftModelDrafter(Drafter):
 
     def _draw(self, logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> DraftStep:
         """One drafted position from its logits (# [1, vocab or m]) and its uniform (# [1])."""
-        q = self._in_vocabulary_ids(proposal_distribution(logits, params, self.proposal_top_k))
-        return DraftStep(int(sample_proposal(q, u).item()), q, self._top_ids(logits))
+        q = proposal_distribution(logits, params, self.proposal_top_k)  # over logits' columns
+        column = int(sample_proposal(q, u).item())
+        confidence = float(logits[0].float().softmax(-1)[column]) if self.confidence > 0 else 1.0
+        return DraftStep(self._id_of(column), self._in_vocabulary_ids(q), self._top_ids(logits), confidence)
+
+    def _unsure(self, step: DraftStep) -> bool:
+        return step.confidence < self.confidence
+
+    def _id_of(self, column: int) -> int:
+        return column if self.vocab_ids is None else int(self.vocab_ids[column])
 
     def _top_ids(self, logits: torch.Tensor) -> tuple[int, ...]:
         columns = logits[0].topk(min(self.num_alternatives, logits.shape[-1])).indices  # [n]

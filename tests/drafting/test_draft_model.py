@@ -32,6 +32,53 @@ def test_same_seed_same_drafts_whatever_the_cache_state(tiny_draft):
     assert drafter.propose([0, 3, 5], 4, params, seed=5).tokens == first.tokens
 
 
+def own_confidences(model, context, tokens, vocab=None) -> list[float]:
+    """The draft's temperature-1 probability of each token after the ones before it, computed
+    independently of the drafter (over ``vocab`` where it drafts from a sub-vocabulary)."""
+    out = []
+    for i, token in enumerate(tokens):
+        with torch.inference_mode():
+            logits = model(torch.tensor([[*context, *tokens[:i]]])).logits[0, -1].float()
+        probs = logits[vocab].softmax(-1) if vocab else logits.softmax(-1)
+        out.append(float(probs[vocab.index(token)] if vocab else probs[token]))
+    return out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_window_ends_after_the_first_token_the_draft_is_unsure_of(tiny_dir, temperature):
+    """The unsure token is still proposed (it may pass); the ones after it are not drafted."""
+    from support import load
+
+    model, context = load(tiny_dir["draft16"]), [0, 3, 5, 2]
+    params = SamplingParams(temperature=temperature, max_new_tokens=16)
+    full = DraftModelDrafter(model).propose(context, 8, params, seed=2)
+    sure = own_confidences(model, context, list(full.tokens))
+    threshold = sorted(sure)[len(sure) // 2]  # about half the drafts are unsure
+    first_unsure = next(i for i, c in enumerate(sure) if c < threshold)
+    cut = DraftModelDrafter(model, confidence=threshold).propose(context, 8, params, seed=2)
+    assert cut.tokens == full.tokens[:first_unsure + 1] and len(cut) < len(full)
+    assert torch.equal(cut.q.dense(16), full.q.dense(16)[:first_unsure + 1])
+
+
+def test_confidence_is_the_drafts_own_over_its_sub_vocabulary(tiny_dir):
+    vocab = [1, 2, 4, 8, 9, 12]
+    model, context = sub_vocabulary_draft(tiny_dir, vocab), [0, 3, 5]
+    full = DraftModelDrafter(model).propose(context, 6, SamplingParams(), seed=0)
+    sure = own_confidences(model, context, list(full.tokens), vocab)
+    threshold = sorted(sure)[len(sure) // 2]
+    first_unsure = next(i for i, c in enumerate(sure) if c < threshold)
+    cut = DraftModelDrafter(model, confidence=threshold).propose(context, 6, SamplingParams(), seed=0)
+    assert cut.tokens == full.tokens[:first_unsure + 1]
+
+
+@pytest.mark.parametrize("threshold", [-0.1, 1.0, float("nan"), True])
+def test_a_confidence_that_is_not_a_probability_is_refused(tiny_draft, threshold):
+    from mirrorspec.config import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="draft_confidence must be a probability in"):
+        DraftModelDrafter(tiny_draft, confidence=threshold)
+
+
 def sub_vocabulary_draft(tiny_dir, vocab):
     import support
     from mirrorspec.drafting.draft_model import DRAFT_VOCAB_KEY
@@ -66,22 +113,29 @@ def test_sub_vocabulary_greedy_draft_is_the_argmax_over_its_ids(tiny_dir):
         context.append(token)
 
 
+@pytest.mark.parametrize("stops", [False, True])
 @pytest.mark.parametrize("sub_vocabulary", [False, True])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_branches_drafted_together_are_the_branches_drafted_one_by_one(tiny_dir, sub_vocabulary, temperature):
+def test_branches_drafted_together_are_the_branches_drafted_one_by_one(tiny_dir, sub_vocabulary, temperature, stops):
     """One batched forward per step for every branch that forks at the same point: each branch is
-    what a fresh draft of its own context gives, and the session goes on as if it had drafted none."""
+    what a fresh draft of its own context gives (stopping where it would stop alone), and the
+    session goes on as if it had drafted none."""
     from support import load
 
     model = sub_vocabulary_draft(tiny_dir, [1, 2, 4, 8, 9, 12]) if sub_vocabulary else load(tiny_dir["draft16"])
     params = SamplingParams(temperature=temperature, max_new_tokens=16)
-    head, next_tokens = [0, 3, 5, 2], [4, 9, 1]
-    together = DraftModelDrafter(model, proposal_top_k=4)
+    head, next_tokens, k = [0, 3, 5, 2], [4, 9, 1, 12], 5
+    # thresholds at which some branches stop early, at different points (six ids: surer drafts)
+    confidence = (0.98 if sub_vocabulary else 0.8) if stops else 0.0
+    together = DraftModelDrafter(model, proposal_top_k=4, confidence=confidence)
     together.propose([*head, 7, 7], 2, params, seed=3)  # a cache that holds more than the head
-    branches = together.propose_branches(head, next_tokens, 3, params, seed=3)
+    branches = together.propose_branches(head, next_tokens, k, params, seed=3)
     for c, branch in zip(next_tokens, branches):
-        alone = DraftModelDrafter(model, proposal_top_k=4).propose([*head, c], 3, params, seed=3)
+        alone = DraftModelDrafter(model, proposal_top_k=4, confidence=confidence).propose([*head, c], k, params, seed=3)
         assert branch.tokens == alone.tokens and branch.alternatives == alone.alternatives
         assert torch.allclose(branch.q.dense(16), alone.q.dense(16), atol=1e-6)
+    if stops:
+        assert len({len(b) for b in branches}) > 1
     after = together.propose([*head, 6], 3, params, seed=3)
-    assert after.tokens == DraftModelDrafter(model, proposal_top_k=4).propose([*head, 6], 3, params, seed=3).tokens
+    fresh = DraftModelDrafter(model, proposal_top_k=4, confidence=confidence)
+    assert after.tokens == fresh.propose([*head, 6], 3, params, seed=3).tokens

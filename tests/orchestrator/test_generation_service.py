@@ -132,6 +132,27 @@ def test_the_front_door_looks_up_itself_and_asks_the_drafter_only_where_lookup_f
     assert rpcs[True] < rpcs[False]
 
 
+def test_a_drafter_that_ends_windows_when_unsure_serves_the_in_process_output(tiny_dir):
+    """A replica with draft_confidence drafts exactly what the in-process drafter does, greedy or
+    seeded, serial or mirror: the same tokens and the same shorter windows."""
+    target, draft = load(tiny_dir["target16"]), load(tiny_dir["draft16"])
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], prompt_lookup=2, draft_confidence=0.8, k=4)
+    try:
+        with Client(s.address) as client:
+            for prompt, sampling in (([1, 4, 2], {}), ([0, 3, 5, 2], {"temperature": 1.0, "seed": 4}),
+                                     ([1, 4, 2], {"mirror": True})):
+                params = SamplingParams(max_new_tokens=30, temperature=sampling.get("temperature", 0.0))
+                expected = generate(target, draft, prompt, params, num_speculative_tokens=4, seed=sampling.get("seed"),
+                                    proposal_top_k=4, prompt_lookup=2, draft_confidence=0.8)
+                always_k = generate(target, draft, prompt, params, num_speculative_tokens=4, seed=sampling.get("seed"),
+                                    proposal_top_k=4, prompt_lookup=2)
+                served = client.generate(prompt, max_tokens=30, **sampling)
+                assert served.token_ids == expected.token_ids
+                assert served.stats.drafted == expected.stats.drafted < always_k.stats.drafted
+    finally:
+        s.stop()
+
+
 def test_the_first_window_is_drafted_while_the_target_prefills(tiny_dir, monkeypatch):
     """The front door drafts window 1 during the target's OpenSession (a prefill far longer than
     the drafter's): its Draft call is over before the prefill is, and the output is unchanged."""
