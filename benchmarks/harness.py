@@ -215,10 +215,19 @@ def served_draft(target: LoadedModel, drafts: Drafts, ids: list[int], params: Sa
 @register_mode("served-hybrid", uses_k=True, needs_draft_model=True)
 def served_hybrid(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
                   k: int, seed: int) -> RunOutput:
-    """mirrorspec over gRPC on loopback, prompt lookup before the draft model (what the servers run):
-    the front door looks up on its token log and calls the drafter server only where lookup fails."""
+    """mirrorspec over gRPC on loopback, prompt lookup before the draft model: the front door
+    looks up on its token log and calls the drafter server only where lookup fails."""
     return _served(drafts.services.client(target, drafts.model, drafts.server_source, DEFAULT_PROMPT_LOOKUP),
                    ids, params, k, seed)
+
+
+@register_mode("served-hybrid-confident", uses_k=True, needs_draft_model=True)
+def served_hybrid_confident(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
+                            k: int, seed: int) -> RunOutput:
+    """served-hybrid with the drafter's windows ending after its first unsure token: what
+    ``mirrorspec serve`` runs by default."""
+    return _served(drafts.services.client(target, drafts.model, drafts.server_source, DEFAULT_PROMPT_LOOKUP,
+                                          draft_confidence=DEFAULT_DRAFT_CONFIDENCE), ids, params, k, seed)
 
 
 @register_mode("served-hybrid-drafter-lookup", uses_k=True, needs_draft_model=True)

@@ -37,7 +37,14 @@ from benchmarks.data_plane import start_processes
 from benchmarks.prompts import checked_datasets, load_prompts
 from benchmarks.report import cpu_busy_before_run
 from mirrorspec.client import Client
-from mirrorspec.config import DEFAULT_PROMPT_LOOKUP, InvalidRequest, MirrorConfig, check_prompt_lookup
+from mirrorspec.config import (
+    DEFAULT_DRAFT_CONFIDENCE,
+    DEFAULT_PROMPT_LOOKUP,
+    InvalidRequest,
+    MirrorConfig,
+    check_draft_confidence,
+    check_prompt_lookup,
+)
 from mirrorspec.serving.server import BackgroundServer
 from orchestrator.servicer import OrchestratorConfig, serve
 
@@ -148,6 +155,8 @@ def main(argv=None) -> int:
     parser.add_argument("--proposal-top-k", type=int, default=32)
     parser.add_argument("--prompt-lookup", type=int, default=DEFAULT_PROMPT_LOOKUP, metavar="N",
                         help="the drafter's prompt lookup before its draft model (0 = the model alone)")
+    parser.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE, metavar="P",
+                        help="the drafter's windows end after its first token below probability P (0 = always K)")
     parser.add_argument("--max-branches", type=int, default=MirrorConfig.max_branches,
                         help="branches drafted per window at most (default %(default)s)")
     parser.add_argument("--alternatives", type=int, default=MirrorConfig.alternatives,
@@ -159,8 +168,9 @@ def main(argv=None) -> int:
     datasets = checked_datasets(parser, args, positive=("num_prompts", "max_tokens", "k"))
     try:
         check_prompt_lookup(args.prompt_lookup)
+        check_draft_confidence(args.draft_confidence)
     except InvalidRequest as err:
-        parser.error(f"--prompt-lookup: {err}")
+        parser.error(f"--{err.field.replace('_', '-')}: {err}")
     try:
         mirror = MirrorConfig(max_branches=args.max_branches, alternatives=args.alternatives)
     except InvalidRequest as err:
@@ -171,7 +181,8 @@ def main(argv=None) -> int:
         target_args = ("--hint-layer", str(args.hint_layer),
                        *(("--hint-vocab", args.draft) if args.hint_vocab == "draft" else ()))
     target, drafter, stop = start_processes(args.target, args.draft, args.proposal_top_k, target_args,
-                                            pin=not args.no_pin, prompt_lookup=args.prompt_lookup)
+                                            pin=not args.no_pin, prompt_lookup=args.prompt_lookup,
+                                            draft_confidence=args.draft_confidence)
     doors = {"plain": front_door(target, drafter, replace(mirror, use_hints=False), args.k)}
     if args.hint_layer:
         doors["hinted"] = front_door(target, drafter, mirror, args.k)

@@ -34,19 +34,22 @@ class ServedStacks:
         self._clients: dict[str, Client] = {}
 
     def client(self, target: LoadedModel, draft_model: torch.nn.Module | None, draft_source: str | None = None,
-               prompt_lookup: int = 0, front_door_lookup: bool = True) -> Client:
+               prompt_lookup: int = 0, front_door_lookup: bool = True, draft_confidence: float = 0.0) -> Client:
         """``draft_source`` names the draft for a server process to load; without one, a draft
-        model is served from threads of this process. ``prompt_lookup``: the drafter's setting;
+        model is served from threads of this process. ``prompt_lookup``, ``draft_confidence``: the
+        drafter's settings;
         ``front_door_lookup``: the orchestrator runs that lookup (the default), or leaves it to
         the drafter server."""
         kind = "ngram" if draft_model is None else f"draft-model, prompt lookup {prompt_lookup}"
         kind += "" if front_door_lookup else ", looked up by the drafter"
+        kind += f", confidence {draft_confidence}" if draft_confidence else ""
+        drafter = {"prompt_lookup": prompt_lookup, "draft_confidence": draft_confidence}
         if kind not in self._clients:
             if draft_model is not None and draft_source is None:
-                address, stop = _stack_in_this_process(target, draft_model, prompt_lookup, front_door_lookup)
+                address, stop = _stack_in_this_process(target, draft_model, drafter, front_door_lookup)
             else:
                 address, stop = _stack_in_processes(target.source, draft_source if draft_model is not None else None,
-                                                    prompt_lookup, front_door_lookup)
+                                                    drafter, front_door_lookup)
             self._stops[kind] = stop
             self._clients[kind] = Client(address)
         return self._clients[kind]
@@ -60,14 +63,14 @@ class ServedStacks:
         self._stops.clear()
 
 
-def _stack_in_processes(target_source: str, draft_source: str | None, prompt_lookup: int,
+def _stack_in_processes(target_source: str, draft_source: str | None, drafter: dict,
                         front_door_lookup: bool) -> tuple[str, Callable[[], None]]:
     from mirrorspec.serving.server import BackgroundServer
     from orchestrator.servicer import OrchestratorConfig, serve
 
     target, drafter, stop_servers = start_processes(target_source, draft_source,
                                                     DrafterConfig.proposal_top_k, threads=torch.get_num_threads(),
-                                                    prompt_lookup=prompt_lookup)
+                                                    **drafter)
     config = OrchestratorConfig(target=target, drafter=drafter, port=0, front_door_lookup=front_door_lookup)
     front = BackgroundServer(lambda: serve(config), "orchestrator").start(timeout=300)
 
@@ -78,11 +81,11 @@ def _stack_in_processes(target_source: str, draft_source: str | None, prompt_loo
     return f"127.0.0.1:{front.port}", stop
 
 
-def _stack_in_this_process(target: LoadedModel, draft_model: torch.nn.Module, prompt_lookup: int,
+def _stack_in_this_process(target: LoadedModel, draft_model: torch.nn.Module, drafter: dict,
                            front_door_lookup: bool) -> tuple[str, Callable[[], None]]:
     draft = LoadedModel(model=draft_model, tokenizer=None, source="draft")
-    drafter = DrafterConfig(strategy="draft-model", model="draft", prompt_lookup=prompt_lookup)
-    stack = start_local_stack(TargetConfig(model=target.source), drafter,
+    stack = start_local_stack(TargetConfig(model=target.source),
+                              DrafterConfig(strategy="draft-model", model="draft", **drafter),
                               target_model=target, draft_model=draft, port=0,
                               front_door_lookup=front_door_lookup)
     return stack.address, stack.stop

@@ -14,6 +14,8 @@ from mirrorspec.cli import main
     (["--datasets", "humaneval,nope"], "--datasets"),
     (["--num-prompts", "0"], "--num-prompts"),
     (["--max-tokens", "0"], "--max-tokens"),
+    (["--prompt-lookup", "9"], "--prompt-lookup"),
+    (["--draft-confidence", "1"], "--draft-confidence"),
 ])
 def test_bad_flags_name_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
