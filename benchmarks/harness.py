@@ -154,6 +154,15 @@ def mirrorspec_hybrid_adaptive(target: LoadedModel, drafts: Drafts, ids: list[in
     return _mirrorspec(target, drafts.model, ids, params, k, seed, adaptive=True, prompt_lookup=DEFAULT_PROMPT_LOOKUP)
 
 
+@register_mode("mirrorspec-hybrid-adaptive-confident", uses_k=True, needs_draft_model=True)
+def mirrorspec_hybrid_adaptive_confident(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
+                                         k: int, seed: int) -> RunOutput:
+    """mirrorspec-hybrid-adaptive with the draft model's windows ending after its first unsure
+    token: what ``mirrorspec generate --local --adaptive`` runs."""
+    return _mirrorspec(target, drafts.model, ids, params, k, seed, adaptive=True, prompt_lookup=DEFAULT_PROMPT_LOOKUP,
+                       draft_confidence=DEFAULT_DRAFT_CONFIDENCE)
+
+
 @register_mode("mirrorspec-ngram-adaptive", uses_k=True)
 def mirrorspec_ngram_adaptive(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
                               k: int, seed: int) -> RunOutput:
