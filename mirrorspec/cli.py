@@ -18,12 +18,15 @@ from typing import TYPE_CHECKING
 
 from mirrorspec.config import (
     DEFAULT_DRAFT_CONFIDENCE,
+    DEFAULT_K,
+    DEFAULT_K_CONFIDENT,
     DEFAULT_PROMPT_LOOKUP,
     AdaptiveKConfig,
     InvalidRequest,
     MirrorConfig,
     SamplingParams,
     SpeculationConfig,
+    default_k,
 )
 from mirrorspec.serving.placement import check_threads
 
@@ -39,6 +42,9 @@ PROMPT_LOOKUP_HELP = ("with a draft model: prompt lookup drafts first wherever t
 DRAFT_CONFIDENCE_HELP = ("with a draft model: a window ends after the first token the model gives less than "
                          "probability P, the drafts after it being likely rejections (exact either way; "
                          "0 = always draft K)")
+
+K_HELP = (f"speculative tokens per window (default {DEFAULT_K_CONFIDENT} with a draft model whose windows end at its "
+          f"first unsure token, --draft-confidence > 0; else {DEFAULT_K})")
 
 DRAFT_HELP = ("draft: 'auto' (the demo draft for the demo target, else 'ngram'), 'demo-draft', 'ngram' "
               "(prompt lookup), a model path / hub id sharing the target's tokenizer, or 'none'")
@@ -96,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
-    gen.add_argument("--k", type=int, default=4, help="speculative tokens per window")
+    gen.add_argument("--k", type=int, default=None, help=K_HELP + " (without --local: the server's default)")
     gen.add_argument("--proposal-top-k", type=int, default=0, help="draft-model q restricted to its top-k (0 = dense)")
     gen.add_argument("--prompt-lookup", type=int, default=None, metavar="N",
                      help=f"with --local: {PROMPT_LOOKUP_HELP} (default {DEFAULT_PROMPT_LOOKUP}; a server's drafters "
@@ -143,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --address: leave the deployment running on the cluster and exit")
     srv.add_argument("--start-timeout", type=float, default=600.0,
                      help="seconds to wait for the first replicas (on a fresh cluster: for the autoscaler's nodes)")
-    srv.add_argument("--k", type=int, default=4, help="default speculative tokens per window")
+    srv.add_argument("--k", type=int, default=None, help="requests' default " + K_HELP)
     srv.add_argument("--adaptive", action="store_true", help="choose K per window in [0, K] from acceptance")
     srv.add_argument("--mirror", action="store_true",
                      help="by default, draft the next window's likely branches while the target verifies "
@@ -185,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompt", default="Write a Python function that checks whether a string is a palindrome.",
                       help="the prompt of the side-by-side run")
     demo.add_argument("--max-tokens", type=int, default=96, help="maximum new tokens of the side-by-side run")
-    demo.add_argument("--k", type=int, default=4, help="speculative tokens per window")
+    demo.add_argument("--k", type=int, default=DEFAULT_K, help="speculative tokens per window of the draft's own runs "
+                                                               "(the `generate --local` run uses its defaults)")
     demo.add_argument("--rebuild", action="store_true",
                       help="retrain the draft from the target (teacher data ~1 h on 2 CPU cores, then distillation)")
     demo.add_argument("--teacher-prompts", type=int, default=None, help="with --rebuild: training prompts to use")
@@ -245,7 +252,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                              "needs --local", field="draft_confidence")
     args.prompt_lookup = DEFAULT_PROMPT_LOOKUP if args.prompt_lookup is None else args.prompt_lookup
     args.draft_confidence = DEFAULT_DRAFT_CONFIDENCE if args.draft_confidence is None else args.draft_confidence
-    SpeculationConfig(num_speculative_tokens=args.k, proposal_top_k=args.proposal_top_k,
+    if args.local and args.k is None:
+        args.k = default_k(_is_draft_model(resolve_draft(args.draft, args.target)), args.draft_confidence)
+    SpeculationConfig(num_speculative_tokens=DEFAULT_K if args.k is None else args.k, proposal_top_k=args.proposal_top_k,
                       prompt_lookup=args.prompt_lookup, draft_confidence=args.draft_confidence)
     check_threads(args.threads)
     if args.hint_layer is not None and not (args.local and args.mirror):
@@ -375,6 +384,8 @@ def start_local_stack(target: TargetConfig, drafter: DrafterConfig | None, *, ta
 
 def cmd_serve(args: argparse.Namespace) -> int:
     check_threads(args.threads)
+    if args.k is None:
+        args.k = default_k(_is_draft_model(resolve_draft(args.draft, args.target)), args.draft_confidence)
     SpeculationConfig(num_speculative_tokens=args.k, proposal_top_k=args.proposal_top_k,
                       prompt_lookup=args.prompt_lookup, draft_confidence=args.draft_confidence)
     args.hint_vocab = _hint_vocab(args.hint_vocab, args.hint_layer, resolve_draft(args.draft, args.target))
@@ -544,6 +555,11 @@ def _cell(value) -> str:
     return f"{value:.2f}" if isinstance(value, float) else str(value)
 
 
+def _is_draft_model(draft: str) -> bool:
+    """A resolved ``--draft`` that names a model (not prompt lookup alone, not none)."""
+    return draft not in ("ngram", "none")
+
+
 def resolve_draft(draft: str, target: str) -> str:
     """``auto``: the trained demo draft for the demo target, prompt lookup for any other target."""
     from mirrorspec.models import DEMO_DRAFT, DEMO_TARGET
@@ -587,14 +603,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     spec = generate(target.model, draft, ids, params, num_speculative_tokens=args.k)
     lookup = generate(target.model, draft, ids, params, num_speculative_tokens=args.k,
                       prompt_lookup=DEFAULT_PROMPT_LOOKUP)
+    cli_k = default_k(True, DEFAULT_DRAFT_CONFIDENCE)  # what `mirrorspec generate --local` runs
+    confident = generate(target.model, draft, ids, params, num_speculative_tokens=cli_k,
+                         prompt_lookup=DEFAULT_PROMPT_LOOKUP, draft_confidence=DEFAULT_DRAFT_CONFIDENCE)
     print(target.tokenizer.decode(spec.token_ids, skip_special_tokens=True))
-    print(f"\ntarget alone      {alone.tokens_per_second:6.1f} tok/s")
-    for name, run in (("with demo draft", spec), ("+ prompt lookup", lookup)):
+    print(f"\n{'target alone':<19} {alone.tokens_per_second:6.1f} tok/s")
+    for name, run, k in (("with demo draft", spec, args.k), ("+ prompt lookup", lookup, args.k),
+                         ("+ stop when unsure", confident, cli_k)):
         s = run.stats
         speedup = run.tokens_per_second / alone.tokens_per_second
-        print(f"{name:<17} {run.tokens_per_second:6.1f} tok/s  ({speedup:.2f}x), K={args.k}, "
+        print(f"{name:<19} {run.tokens_per_second:6.1f} tok/s  ({speedup:.2f}x), K={k}, "
               f"alpha {s.token_acceptance_rate:.2f}, {s.mean_accepted_length:.2f} tokens/pass")
-    identical = spec.token_ids == alone.token_ids == lookup.token_ids
+    print(f"(the last is `mirrorspec generate --local`'s default: windows end after the draft's first token "
+          f"below p={DEFAULT_DRAFT_CONFIDENCE})")
+    identical = spec.token_ids == alone.token_ids == lookup.token_ids == confident.token_ids
     print(f"greedy output identical to the target alone: {'yes' if identical else 'NO'}")
     return 0 if identical else 1
 

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from mirrorspec.cli import main
+from mirrorspec.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_K, DEFAULT_K_CONFIDENT, default_k
 
 
 @pytest.mark.parametrize("argv,flag", [
@@ -50,6 +51,15 @@ def test_bad_flags_are_named(argv, flag, capsys):
     assert f"error: {flag}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("draft_model,confidence,k", [
+    (True, DEFAULT_DRAFT_CONFIDENCE, DEFAULT_K_CONFIDENT),  # the demo draft as the CLI runs it
+    (True, 0.0, DEFAULT_K),  # a draft that always drafts K: long windows are mostly rejected tails
+    (False, DEFAULT_DRAFT_CONFIDENCE, DEFAULT_K),  # prompt lookup alone: no confidence to stop on
+])
+def test_the_default_k_reaches_further_only_where_the_draft_stops_itself(draft_model, confidence, k):
+    assert default_k(draft_model, confidence) == k
+
+
 def run_cli(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "mirrorspec", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -63,6 +73,7 @@ def test_local_greedy_is_identical_with_and_without_speculation():
                               "--no-speculate").stdout)
     assert spec["token_ids"] == base["token_ids"] and len(spec["token_ids"]) > 0
     assert spec["draft"] == "demo-draft" and base["draft"] == "none"  # the trained draft is the default
+    assert spec["k"] == DEFAULT_K_CONFIDENT  # its windows end where it is unsure, so K reaches further
     assert spec["stats"]["accepted"] > 0
     for key in ("drafted", "accepted", "acceptance_rate", "token_acceptance_rate", "mean_accepted_length",
                 "per_position_acceptance", "draft_time_s", "verify_time_s"):
