@@ -285,7 +285,7 @@ def capped_k(k: int, params: SamplingParams, produced: int) -> int:
     return min(k, params.max_new_tokens - produced - 1)
 
 
-def first_window_k(spec: SpeculationConfig, params: SamplingParams, drafter: Drafter) -> int:
+def first_window_k(spec: SpeculationConfig, params: SamplingParams, drafter: Drafter | None) -> int:
     """The K ``decode_windows`` asks of ``drafter`` for the first window, so a caller can draft it
     ahead, while the target prefills (``drafted_ahead``)."""
     policy = window_policy(spec, drafter)

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from mirrorspec.config import SamplingParams
 from mirrorspec.drafting import HybridDrafter, Proposal
+from mirrorspec.drafting.hybrid import prompt_lookup
 from orchestrator.remote import RemoteDrafter
 
 
@@ -43,3 +44,10 @@ class FrontDoorLookup(HybridDrafter):
 def front_door_drafter(remote: RemoteDrafter | None) -> FrontDoorLookup | RemoteDrafter | None:
     """The request's drafter: lookup here in front of ``remote`` where it leaves lookup to us."""
     return FrontDoorLookup(remote, remote.caller_lookup) if remote is not None and remote.caller_lookup else remote
+
+
+def looks_up_whole_window(min_match: int, context: Sequence[int], k: int) -> bool:
+    """Whether lookup alone fills a ``k``-token window after ``context``. For a prompt, the first
+    window is then ready the moment the request arrives, with no drafter call: the target need
+    not prefill first, and scores the prompt with that window in one pass (``defer_prefill``)."""
+    return k > 0 and len(prompt_lookup(min_match).lookup(context, k)) == k

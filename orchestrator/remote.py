@@ -283,18 +283,23 @@ class _DraftSession(PooledSession):
 class RemoteVerifier(PooledSession):
     """A target session on a TargetService pool. Wherever the session moves, the window is
     retried there; the request fails only if no target replica comes back in time.
-    ``gives_hints``: the pool's targets stream early-exit hints when asked."""
+    ``gives_hints``: the pool's targets stream early-exit hints when asked. ``defer_prefill``:
+    the first Verify prefills the prompt with its window, in one pass (for a caller whose first
+    window is ready at once); a session that moves later is prefilled where it reopens."""
 
     def __init__(self, pool: ReplicaPool, prompt: Sequence[int], params: SamplingParams, seed: int, vocab_size: int,
-                 timeout_s: float | None = None, replacement_wait_s: float = 60.0, gives_hints: bool = False):
+                 timeout_s: float | None = None, replacement_wait_s: float = 60.0, gives_hints: bool = False,
+                 defer_prefill: bool = False):
         super().__init__(pool, prompt, params, seed, timeout_s, replacement_wait_s)
         self.vocab_size = vocab_size
         self.gives_hints = gives_hints
+        self.defer_prefill = defer_prefill
         self.open(prompt)
+        self.defer_prefill = False
 
     def open_request(self, context: Sequence[int], params: SamplingParams):
         return target_pb2.OpenTargetSessionRequest(prompt_ids=list(context), params=params_to_proto(params),
-                                                   seed=self.seed)
+                                                   seed=self.seed, defer_prefill=self.defer_prefill)
 
     def verify(self, context: Sequence[int], proposal: Proposal, params: SamplingParams, seed: int,
                on_hint: Callable[[EarlyExitHint], None] | None = None) -> WindowVerdict:

@@ -35,7 +35,7 @@ from mirrorspec.v1 import (
     generation_pb2_grpc,
     target_pb2_grpc,
 )
-from orchestrator.lookup import front_door_drafter
+from orchestrator.lookup import front_door_drafter, looks_up_whole_window
 from orchestrator.metrics import SpecDecodeMetrics
 from orchestrator.pool import ReplicaPool, parse_addresses
 from orchestrator.remote import RemoteDrafter, RemoteVerifier
@@ -233,13 +233,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                cancelled: threading.Event, emit) -> None:
         if prepared.timeline:
             outcome.stats.timeline = []
-        # the drafter opens its session and drafts the first window while the target prefills
+        # the drafter opens its session and drafts the first window while the target prefills; where
+        # that window is ready at once, the first verify does the prefill, in the same pass
+        defer_prefill = self._first_window_ready_at_once(prepared)
         drafting = self._openers.submit(self._open_drafter, prepared, timeout)
         try:
             verifier = RemoteVerifier(self.targets, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
                                       timeout_s=timeout,
                                       replacement_wait_s=min(timeout, self.config.replacement_wait_s),
-                                      gives_hints=self.target_info.hint_layer > 0)
+                                      gives_hints=self.target_info.hint_layer > 0, defer_prefill=defer_prefill)
         except BaseException:
             if (opened := drafting.result()) is not None:
                 opened.remote.release()
@@ -285,14 +287,34 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if prepared.spec.num_speculative_tokens <= 0 or self._describe_drafters() is None:
             return None
         step_cost = NgramDrafter.step_cost if self.drafter_info.strategy == "ngram" else Drafter.step_cost
-        lookup_here = self.config.front_door_lookup and self.drafter_info.strategy == "draft-model"
         remote = RemoteDrafter(self.drafters, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
                                timeout_s=timeout, step_cost=step_cost, paused=self._saturated,
-                               caller_lookup=self.drafter_info.prompt_lookup if lookup_here else 0)
+                               caller_lookup=self._lookup_here())
         drafter = front_door_drafter(remote)
         k = first_window_k(prepared.spec, prepared.params, drafter)
         ahead = (k, drafter.propose(prepared.prompt, k, prepared.params, prepared.seed)) if k > 0 else None
         return OpenedDrafter(remote, drafter, ahead)
+
+    def _lookup_here(self) -> int:
+        """The min match of the prompt lookup this front door runs for its draft-model replicas
+        (their own ``prompt_lookup``); 0 where it runs none."""
+        lookup_here = self.config.front_door_lookup and self.drafter_info.strategy == "draft-model"
+        return self.drafter_info.prompt_lookup if lookup_here else 0
+
+    def _first_window_ready_at_once(self, prepared: PreparedRequest) -> bool:
+        """Whether the first window needs no drafter call: it has no drafts (no speculation, no
+        drafter, drafting paused, or no room left after the first token), or lookup here fills it
+        from the prompt. Then nothing is gained by prefilling while the drafter works, and the
+        target saves a pass by scoring prompt and window together. (With adaptive K the first
+        window's K comes from the drafter's cost model: not guessed here.)"""
+        spec = prepared.spec
+        if spec.num_speculative_tokens <= 0 or self._describe_drafters() is None or self._saturated():
+            return True
+        if spec.adaptive:
+            return False
+        k = first_window_k(spec, prepared.params, None)
+        min_match = self._lookup_here()
+        return k <= 0 or (min_match > 0 and looks_up_whole_window(min_match, prepared.prompt, k))
 
     def _saturated(self) -> bool:
         limit = self.config.speculation_off_above

@@ -72,6 +72,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         session = TargetSession(SequenceState(prompt, params, int(request.seed)),
                                 TargetVerifier(self.new_session(), self.probe))
         session_id = self.sessions.open(session)
+        if request.defer_prefill:  # the first Verify scores the prompt with its window, in one pass
+            return target_pb2.OpenTargetSessionResponse(session_id=session_id)
         started = time.perf_counter()
         try:
             await self.lane.run(session.verifier.session.logits_for, prompt, 1)  # prefill

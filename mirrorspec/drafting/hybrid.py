@@ -29,8 +29,7 @@ class HybridDrafter(Drafter):
 
     def __init__(self, model: Drafter, min_match: int = 2, max_match: int = 3):
         self.model = model
-        # a one-token match is found almost anywhere and predicts little: ask for more
-        self.lookup = NgramDrafter(max_ngram=max(max_match, min_match), min_ngram=min_match)
+        self.lookup = prompt_lookup(min_match, max_match)
         self.step_cost = model.step_cost  # the dearer of the two: adaptive K stays on the safe side
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, seed: int) -> Proposal:
@@ -67,6 +66,12 @@ class HybridDrafter(Drafter):
 
     def release(self) -> None:
         self.model.release()
+
+
+def prompt_lookup(min_match: int, max_match: int = 3) -> NgramDrafter:
+    """The lookup a ``HybridDrafter`` runs first: matches of ``min_match`` to ``max_match`` tokens
+    (a one-token match is found almost anywhere and predicts little: ask for more)."""
+    return NgramDrafter(max_ngram=max(max_match, min_match), min_ngram=min_match)
 
 
 def _join(first: Proposal, then: Proposal) -> Proposal:

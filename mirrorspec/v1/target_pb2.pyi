@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenTargetSessionRequest(_message.Message):
-    __slots__ = ("prompt_ids", "params", "seed")
+    __slots__ = ("prompt_ids", "params", "seed", "defer_prefill")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    DEFER_PREFILL_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     seed: int
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+    defer_prefill: bool
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., defer_prefill: _Optional[bool] = ...) -> None: ...
 
 class OpenTargetSessionResponse(_message.Message):
     __slots__ = ("session_id", "prefill_time_s")

@@ -61,7 +61,7 @@ class TargetServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def OpenSession(self, request, context):
-        """Prefills the prompt.
+        """Prefills the prompt, unless the caller defers that to the first Verify (defer_prefill).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

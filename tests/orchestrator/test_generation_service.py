@@ -191,6 +191,45 @@ def test_the_first_window_is_drafted_while_the_target_prefills(tiny_dir, monkeyp
         s.stop()
 
 
+def test_a_first_window_ready_at_once_is_verified_with_the_prefill_in_one_pass(tiny_dir, monkeypatch):
+    """Where the first window needs no drafter call (the front door's lookup fills it from the
+    prompt, or it has no drafts), the target opens the session without prefilling, and the first
+    Verify scores prompt and window in one pass, as in process: one target pass fewer, the same
+    output. Where the drafter must draft it, the target prefills meanwhile."""
+    from target_service.servicer import TargetServicer
+
+    opened = []
+    open_target = TargetServicer.OpenSession
+
+    async def recorded(self, request, context):
+        opened.append(request.defer_prefill)
+        return await open_target(self, request, context)
+
+    monkeypatch.setattr(TargetServicer, "OpenSession", recorded)
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], prompt_lookup=2, k=3)
+    repeats = [0, 3, 5, 2, 6, 1, 3, 5]  # "3 5" occurred before, followed by "2 6 1": a whole window
+    novel = [2, 9, 4]
+    try:
+        with Client(s.address) as client:
+            for prompt, deferred in ((repeats, True), (novel, False)):
+                for sampling in ({}, {"temperature": 1.0, "seed": 5}):
+                    opened.clear()
+                    served = client.generate(prompt, max_tokens=12, **sampling)
+                    expected = generate(load(tiny_dir["target16"]), load(tiny_dir["draft16"]), prompt, SamplingParams(
+                        max_new_tokens=12, temperature=sampling.get("temperature", 0.0)), num_speculative_tokens=3,
+                        seed=sampling.get("seed"), proposal_top_k=4, prompt_lookup=2)
+                    assert opened == [deferred]
+                    assert served.token_ids == expected.token_ids
+                    assert served.stats.drafted == expected.stats.drafted
+            opened.clear()
+            alone = client.generate(novel, max_tokens=12, k=0, temperature=1.0, seed=5)  # no drafts at all
+            assert opened == [True] and alone.stats.drafted == 0
+            assert alone.token_ids == generate(load(tiny_dir["target16"]), None, novel, SamplingParams(
+                max_new_tokens=12, temperature=1.0), seed=5).token_ids
+    finally:
+        s.stop()
+
+
 def test_a_drafter_that_predates_rank_tokens_still_drafts_mirror_requests(tiny_dir, monkeypatch):
     """A replica without RankTokens answers UNIMPLEMENTED: looked-up windows then go without
     guesses, and the request keeps its drafter (no fallback to target-only)."""
