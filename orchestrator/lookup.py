@@ -13,16 +13,20 @@ skipped tokens at its next call (commit-then-draft sends everything since).
 Same output: this is ``HybridDrafter`` with the remote drafter as its model, the composition the
 replica itself runs in process, so every position is drafted by the same source from the same
 context, and each q row is what its token was drawn from.
+
+A model-free (n-gram) pool is lookup and nothing else, so the front door runs its whole strategy
+here (``FrontDoorNgram``) and never calls it: a round trip per window saved, and the first window
+is always ready at once, so the target scores it with the prompt in one pass.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from mirrorspec.config import SamplingParams
-from mirrorspec.drafting import HybridDrafter, Proposal
+from mirrorspec.drafting import HybridDrafter, NgramDrafter, Proposal
 from mirrorspec.drafting.hybrid import prompt_lookup
-from orchestrator.remote import RemoteDrafter
+from orchestrator.remote import CallTimes, PauseGate, RemoteDrafter
 
 
 class FrontDoorLookup(HybridDrafter):
@@ -39,6 +43,33 @@ class FrontDoorLookup(HybridDrafter):
         if not self.remote.drafting(k):
             return Proposal.empty()
         return super().propose(context, k, params, seed)
+
+
+class FrontDoorNgram(NgramDrafter):
+    """An n-gram replica's strategy (``NgramDrafter()``, as ``DrafterServicer`` makes it), run on
+    the token log here. It answers what the window loop and the request's statistics ask of a
+    pool session: no failures, no moves, no network time, and windows refused while paused."""
+
+    name = "front-door-ngram"
+    failure = None
+    moves = 0
+
+    def __init__(self, paused: Callable[[], bool] | None = None):
+        super().__init__()
+        self.gate = PauseGate(paused)
+        self.times = CallTimes()
+
+    def propose(self, context: Sequence[int], k: int, params: SamplingParams, seed: int) -> Proposal:
+        if k <= 0 or not self.gate.allows():
+            return Proposal.empty()
+        return super().propose(context, k, params, seed)
+
+    @property
+    def paused_windows(self) -> int:
+        return self.gate.refused
+
+    def release(self) -> None:
+        pass
 
 
 def front_door_drafter(remote: RemoteDrafter | None) -> FrontDoorLookup | RemoteDrafter | None:

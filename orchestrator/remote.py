@@ -154,6 +154,21 @@ class PooledSession:
         self._let_go()
 
 
+class PauseGate:
+    """Whether a draft call may draft while the targets are saturated (``paused()``); each call it
+    refuses is counted."""
+
+    def __init__(self, paused: Callable[[], bool] | None):
+        self.paused = paused
+        self.refused = 0
+
+    def allows(self) -> bool:
+        if self.paused is not None and self.paused():
+            self.refused += 1
+            return False
+        return True
+
+
 class RemoteDrafter(Drafter):
     """A drafter session on a DrafterService pool. If no drafter can serve it any more, it turns
     off for the rest of the request: windows then carry no drafts, i.e. the request goes on
@@ -169,8 +184,7 @@ class RemoteDrafter(Drafter):
         # the replicas' prompt lookup (its min match), run by the caller in front of this drafter
         # (orchestrator.lookup); 0: the replicas look up themselves, if they do
         self.caller_lookup = caller_lookup
-        self.paused = paused
-        self.paused_windows = 0
+        self.gate = PauseGate(paused)
         self.vocab_size = vocab_size
         self.failure: str | None = None
         self._ranks = True  # the replicas answer RankTokens (mirror guesses for looked-up windows)
@@ -200,12 +214,11 @@ class RemoteDrafter(Drafter):
         """Whether a call for ``k`` drafts gets any: not after a failure, nor while paused. Each
         refused call while paused is counted: once per window when drafting serially, once per
         branch group in mirror mode."""
-        if self.failure is not None or k <= 0:
-            return False
-        if self.paused is not None and self.paused():
-            self.paused_windows += 1
-            return False
-        return True
+        return self.failure is None and k > 0 and self.gate.allows()
+
+    @property
+    def paused_windows(self) -> int:
+        return self.gate.refused
 
     def alternatives_for(self, context: Sequence[int], tokens: Sequence[int]) -> tuple[tuple[int, ...], ...]:
         """RankTokens on the replica (which commits ``tokens`` there, as a branch head would be).

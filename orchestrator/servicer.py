@@ -35,7 +35,7 @@ from mirrorspec.v1 import (
     generation_pb2_grpc,
     target_pb2_grpc,
 )
-from orchestrator.lookup import front_door_drafter, looks_up_whole_window
+from orchestrator.lookup import FrontDoorNgram, front_door_drafter, looks_up_whole_window
 from orchestrator.metrics import SpecDecodeMetrics
 from orchestrator.pool import ReplicaPool, parse_addresses
 from orchestrator.remote import RemoteDrafter, RemoteVerifier
@@ -65,7 +65,8 @@ class OrchestratorConfig:
     # verify scores cost more than speculation saves. None = always draft.
     speculation_off_above: int | None = None
     # run the drafter replicas' prompt lookup here, on the token log (orchestrator.lookup): a
-    # looked-up window then makes no drafter call. False leaves lookup to the replicas.
+    # looked-up window then makes no drafter call; an n-gram pool, lookup alone, is never called.
+    # False leaves lookup to the replicas.
     front_door_lookup: bool = True
 
     def __post_init__(self) -> None:
@@ -100,7 +101,8 @@ class RequestOutcome:
 
 @dataclass(frozen=True)
 class OpenedDrafter:
-    remote: RemoteDrafter  # the pool session: its failure, moves, pauses and call times
+    remote: RemoteDrafter | FrontDoorNgram  # the pool session (or an n-gram pool's strategy run here):
+    # its failure, moves, pauses and call times
     drafter: Drafter  # what the window loop drafts with: lookup here in front of ``remote``, or it alone
     drafted_ahead: tuple[int, Proposal] | None  # (k, the first window), drafted while the target prefilled
 
@@ -286,14 +288,24 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         draft together, so the first Verify can go out as soon as the prefill is done."""
         if prepared.spec.num_speculative_tokens <= 0 or self._describe_drafters() is None:
             return None
+        if self._ngram_here():
+            ngram = FrontDoorNgram(paused=self._saturated)
+            return OpenedDrafter(ngram, ngram, self._draft_ahead(prepared, ngram))
         step_cost = NgramDrafter.step_cost if self.drafter_info.strategy == "ngram" else Drafter.step_cost
         remote = RemoteDrafter(self.drafters, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
                                timeout_s=timeout, step_cost=step_cost, paused=self._saturated,
                                caller_lookup=self._lookup_here())
         drafter = front_door_drafter(remote)
+        return OpenedDrafter(remote, drafter, self._draft_ahead(prepared, drafter))
+
+    @staticmethod
+    def _draft_ahead(prepared: PreparedRequest, drafter: Drafter) -> tuple[int, Proposal] | None:
         k = first_window_k(prepared.spec, prepared.params, drafter)
-        ahead = (k, drafter.propose(prepared.prompt, k, prepared.params, prepared.seed)) if k > 0 else None
-        return OpenedDrafter(remote, drafter, ahead)
+        return (k, drafter.propose(prepared.prompt, k, prepared.params, prepared.seed)) if k > 0 else None
+
+    def _ngram_here(self) -> bool:
+        """An n-gram pool's strategy is lookup alone, which the front door runs on its token log."""
+        return self.config.front_door_lookup and self.drafter_info.strategy == "ngram"
 
     def _lookup_here(self) -> int:
         """The min match of the prompt lookup this front door runs for its draft-model replicas
@@ -308,7 +320,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         target saves a pass by scoring prompt and window together. (With adaptive K the first
         window's K comes from the drafter's cost model: not guessed here.)"""
         spec = prepared.spec
-        if spec.num_speculative_tokens <= 0 or self._describe_drafters() is None or self._saturated():
+        if (spec.num_speculative_tokens <= 0 or self._describe_drafters() is None or self._saturated()
+                or self._ngram_here()):
             return True
         if spec.adaptive:
             return False

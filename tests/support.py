@@ -137,3 +137,16 @@ def wait_until(condition, timeout: float = 10.0, every: float = 0.05) -> bool:
             return True
         time.sleep(every)
     return False
+
+
+def record_rpc(monkeypatch, servicer: type, method: str, note=lambda request: request) -> list:
+    """Wrap a servicer's unary RPC so that each call appends ``note(request)`` to the list returned."""
+    seen = []
+    original = getattr(servicer, method)
+
+    async def recorded(self, request, context):
+        seen.append(note(request))
+        return await original(self, request, context)
+
+    monkeypatch.setattr(servicer, method, recorded)
+    return seen

@@ -14,7 +14,7 @@ from mirrorspec.serving.convert import proposal_from_proto
 from mirrorspec.client import AsyncClient, Client
 from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
 from served_stack import start_stack
-from support import MemoSession, chi_square_pvalue, exact_joint, load, wait_until
+from support import MemoSession, chi_square_pvalue, exact_joint, load, record_rpc, wait_until
 
 
 def target_only(model, prompt, max_tokens, **params):
@@ -36,15 +36,28 @@ def test_greedy_output_is_identical_to_target_only(stack, tiny_dir):
             assert served.finish_reason == "length" and served.stats.windows > 0
 
 
-def test_n_gram_drafter_over_the_network_is_identical_too(tiny_dir):
-    ngram = start_stack(tiny_dir["target16"], strategy="ngram", k=4)
+@pytest.mark.parametrize("front_door_lookup", [True, False])
+def test_n_gram_drafter_over_the_network_is_identical_too(tiny_dir, monkeypatch, front_door_lookup):
+    """An n-gram pool is lookup alone: by default the front door runs it on its token log and never
+    calls the replicas; left to them, every window is a Draft call. Same tokens either way."""
+    from drafter_service.servicer import DrafterServicer
+
+    calls = record_rpc(monkeypatch, DrafterServicer, "Draft")
+    ngram = start_stack(tiny_dir["target16"], strategy="ngram", k=4, front_door_lookup=front_door_lookup)
     try:
         model = load(tiny_dir["target16"])
         with Client(ngram.address) as client:
             for prompt in prompts(4, seed=1):
                 served = client.generate(prompt, max_tokens=40)
                 assert served.token_ids == target_only(model, prompt, 40)
+                assert served.stats.drafted > 0
+                expected = generate(model, "ngram", prompt, SamplingParams(max_new_tokens=40, temperature=1.0),
+                                    num_speculative_tokens=4, seed=3)
+                sampled = client.generate(prompt, max_tokens=40, temperature=1.0, seed=3)
+                assert sampled.token_ids == expected.token_ids
+                assert sampled.stats.drafted == expected.stats.drafted
             assert client.model_info().drafter_strategy == "ngram"
+        assert (len(calls) == 0) == front_door_lookup
     finally:
         ngram.stop()
 
@@ -198,14 +211,7 @@ def test_a_first_window_ready_at_once_is_verified_with_the_prefill_in_one_pass(t
     output. Where the drafter must draft it, the target prefills meanwhile."""
     from target_service.servicer import TargetServicer
 
-    opened = []
-    open_target = TargetServicer.OpenSession
-
-    async def recorded(self, request, context):
-        opened.append(request.defer_prefill)
-        return await open_target(self, request, context)
-
-    monkeypatch.setattr(TargetServicer, "OpenSession", recorded)
+    opened = record_rpc(monkeypatch, TargetServicer, "OpenSession", lambda request: request.defer_prefill)
     s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], prompt_lookup=2, k=3)
     repeats = [0, 3, 5, 2, 6, 1, 3, 5]  # "3 5" occurred before, followed by "2 6 1": a whole window
     novel = [2, 9, 4]
@@ -559,10 +565,12 @@ def test_a_target_with_a_hint_layer_streams_hints_before_the_verdict(tiny_dir, d
         s.stop()
 
 
-def test_speculation_pauses_while_the_front_door_is_saturated(tiny_dir):
+@pytest.mark.parametrize("strategy", ["draft-model", "ngram"])  # ngram: drafted at the front door
+def test_speculation_pauses_while_the_front_door_is_saturated(tiny_dir, strategy):
     """Past speculation_off_above requests in flight, windows go without drafts (vLLM's
     speculative_disable_by_batch_size); the output is the same, and drafting resumes after."""
-    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, speculation_off_above=1)
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"] if strategy == "draft-model" else None,
+                    strategy=strategy, k=3, speculation_off_above=1)
     try:
         with Client(s.address) as client:
             alone = client.generate([0, 6, 1], max_tokens=20)
