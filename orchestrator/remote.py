@@ -36,7 +36,10 @@ from orchestrator.pool import NoReplicaAvailable, Replica, ReplicaPool
 log = logging.getLogger(__name__)
 
 # Statuses after which the session goes to another replica: the replica is gone or its session is.
-_REPLICA_GONE = grpc.StatusCode.UNAVAILABLE
+# A stopping server cancels the calls it has not finished, and which of CANCELLED and UNAVAILABLE
+# reaches the caller first is a race; this client never cancels its own backend calls, so either
+# means the replica went away.
+_REPLICA_GONE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 _SESSION_GONE = grpc.StatusCode.NOT_FOUND
 
 
@@ -94,7 +97,7 @@ class PooledSession:
                 response = replica.stub.OpenSession(self.open_request(context, params), timeout=self.timeout_s)
             except grpc.RpcError as err:
                 self.pool.release(replica)
-                if err.code() == _REPLICA_GONE:
+                if err.code() in _REPLICA_GONE:
                     self.pool.report_failure(replica)
                 elif err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     full.add(replica.address)
@@ -119,7 +122,7 @@ class PooledSession:
                 keep = common_prefix_length(self.held, context)
                 result = rpc(self.replica, self.session_id, keep, list(context[keep:]))
             except grpc.RpcError as err:
-                if err.code() == _REPLICA_GONE:
+                if err.code() in _REPLICA_GONE:
                     log.warning("%s replica %s is unreachable; replaying the session elsewhere",
                                 self.pool.name, self.replica.address)
                     self.pool.report_failure(self.replica)

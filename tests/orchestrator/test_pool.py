@@ -5,11 +5,16 @@ import threading
 from contextlib import contextmanager
 import time
 
+import grpc
 import pytest
 
 from mirrorspec.client import Client
+from mirrorspec.config import SamplingParams
+from mirrorspec.serving.server import BackgroundServer, Service, start_grpc_server
+from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from mirrorspec.serving.errors import NoReplicaAvailable
 from orchestrator.pool import ReplicaPool, parse_addresses
+from orchestrator.remote import RemoteDrafter
 from served_stack import start_stack
 from support import load
 from test_generation_service import target_only
@@ -149,10 +154,39 @@ def test_killing_a_drafter_replica_moves_drafting_to_another_one(pooled, tiny_di
     assert last.stats.drafted > 0
 
 
+class CancellingDrafter(drafter_pb2_grpc.DrafterServiceServicer):
+    """A replica whose server cancels the calls in flight, as a stopping gRPC server does to the
+    calls it has not finished: its caller sees CANCELLED (or UNAVAILABLE, whichever arrives first)."""
+
+    async def OpenSession(self, request, context):
+        return drafter_pb2.OpenDraftSessionResponse(session_id="doomed")
+
+    async def CloseSession(self, request, context):
+        return common_pb2.CloseSessionResponse()
+
+    async def Draft(self, request, context):
+        await context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
+
+
+def test_a_drafter_call_its_replica_cancels_is_answered_by_another_replica(pooled):
+    cancelling = BackgroundServer(lambda: start_grpc_server(
+        [Service(drafter_pb2_grpc.add_DrafterServiceServicer_to_server, CancellingDrafter(), "drafter")],
+        "127.0.0.1", 0)).start()
+    pool = ReplicaPool("drafter", [f"127.0.0.1:{cancelling.port}"], drafter_pb2_grpc.DrafterServiceStub)
+    params = SamplingParams(max_new_tokens=20)
+    try:
+        remote = RemoteDrafter(pool, [1, 4, 4], params, 0, pooled.front.servicer.vocab_size, timeout_s=30)
+        pool.set_members([f"127.0.0.1:{cancelling.port}", pooled.front.servicer.drafters.addresses[0]])
+        proposal = remote.propose([1, 4, 4], 3, params, 0)
+        assert remote.failure is None and remote.moves == 1 and len(proposal.tokens) == 3
+        remote.release()
+    finally:
+        cancelling.stop()
+
+
 def test_a_stack_started_without_drafters_drafts_once_one_joins(tiny_dir):
     from drafter_service.servicer import DrafterConfig
     from drafter_service.servicer import serve as serve_drafter
-    from mirrorspec.serving.server import BackgroundServer
 
     s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, drafter_replicas=0)
     drafter = BackgroundServer(lambda: serve_drafter(DrafterConfig(strategy="draft-model",
