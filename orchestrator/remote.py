@@ -310,6 +310,7 @@ class RemoteVerifier(PooledSession):
         self.vocab_size = vocab_size
         self.gives_hints = gives_hints
         self.defer_prefill = defer_prefill
+        self._unary = True  # windows without hints go by VerifyWindow (until a replica lacks it)
         self.open(prompt)
         self.defer_prefill = False
 
@@ -327,6 +328,13 @@ class RemoteVerifier(PooledSession):
                                                hints=on_hint is not None)
             if proposal.tokens:
                 request.q.CopyFrom(proposal_to_proto(proposal.q))
+            if on_hint is None and self._unary:
+                try:
+                    return replica.stub.VerifyWindow(request, timeout=self.timeout_s)
+                except grpc.RpcError as err:  # a replica that predates VerifyWindow never ran it
+                    if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                        raise
+                    self._unary = False
             return _verdict_of(replica.stub.Verify(request, timeout=self.timeout_s), on_hint)
 
         started = time.perf_counter()

@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
 from mirrorspec.config import InvalidRequest, OutOfRange, ReplicaConfig
+from mirrorspec.drafting import Proposal
 from mirrorspec.drafting.draft_model import hint_vocabulary
 from mirrorspec.engine import TargetVerifier, validate_prompt
 from mirrorspec.models import KVSession, LoadedModel, LogitSession, load_causal_lm
 from mirrorspec.models.early_exit import EarlyExitProbe
+from mirrorspec.sampling import WindowVerdict
 from mirrorspec.serving.convert import (
     TOKEN_KIND_TO_PROTO,
     check_token_ids,
@@ -84,6 +87,30 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                                     prefill_time_s=time.perf_counter() - started)
 
     async def Verify(self, request, context):
+        async with self._window(request) as (session, seq, proposal):
+            started = time.perf_counter()
+            if request.hints and self.probe is not None:
+                hints: asyncio.Queue = asyncio.Queue()
+                loop = asyncio.get_running_loop()
+                on_hint = lambda hint: loop.call_soon_threadsafe(hints.put_nowait, hint)  # noqa: E731
+                verifying = asyncio.ensure_future(self.lane.run(
+                    partial(session.verifier.verify, on_hint=on_hint), seq.context, proposal, seq.params, seq.seed))
+                async for hint in _until_done(hints, verifying):
+                    yield target_pb2.VerifyResponse(hint=hint_to_proto(hint))
+                verdict = verifying.result()
+            else:  # no queue and no extra task per window
+                verdict = await self.lane.run(session.verifier.verify, seq.context, proposal, seq.params, seq.seed)
+        yield target_pb2.VerifyResponse(verdict=_verdict_to_proto(verdict, time.perf_counter() - started))
+
+    async def VerifyWindow(self, request, context):
+        async with self._window(request) as (session, seq, proposal):
+            started = time.perf_counter()
+            verdict = await self.lane.run(session.verifier.verify, seq.context, proposal, seq.params, seq.seed)
+        return _verdict_to_proto(verdict, time.perf_counter() - started)
+
+    @asynccontextmanager
+    async def _window(self, request) -> AsyncIterator[tuple[TargetSession, SequenceState, Proposal]]:
+        """A Verify's checks and commit, with its session held until the verdict is in."""
         session = self.sessions.get(request.session_id)
         if len(request.draft_tokens) > self.config.max_speculative_tokens:
             raise OutOfRange(f"{len(request.draft_tokens)} draft tokens exceed this target's "
@@ -97,21 +124,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 raise OutOfRange(f"the window would pass the context window of {self.loaded.max_context}",
                                  field="draft_tokens")
             seq.commit(commit, int(request.context_length))
-            started = time.perf_counter()
-            if request.hints and self.probe is not None:
-                hints: asyncio.Queue = asyncio.Queue()
-                loop = asyncio.get_running_loop()
-                on_hint = lambda hint: loop.call_soon_threadsafe(hints.put_nowait, hint)  # noqa: E731
-                verifying = asyncio.ensure_future(self.lane.run(
-                    partial(session.verifier.verify, on_hint=on_hint), seq.context, proposal, seq.params, seq.seed))
-                async for hint in _until_done(hints, verifying):
-                    yield target_pb2.VerifyResponse(hint=hint_to_proto(hint))
-                verdict = verifying.result()
-            else:  # the common path: no queue and no extra task per window
-                verdict = await self.lane.run(session.verifier.verify, seq.context, proposal, seq.params, seq.seed)
-        yield target_pb2.VerifyResponse(verdict=target_pb2.Verdict(
-            num_accepted=verdict.num_accepted, next_token=verdict.next_token,
-            next_kind=TOKEN_KIND_TO_PROTO[verdict.next_kind], verify_time_s=time.perf_counter() - started))
+            yield session, seq, proposal
 
     async def CloseSession(self, request, context):
         return common_pb2.CloseSessionResponse(existed=self.sessions.close(request.session_id))
@@ -122,6 +135,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                      max_sessions=self.config.max_sessions,
                                      max_speculative_tokens=self.config.max_speculative_tokens,
                                      hint_layer=self.probe.layer if self.probe else 0)
+
+
+def _verdict_to_proto(verdict: WindowVerdict, verify_time_s: float) -> target_pb2.Verdict:
+    return target_pb2.Verdict(num_accepted=verdict.num_accepted, next_token=verdict.next_token,
+                              next_kind=TOKEN_KIND_TO_PROTO[verdict.next_kind], verify_time_s=verify_time_s)
 
 
 async def _until_done(queue: asyncio.Queue, task: asyncio.Future) -> AsyncIterator:

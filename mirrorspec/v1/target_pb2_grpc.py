@@ -45,6 +45,11 @@ class TargetServiceStub:
                 request_serializer=mirrorspec_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=mirrorspec_dot_v1_dot_target__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyWindow = channel.unary_unary(
+                '/mirrorspec.v1.TargetService/VerifyWindow',
+                request_serializer=mirrorspec_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=mirrorspec_dot_v1_dot_target__pb2.Verdict.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/mirrorspec.v1.TargetService/CloseSession',
                 request_serializer=mirrorspec_dot_v1_dot_common__pb2.CloseSessionRequest.SerializeToString,
@@ -74,6 +79,15 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyWindow(self, request, context):
+        """The verdict alone, for a caller that asks for no hints (`hints` is ignored). Unary, so the
+        verdict and the call's status leave in one write: a stream's status follows its last message
+        in a write of its own, which the caller has to wait for, once per window.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CloseSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -98,6 +112,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=mirrorspec_dot_v1_dot_target__pb2.VerifyRequest.FromString,
                     response_serializer=mirrorspec_dot_v1_dot_target__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyWindow': grpc.unary_unary_rpc_method_handler(
+                    servicer.VerifyWindow,
+                    request_deserializer=mirrorspec_dot_v1_dot_target__pb2.VerifyRequest.FromString,
+                    response_serializer=mirrorspec_dot_v1_dot_target__pb2.Verdict.SerializeToString,
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
@@ -164,6 +183,33 @@ class TargetService:
             '/mirrorspec.v1.TargetService/Verify',
             mirrorspec_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
             mirrorspec_dot_v1_dot_target__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyWindow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mirrorspec.v1.TargetService/VerifyWindow',
+            mirrorspec_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
+            mirrorspec_dot_v1_dot_target__pb2.Verdict.FromString,
             options,
             channel_credentials,
             insecure,

@@ -370,8 +370,13 @@ def q_frame(probs, ids=None):
     return q
 
 
-def verify(stub, **fields):
-    return list(stub.Verify(target_pb2.VerifyRequest(**fields)))
+@pytest.fixture(params=["Verify", "VerifyWindow"])
+def verify(request):
+    """Both ways to verify a window check it the same way."""
+    def call(stub, **fields):
+        answer = getattr(stub, request.param)(target_pb2.VerifyRequest(**fields))
+        return answer if request.param == "VerifyWindow" else list(answer)
+    return call
 
 
 @pytest.mark.parametrize("q,code,needle", [
@@ -382,7 +387,7 @@ def verify(stub, **fields):
     (common_pb2.ProposalDistribution(probs=common_pb2.TensorFrame(frame=b"junk")),
      grpc.StatusCode.INVALID_ARGUMENT, "tensor frame"),
 ])
-def test_target_rejects_malformed_q(target_stub, q, code, needle):
+def test_target_rejects_malformed_q(target_stub, verify, q, code, needle):
     sid = target_stub.OpenSession(target_pb2.OpenTargetSessionRequest(prompt_ids=[0, 1])).session_id
     try:
         with pytest.raises(grpc.RpcError) as err:
@@ -393,7 +398,7 @@ def test_target_rejects_malformed_q(target_stub, q, code, needle):
         target_stub.CloseSession(common_pb2.CloseSessionRequest(session_id=sid))
 
 
-def test_target_session_errors(target_stub):
+def test_target_session_errors(target_stub, verify):
     with pytest.raises(grpc.RpcError) as err:
         verify(target_stub, session_id="nope", context_length=2)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "OpenSession" in err.value.details()

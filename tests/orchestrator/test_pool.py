@@ -170,7 +170,8 @@ class CancellingDrafter(drafter_pb2_grpc.DrafterServiceServicer):
 
 def test_a_drafter_call_its_replica_cancels_is_answered_by_another_replica(pooled):
     cancelling = BackgroundServer(lambda: start_grpc_server(
-        [Service(drafter_pb2_grpc.add_DrafterServiceServicer_to_server, CancellingDrafter(), "drafter")],
+        [Service(drafter_pb2_grpc.add_DrafterServiceServicer_to_server, CancellingDrafter(),
+                 "mirrorspec.v1.DrafterService")],
         "127.0.0.1", 0)).start()
     pool = ReplicaPool("drafter", [f"127.0.0.1:{cancelling.port}"], drafter_pb2_grpc.DrafterServiceStub)
     params = SamplingParams(max_new_tokens=20)
