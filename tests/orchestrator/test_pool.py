@@ -11,10 +11,11 @@ import pytest
 from mirrorspec.client import Client
 from mirrorspec.config import SamplingParams
 from mirrorspec.serving.server import BackgroundServer, Service, start_grpc_server
-from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from mirrorspec.drafting import Proposal
+from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
 from mirrorspec.serving.errors import NoReplicaAvailable
 from orchestrator.pool import ReplicaPool, parse_addresses
-from orchestrator.remote import RemoteDrafter
+from orchestrator.remote import RemoteDrafter, RemoteVerifier
 from served_stack import start_stack
 from support import load
 from test_generation_service import target_only
@@ -168,18 +169,47 @@ class CancellingDrafter(drafter_pb2_grpc.DrafterServiceServicer):
         await context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
 
 
-def test_a_drafter_call_its_replica_cancels_is_answered_by_another_replica(pooled):
-    cancelling = BackgroundServer(lambda: start_grpc_server(
-        [Service(drafter_pb2_grpc.add_DrafterServiceServicer_to_server, CancellingDrafter(),
-                 "mirrorspec.v1.DrafterService")],
-        "127.0.0.1", 0)).start()
-    pool = ReplicaPool("drafter", [f"127.0.0.1:{cancelling.port}"], drafter_pb2_grpc.DrafterServiceStub)
-    params = SamplingParams(max_new_tokens=20)
+class CancellingTarget(target_pb2_grpc.TargetServiceServicer):
+    """The same, on the target side: without a move, the request itself would fail."""
+
+    async def OpenSession(self, request, context):
+        return target_pb2.OpenTargetSessionResponse(session_id="doomed")
+
+    async def CloseSession(self, request, context):
+        return common_pb2.CloseSessionResponse()
+
+    async def VerifyWindow(self, request, context):
+        await context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
+
+
+CANCELLING = {
+    "drafter": (CancellingDrafter, drafter_pb2_grpc.add_DrafterServiceServicer_to_server,
+                drafter_pb2_grpc.DrafterServiceStub, "mirrorspec.v1.DrafterService"),
+    "target": (CancellingTarget, target_pb2_grpc.add_TargetServiceServicer_to_server,
+               target_pb2_grpc.TargetServiceStub, "mirrorspec.v1.TargetService"),
+}
+
+
+@pytest.mark.parametrize("side", ["drafter", "target"])
+def test_a_call_its_replica_cancels_is_answered_by_another_replica(pooled, tiny_dir, side):
+    servicer, add_to_server, stub, service = CANCELLING[side]
+    cancelling = BackgroundServer(lambda: start_grpc_server([Service(add_to_server, servicer(), service)],
+                                                            "127.0.0.1", 0)).start()
+    healthy = getattr(pooled.front.servicer, f"{side}s").addresses[0]
+    pool = ReplicaPool(side, [f"127.0.0.1:{cancelling.port}"], stub)
+    params, prompt = SamplingParams(max_new_tokens=20), [1, 4, 4]
     try:
-        remote = RemoteDrafter(pool, [1, 4, 4], params, 0, pooled.front.servicer.vocab_size, timeout_s=30)
-        pool.set_members([f"127.0.0.1:{cancelling.port}", pooled.front.servicer.drafters.addresses[0]])
-        proposal = remote.propose([1, 4, 4], 3, params, 0)
-        assert remote.failure is None and remote.moves == 1 and len(proposal.tokens) == 3
+        if side == "drafter":
+            remote = RemoteDrafter(pool, prompt, params, 0, 16, timeout_s=30)
+            pool.set_members([f"127.0.0.1:{cancelling.port}", healthy])
+            assert len(remote.propose(prompt, 3, params, 0).tokens) == 3 and remote.failure is None
+        else:
+            remote = RemoteVerifier(pool, prompt, params, 0, 16, timeout_s=30)
+            pool.set_members([f"127.0.0.1:{cancelling.port}", healthy])
+            verdict = remote.verify(prompt, Proposal.empty(), params, 0)
+            assert verdict.next_token == target_only(load(tiny_dir["target16"]), prompt, 1)[0]
+        session = remote.session if side == "drafter" else remote
+        assert remote.moves == 1 and session.replica.address == healthy
         remote.release()
     finally:
         cancelling.stop()
