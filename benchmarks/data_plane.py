@@ -8,6 +8,12 @@ drives them with the orchestrator's own RemoteDrafter / RemoteVerifier. Overhead
 client-side call time minus the compute time the servers report, for both calls of the window.
 Measured twice: servers as threads of this process (sharing its GIL), and as separate processes
 (`python -m target_service`, `python -m drafter_service`).
+
+Beside it, the floor: two empty round trips per window (a health check on each server), each
+sent after its server idled as long as it does in the window loop. That is what this machine
+charges any gRPC call to a server that has been waiting, whatever the payload and the servicer;
+on a VM, waking an idle core is most of it. The overhead above the floor is what the codec and
+the servicers add.
 """
 
 from __future__ import annotations
@@ -102,6 +108,35 @@ def _listening_port(proc, log) -> int:
     return int(line.rsplit(" ", 1)[1])
 
 
+def round_trip_floor(target_address: str, drafter_address: str, target_idle_s: float, drafter_idle_s: float,
+                     windows: int) -> list[float]:
+    """Seconds per window of two empty round trips (health checks), the target's after it idled
+    ``target_idle_s`` and the drafter's after ``drafter_idle_s``, as in the window loop."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    channels = [grpc.insecure_channel(a) for a in (target_address, drafter_address)]
+    try:
+        target, drafter = (health_pb2_grpc.HealthStub(c) for c in channels)
+        check = health_pb2.HealthCheckRequest()
+        target.Check(check, timeout=10)
+        drafter.Check(check, timeout=10)
+        floors = []
+        for _ in range(windows):
+            time.sleep(target_idle_s)  # the target waits while the drafter drafts
+            started = time.perf_counter()
+            target.Check(check, timeout=10)
+            spent = time.perf_counter() - started
+            time.sleep(drafter_idle_s)  # and the drafter while the target verifies
+            started = time.perf_counter()
+            drafter.Check(check, timeout=10)
+            floors.append(spent + time.perf_counter() - started)
+        return floors
+    finally:
+        for channel in channels:
+            channel.close()
+
+
 def measure(target_dir: Path, draft_dir: Path, proposal_top_k: int, k: int, windows: int, separate: bool) -> dict:
     from mirrorspec import SamplingParams, SpeculationConfig
     from mirrorspec.engine import GenerationStats, decode_windows
@@ -117,22 +152,26 @@ def measure(target_dir: Path, draft_dir: Path, proposal_top_k: int, k: int, wind
         drafters = ReplicaPool("drafter", [drafter_address], drafter_pb2_grpc.DrafterServiceStub)
         params = SamplingParams(temperature=1.0, max_new_tokens=windows * (k + 1))
         prompt = [1, 2, 3, 4]
-        overheads, q_bytes = [], []
         for _ in range(2):  # the first pass warms up connections and allocators
-            overheads.clear()
+            overheads, verify_calls, draft_calls = [], [], []
             v = RemoteVerifier(targets, prompt, params, 0, VOCAB)
             d = RemoteDrafter(drafters, prompt, params, 0, VOCAB)
-            last = 0.0
+            last = (0.0, 0.0, 0.0)
             stats = GenerationStats()
             for i, _event in enumerate(decode_windows(d, v, prompt, params, SpeculationConfig(num_speculative_tokens=k),
                                                       0, stats)):
-                network = v.times.network_s + d.times.network_s
-                overheads.append(network - last)
-                last = network
+                now = (v.times.network_s + d.times.network_s, v.times.call_s, d.times.call_s)
+                overhead, verify_call, draft_call = (a - b for a, b in zip(now, last))
+                overheads.append(overhead)
+                verify_calls.append(verify_call)
+                draft_calls.append(draft_call)
+                last = now
                 if i + 1 >= windows:
                     break
             v.release()
             d.release()
+        floors = round_trip_floor(target_address, drafter_address, statistics.median(draft_calls),
+                                  statistics.median(verify_calls), len(overheads))
         # bytes of q on the wire for one full window, as the drafter and the target see it
         session = RemoteDrafter(drafters, prompt, params, 0, VOCAB)
         proposal = session.propose(prompt, k, params, 0)
@@ -144,6 +183,8 @@ def measure(target_dir: Path, draft_dir: Path, proposal_top_k: int, k: int, wind
             "windows": len(overheads),
             "overhead_ms_p50": 1000 * statistics.median(overheads),
             "overhead_ms_p99": 1000 * percentile(overheads, 0.99),
+            "floor_ms_p50": 1000 * statistics.median(floors),
+            "above_floor_ms_p50": 1000 * (statistics.median(overheads) - statistics.median(floors)),
             "q_bytes_per_window": q_bytes,
             "acceptance_rate": stats.acceptance_rate,
         }
@@ -165,10 +206,13 @@ def main(argv=None) -> int:
     target_dir, draft_dir = tiny_model(root / "target", 0), tiny_model(root / "draft", 1)
     rows = [measure(target_dir, draft_dir, top_k, args.k, args.windows, separate)
             for separate in (False, True) for top_k in (32, 0)]
-    print(f"{'servers':20s} {'q':16s} {'p50 ms':>8s} {'p99 ms':>8s} {'q bytes/window':>15s}")
+    print(f"{'servers':20s} {'q':16s} {'p50 ms':>8s} {'p99 ms':>8s} {'floor ms':>9s} {'above':>7s} "
+          f"{'q bytes/window':>15s}")
     for r in rows:
         print(f"{r['servers']:20s} {r['q']:16s} {r['overhead_ms_p50']:8.3f} {r['overhead_ms_p99']:8.3f} "
-              f"{r['q_bytes_per_window']:15,d}")
+              f"{r['floor_ms_p50']:9.3f} {r['above_floor_ms_p50']:7.3f} {r['q_bytes_per_window']:15,d}")
+    print("floor: two empty round trips per window (health checks), each after its server idled as in the "
+          "window loop; above: p50 minus the floor")
     print(f"dense/sparse bytes ratio: {rows[1]['q_bytes_per_window'] / rows[0]['q_bytes_per_window']:.0f}x")
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"data_plane-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -104,3 +104,19 @@ def test_a_server_that_fails_to_start_says_why_and_takes_the_other_down(tiny_dir
     left = [p for p in psutil.Process().children(recursive=True)
             if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert left == []
+
+
+@pytest.mark.slow
+def test_data_plane_reports_its_overhead_beside_the_round_trip_floor(tmp_path, capsys):
+    from benchmarks import data_plane
+
+    assert data_plane.main(["--windows", "10", "--k", "2", "--out", str(tmp_path)]) == 0
+    result = json.loads(next(tmp_path.glob("data_plane-*.json")).read_text())
+    rows = {(r["servers"], r["q"]): r for r in result["rows"]}
+    assert set(rows) == {(s, q) for s in ("in this process", "separate processes") for q in ("sparse top-32", "dense")}
+    for r in rows.values():
+        assert r["windows"] == 10 and r["floor_ms_p50"] > 0
+        assert r["above_floor_ms_p50"] == pytest.approx(r["overhead_ms_p50"] - r["floor_ms_p50"])
+    sparse, dense = (rows["separate processes", q]["q_bytes_per_window"] for q in ("sparse top-32", "dense"))
+    assert dense > 100 * sparse
+    assert "floor ms" in capsys.readouterr().out
