@@ -87,6 +87,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         response.draft_time_s = time.perf_counter() - started
         return response
 
+    async def DraftWindows(self, requests, context):
+        """Draft call after Draft call of one caller on one stream, each answered as Draft would."""
+        async for request in requests:
+            yield await self.Draft(request, context)
+
     async def DraftBranches(self, request, context):
         session = self.sessions.get(request.session_id)
         branch_tokens = check_token_ids(request.branch_tokens, self.vocab_size, "branch_tokens")

@@ -18,6 +18,7 @@ import grpc
 
 from mirrorspec.serving.errors import NoReplicaAvailable
 from mirrorspec.serving.server import CHANNEL_OPTIONS
+from orchestrator.window_stream import Watchdog
 
 __all__ = ["NoReplicaAvailable", "Replica", "ReplicaPool", "parse_addresses"]
 
@@ -51,6 +52,7 @@ class ReplicaPool:
         self._changed = threading.Condition()
         self._members: dict[str, Replica] = {}
         self._failed_at: dict[str, float] = {}
+        self.watchdog = Watchdog(f"{name}-deadlines")  # per-window deadlines of its sessions' streams
         self.set_members(addresses)
 
     @property
@@ -128,3 +130,4 @@ class ReplicaPool:
 
     def close(self) -> None:
         self.set_members([])
+        self.watchdog.stop()

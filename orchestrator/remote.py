@@ -32,6 +32,7 @@ from mirrorspec.serving.convert import (
 )
 from mirrorspec.v1 import common_pb2, drafter_pb2, target_pb2
 from orchestrator.pool import NoReplicaAvailable, Replica, ReplicaPool
+from orchestrator.window_stream import WindowStream
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,9 @@ class PooledSession:
         self.session_id: str | None = None
         self.held: list[int] = []  # the context the remote session holds
         self.moves = 0  # reopenings after the first open
+        self.streams = True  # window calls go as messages on a stream (until a replica predates that)
+        self._stream: WindowStream | None = None
+        self._stream_replica: Replica | None = None
 
     def open_request(self, context: Sequence[int], params: SamplingParams):
         raise NotImplementedError
@@ -138,6 +142,30 @@ class PooledSession:
         raise NoReplicaAvailable(f"the {self.pool.name} session moved {self.max_moves_per_call} times in one "
                                  f"window without an answer; the {self.pool.name} pool is unhealthy")
 
+    def stream_call(self, replica: Replica, method: str, request):
+        """``request`` as the next message on this session's ``method`` stream to ``replica``
+        (opened on first use, and again after an error or a move); None where the replica predates
+        ``method``, and from then on: the caller makes the unary call instead. UNIMPLEMENTED
+        means no handler ran, so that retry is safe."""
+        if not self.streams:
+            return None
+        if self._stream is None or self._stream_replica is not replica:
+            self._close_stream()
+            self._stream = WindowStream(getattr(replica.stub, method), self.pool.watchdog)
+            self._stream_replica = replica
+        try:
+            return self._stream.call(request, self.timeout_s)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            self.streams = False
+            return None
+
+    def _close_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+        self._stream = self._stream_replica = None
+
     def move(self, context: Sequence[int], avoid: set[str] | None = None) -> None:
         self._let_go()
         self.moves += 1
@@ -146,6 +174,7 @@ class PooledSession:
     def _let_go(self) -> None:
         if self.replica is None:
             return
+        self._close_stream()
         if self.pool.is_member(self.replica):
             _close_quietly(self.replica.stub, self.session_id)
         else:  # drained: closing still frees its KV cache so the drain can finish
@@ -261,6 +290,10 @@ class RemoteDrafter(Drafter):
                                                context_length=len(context), k=k, branch_tokens=branch_tokens or ())
             if keep < len(self.session.held):
                 request.keep = keep
+            if method == "Draft":
+                response = self.session.stream_call(replica, "DraftWindows", request)
+                if response is not None:
+                    return response
             return getattr(replica.stub, method)(request, timeout=self.session.timeout_s)
 
         started = time.perf_counter()
@@ -328,6 +361,10 @@ class RemoteVerifier(PooledSession):
                                                hints=on_hint is not None)
             if proposal.tokens:
                 request.q.CopyFrom(proposal_to_proto(proposal.q))
+            if on_hint is None:
+                verdict = self.stream_call(replica, "VerifyWindows", request)
+                if verdict is not None:
+                    return verdict
             if on_hint is None and self._unary:
                 try:
                     return replica.stub.VerifyWindow(request, timeout=self.timeout_s)

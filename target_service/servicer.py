@@ -108,6 +108,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             verdict = await self.lane.run(session.verifier.verify, seq.context, proposal, seq.params, seq.seed)
         return _verdict_to_proto(verdict, time.perf_counter() - started)
 
+    async def VerifyWindows(self, requests, context):
+        """Window after window of one caller on one stream, each answered as VerifyWindow would."""
+        async for request in requests:
+            yield await self.VerifyWindow(request, context)
+
     @asynccontextmanager
     async def _window(self, request) -> AsyncIterator[tuple[TargetSession, SequenceState, Proposal]]:
         """A Verify's checks and commit, with its session held until the verdict is in."""

@@ -58,7 +58,7 @@ _PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
 
 
 class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
-    """Wraps every unary and server-streaming handler; unknown errors become INTERNAL, logged.
+    """Wraps every unary and streaming-response handler; unknown errors become INTERNAL, logged.
 
     A method's handler never changes, so each is wrapped once and reused: the interceptor sits
     on every Draft and Verify, where a per-call rebuild is measurable overhead."""
@@ -85,6 +85,11 @@ class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
                 _wrap_stream(handler.unary_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        if handler.stream_stream:  # the request iterator stands where a unary-stream handler's request does
+            return grpc.stream_stream_rpc_method_handler(
+                _wrap_stream(handler.stream_stream, method),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)
         return handler

@@ -45,6 +45,11 @@ class DrafterServiceStub:
                 request_serializer=mirrorspec_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
                 response_deserializer=mirrorspec_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
                 _registered_method=True)
+        self.DraftWindows = channel.stream_stream(
+                '/mirrorspec.v1.DrafterService/DraftWindows',
+                request_serializer=mirrorspec_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
+                response_deserializer=mirrorspec_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
+                _registered_method=True)
         self.DraftBranches = channel.unary_unary(
                 '/mirrorspec.v1.DrafterService/DraftBranches',
                 request_serializer=mirrorspec_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
@@ -78,6 +83,14 @@ class DrafterServiceServicer:
 
     def Draft(self, request, context):
         """Appends the tokens committed since the last call, then drafts up to k tokens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DraftWindows(self, request_iterator, context):
+        """One session's Draft calls as messages on one bidirectional stream, answered in order (see
+        TargetService.VerifyWindows). An error ends the stream with that call's status.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -124,6 +137,11 @@ def add_DrafterServiceServicer_to_server(servicer, server):
             ),
             'Draft': grpc.unary_unary_rpc_method_handler(
                     servicer.Draft,
+                    request_deserializer=mirrorspec_dot_v1_dot_drafter__pb2.DraftRequest.FromString,
+                    response_serializer=mirrorspec_dot_v1_dot_drafter__pb2.DraftResponse.SerializeToString,
+            ),
+            'DraftWindows': grpc.stream_stream_rpc_method_handler(
+                    servicer.DraftWindows,
                     request_deserializer=mirrorspec_dot_v1_dot_drafter__pb2.DraftRequest.FromString,
                     response_serializer=mirrorspec_dot_v1_dot_drafter__pb2.DraftResponse.SerializeToString,
             ),
@@ -200,6 +218,33 @@ class DrafterService:
             request,
             target,
             '/mirrorspec.v1.DrafterService/Draft',
+            mirrorspec_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
+            mirrorspec_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DraftWindows(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/mirrorspec.v1.DrafterService/DraftWindows',
             mirrorspec_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
             mirrorspec_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
             options,

@@ -50,6 +50,11 @@ class TargetServiceStub:
                 request_serializer=mirrorspec_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=mirrorspec_dot_v1_dot_target__pb2.Verdict.FromString,
                 _registered_method=True)
+        self.VerifyWindows = channel.stream_stream(
+                '/mirrorspec.v1.TargetService/VerifyWindows',
+                request_serializer=mirrorspec_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=mirrorspec_dot_v1_dot_target__pb2.Verdict.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/mirrorspec.v1.TargetService/CloseSession',
                 request_serializer=mirrorspec_dot_v1_dot_common__pb2.CloseSessionRequest.SerializeToString,
@@ -88,6 +93,15 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyWindows(self, request_iterator, context):
+        """One session's windows without hints on one bidirectional stream: each request is a window,
+        answered in order by its verdict. A window then costs a message, not a call; on an idle
+        server that is ~0.4 ms less per window. An error ends the stream with that window's status.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CloseSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -115,6 +129,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
             ),
             'VerifyWindow': grpc.unary_unary_rpc_method_handler(
                     servicer.VerifyWindow,
+                    request_deserializer=mirrorspec_dot_v1_dot_target__pb2.VerifyRequest.FromString,
+                    response_serializer=mirrorspec_dot_v1_dot_target__pb2.Verdict.SerializeToString,
+            ),
+            'VerifyWindows': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifyWindows,
                     request_deserializer=mirrorspec_dot_v1_dot_target__pb2.VerifyRequest.FromString,
                     response_serializer=mirrorspec_dot_v1_dot_target__pb2.Verdict.SerializeToString,
             ),
@@ -208,6 +227,33 @@ class TargetService:
             request,
             target,
             '/mirrorspec.v1.TargetService/VerifyWindow',
+            mirrorspec_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
+            mirrorspec_dot_v1_dot_target__pb2.Verdict.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyWindows(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/mirrorspec.v1.TargetService/VerifyWindows',
             mirrorspec_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
             mirrorspec_dot_v1_dot_target__pb2.Verdict.FromString,
             options,

@@ -302,7 +302,7 @@ def test_drafter_failure_mid_request_falls_back_without_losing_it(tiny_dir, mirr
         with Client(s.address) as client:
             stream = client.stream([0, 7, 3], max_tokens=60, mirror=mirror)
             first = next(stream)
-            s.drafter.stop()  # the drafter replica dies mid-request
+            s.drafter.stop(grace=0)  # the drafter replica dies mid-request (no grace for its streams)
             rest = list(stream)
         tokens = list(first.token_ids) + [t for c in rest for t in c.token_ids]
         assert tokens == target_only(model, [0, 7, 3], 60)
@@ -370,11 +370,14 @@ def q_frame(probs, ids=None):
     return q
 
 
-@pytest.fixture(params=["Verify", "VerifyWindow"])
+@pytest.fixture(params=["Verify", "VerifyWindow", "VerifyWindows"])
 def verify(request):
-    """Both ways to verify a window check it the same way."""
+    """Every way to verify a window checks it the same way."""
     def call(stub, **fields):
-        answer = getattr(stub, request.param)(target_pb2.VerifyRequest(**fields))
+        message = target_pb2.VerifyRequest(**fields)
+        if request.param == "VerifyWindows":
+            return list(stub.VerifyWindows(iter([message])))
+        answer = getattr(stub, request.param)(message)
         return answer if request.param == "VerifyWindow" else list(answer)
     return call
 

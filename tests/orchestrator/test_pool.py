@@ -110,7 +110,9 @@ def test_concurrent_requests_spread_over_target_replicas(pooled):
 
 def test_killing_the_target_replica_mid_request_moves_the_session_and_changes_nothing(pooled, tiny_dir):
     targets = pooled.front.servicer.targets
-    tokens, last = stream_with(pooled, [0, 7, 3], 60, lambda: server_at(pooled.targets, holder(targets)).stop())
+    # no grace: a stopping server would go on serving its open window streams through the grace
+    tokens, last = stream_with(pooled, [0, 7, 3], 60,
+                               lambda: server_at(pooled.targets, holder(targets)).stop(grace=0))
     assert tokens == target_only(load(tiny_dir["target16"]), [0, 7, 3], 60)
     assert last.finish_reason == "length" and last.stats.target_moves >= 1
 
@@ -147,7 +149,7 @@ def test_killing_a_drafter_replica_moves_drafting_to_another_one(pooled, tiny_di
 
     def kill_the_drafter_mid_request():
         with targets_held(pooled):
-            server_at(pooled.drafters, holder(drafters)).stop()
+            server_at(pooled.drafters, holder(drafters)).stop(grace=0)
 
     tokens, last = stream_with(pooled, [1, 4, 4], 60, kill_the_drafter_mid_request)
     assert tokens == target_only(load(tiny_dir["target16"]), [1, 4, 4], 60)
@@ -168,6 +170,11 @@ class CancellingDrafter(drafter_pb2_grpc.DrafterServiceServicer):
     async def Draft(self, request, context):
         await context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
 
+    async def DraftWindows(self, requests, context):
+        async for _ in requests:
+            await context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
+        yield drafter_pb2.DraftResponse()  # never reached with a request; makes this a stream handler
+
 
 class CancellingTarget(target_pb2_grpc.TargetServiceServicer):
     """The same, on the target side: without a move, the request itself would fail."""
@@ -180,6 +187,11 @@ class CancellingTarget(target_pb2_grpc.TargetServiceServicer):
 
     async def VerifyWindow(self, request, context):
         await context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
+
+    async def VerifyWindows(self, requests, context):
+        async for _ in requests:
+            await context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
+        yield target_pb2.Verdict()  # never reached with a request; makes this a stream handler
 
 
 CANCELLING = {

@@ -1,6 +1,8 @@
-"""VerifyWindow (unary) against Verify (server streaming): the same verdicts, and callers that
-fall back to Verify on a target built before VerifyWindow, over real loopback gRPC servers."""
+"""VerifyWindows (a stream of windows) and VerifyWindow (unary) against Verify (server streaming):
+the same verdicts, and callers that fall back a step on a target built before either, over real
+loopback gRPC servers."""
 
+import queue
 import random
 
 import grpc
@@ -16,7 +18,6 @@ from orchestrator.pool import ReplicaPool
 from orchestrator.remote import RemoteVerifier
 from support import load
 from target_service.servicer import TargetConfig, TargetServicer
-from target_service.servicer import serve as serve_target
 
 
 def sparse_q(tokens):
@@ -39,37 +40,46 @@ class _HandlerRecorder:
         self.handlers = handlers
 
 
-def add_target_without_verify_window(servicer, server):
-    """How a target built before VerifyWindow registers: callers of it get UNIMPLEMENTED."""
-    recorder = _HandlerRecorder()
-    target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, recorder)
-    handlers = {name: h for name, h in recorder.handlers.items() if name != "VerifyWindow"}
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("mirrorspec.v1.TargetService",
-                                                                          handlers),))
+def target_without(*methods):
+    """How a target built before ``methods`` registers: callers of them get UNIMPLEMENTED."""
+    def add_to_server(servicer, server):
+        recorder = _HandlerRecorder()
+        target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, recorder)
+        handlers = {name: h for name, h in recorder.handlers.items() if name not in methods}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("mirrorspec.v1.TargetService",
+                                                                              handlers),))
+    return add_to_server
+
+
+VINTAGES = {"current": (), "before VerifyWindows": ("VerifyWindows",),
+            "before VerifyWindow": ("VerifyWindows", "VerifyWindow")}
 
 
 @pytest.fixture(scope="module")
 def targets(tiny_dir):
-    """A current target and one that predates VerifyWindow, on the same model."""
-    current = BackgroundServer(lambda: serve_target(TargetConfig(model=str(tiny_dir["target16"])))).start()
+    """A current target, and targets that predate the window stream and the unary verify, on
+    the same model."""
     config = TargetConfig(model=str(tiny_dir["target16"]))
-    old_servicer = TargetServicer(load_causal_lm(str(tiny_dir["target16"]), tokenizer=False), config)
-    old = BackgroundServer(lambda: start_grpc_server(
-        [Service(add_target_without_verify_window, old_servicer, "mirrorspec.v1.TargetService")],
-        "127.0.0.1", 0)).start()
-    yield {"current": f"127.0.0.1:{current.port}", "old": f"127.0.0.1:{old.port}"}
-    old.stop()
-    current.stop()
+    loaded = load_causal_lm(str(tiny_dir["target16"]), tokenizer=False)
+    servers = {vintage: BackgroundServer(lambda missing=missing: start_grpc_server(
+        [Service(target_without(*missing), TargetServicer(loaded, config), "mirrorspec.v1.TargetService")],
+        "127.0.0.1", 0)).start() for vintage, missing in VINTAGES.items()}
+    yield {vintage: f"127.0.0.1:{server.port}" for vintage, server in servers.items()}
+    for server in servers.values():
+        server.stop()
 
 
-def test_verify_window_gives_the_verdicts_verify_gives(targets):
-    """Twin sessions with the same seed, one verified window by window through each RPC, sampled:
-    every verdict (accepted count, next token and its kind) is the same."""
+def test_every_way_to_verify_gives_the_same_verdicts(targets):
+    """Triplet sessions with the same seed, each verified window by window through one RPC (the
+    stream's windows all on one stream), sampled: every verdict (accepted count, next token and
+    its kind) is the same."""
     stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(targets["current"]))
     params = common_pb2.SamplingParams(temperature=1.0, max_new_tokens=100)
     prompt = [3, 1, 4]
-    streamed, unary = (stub.OpenSession(target_pb2.OpenTargetSessionRequest(prompt_ids=prompt, params=params,
-                                                                              seed=5)).session_id for _ in range(2))
+    streamed, unary, windowed = (stub.OpenSession(target_pb2.OpenTargetSessionRequest(
+        prompt_ids=prompt, params=params, seed=5)).session_id for _ in range(3))
+    windows = queue.SimpleQueue()
+    window_verdicts = stub.VerifyWindows(iter(windows.get, None))
     rng = random.Random(0)
     context, commit, kinds = list(prompt), [], set()
     for _ in range(25):
@@ -79,19 +89,24 @@ def test_verify_window_gives_the_verdicts_verify_gives(targets):
             fields["q"] = sparse_q(drafts)
         (event,) = stub.Verify(target_pb2.VerifyRequest(session_id=streamed, **fields))
         verdict = stub.VerifyWindow(target_pb2.VerifyRequest(session_id=unary, **fields))
+        windows.put(target_pb2.VerifyRequest(session_id=windowed, **fields))
+        on_stream = next(window_verdicts)
         assert (verdict.num_accepted, verdict.next_token, verdict.next_kind) == (
-            event.verdict.num_accepted, event.verdict.next_token, event.verdict.next_kind)
+            event.verdict.num_accepted, event.verdict.next_token, event.verdict.next_kind) == (
+            on_stream.num_accepted, on_stream.next_token, on_stream.next_kind)
         kinds.add(verdict.next_kind)
         context += commit
         commit = drafts[:verdict.num_accepted] + [verdict.next_token]
     assert len(kinds) >= 2  # windows ended both ways: a recovered token and a bonus one (or a plain step)
-    for sid in (streamed, unary):
+    windows.put(None)
+    assert list(window_verdicts) == []  # the stream ends once the caller half-closes
+    for sid in (streamed, unary, windowed):
         stub.CloseSession(common_pb2.CloseSessionRequest(session_id=sid))
 
 
 def decode_through(address, tiny_dir, params):
     """Tokens of one request decoded with an in-process draft and the target at ``address``, and
-    whether its verifier still verifies by VerifyWindow at the end."""
+    whether its verifier still verifies on a stream, and by VerifyWindow, at the end."""
     pool = ReplicaPool("target", [address], target_pb2_grpc.TargetServiceStub)
     prompt = [2, 7, 7]
     verifier = RemoteVerifier(pool, prompt, params, 9, 16, timeout_s=30)
@@ -100,13 +115,14 @@ def decode_through(address, tiny_dir, params):
                                             SpeculationConfig(num_speculative_tokens=3), 9, GenerationStats())
               for t in event.tokens]
     verifier.release()
-    return tokens, verifier._unary
+    return tokens, (verifier.streams, verifier._unary)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_target_without_verify_window_is_verified_by_verify_instead(targets, tiny_dir, temperature):
+def test_an_older_target_is_verified_the_way_it_knows(targets, tiny_dir, temperature):
     params = SamplingParams(max_new_tokens=40, temperature=temperature)
-    on_current, unary_on_current = decode_through(targets["current"], tiny_dir, params)
-    on_old, unary_on_old = decode_through(targets["old"], tiny_dir, params)
-    assert on_old == on_current and len(on_old) == 40
-    assert unary_on_current and not unary_on_old
+    decoded = {vintage: decode_through(address, tiny_dir, params) for vintage, address in targets.items()}
+    assert all(tokens == decoded["current"][0] for tokens, _ in decoded.values())
+    assert len(decoded["current"][0]) == 40
+    assert {vintage: ways for vintage, (_, ways) in decoded.items()} == {
+        "current": (True, True), "before VerifyWindows": (False, True), "before VerifyWindow": (False, False)}
