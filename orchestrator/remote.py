@@ -75,8 +75,7 @@ class PooledSession:
         self.held: list[int] = []  # the context the remote session holds
         self.moves = 0  # reopenings after the first open
         self.streams = True  # window calls go as messages on a stream (until a replica predates that)
-        self._stream: WindowStream | None = None
-        self._stream_replica: Replica | None = None
+        self._stream: WindowStream | None = None  # on ``self.replica``; a move closes it
 
     def open_request(self, context: Sequence[int], params: SamplingParams):
         raise NotImplementedError
@@ -149,10 +148,8 @@ class PooledSession:
         means no handler ran, so that retry is safe."""
         if not self.streams:
             return None
-        if self._stream is None or self._stream_replica is not replica:
-            self._close_stream()
+        if self._stream is None:
             self._stream = WindowStream(getattr(replica.stub, method), self.pool.watchdog)
-            self._stream_replica = replica
         try:
             return self._stream.call(request, self.timeout_s)
         except grpc.RpcError as err:
@@ -164,7 +161,7 @@ class PooledSession:
     def _close_stream(self) -> None:
         if self._stream is not None:
             self._stream.close()
-        self._stream = self._stream_replica = None
+        self._stream = None
 
     def move(self, context: Sequence[int], avoid: set[str] | None = None) -> None:
         self._let_go()
@@ -365,13 +362,13 @@ class RemoteVerifier(PooledSession):
                 verdict = self.stream_call(replica, "VerifyWindows", request)
                 if verdict is not None:
                     return verdict
-            if on_hint is None and self._unary:
-                try:
-                    return replica.stub.VerifyWindow(request, timeout=self.timeout_s)
-                except grpc.RpcError as err:  # a replica that predates VerifyWindow never ran it
-                    if err.code() != grpc.StatusCode.UNIMPLEMENTED:
-                        raise
-                    self._unary = False
+                if self._unary:
+                    try:
+                        return replica.stub.VerifyWindow(request, timeout=self.timeout_s)
+                    except grpc.RpcError as err:  # a replica that predates VerifyWindow never ran it
+                        if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                            raise
+                        self._unary = False
             return _verdict_of(replica.stub.Verify(request, timeout=self.timeout_s), on_hint)
 
         started = time.perf_counter()

@@ -23,21 +23,22 @@ import grpc
 _END = object()  # ends the request iterator: the client half-closes the stream
 
 
-class WindowDeadlineExceeded(grpc.RpcError):
-    """A window on a stream got no answer in time; reads like a unary call's DEADLINE_EXCEEDED."""
+class StreamStatus(grpc.RpcError):
+    """A status the caller's side of a window stream decides (a missed deadline, a stream the
+    server ended without answering); reads like the status of a unary call."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, code: grpc.StatusCode, details: str):
         super().__init__()
-        self.timeout_s = timeout_s
+        self._code, self._details = code, details
 
     def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.DEADLINE_EXCEEDED
+        return self._code
 
     def details(self) -> str:
-        return f"no answer to the window within {self.timeout_s:g} s"
+        return self._details
 
     def __str__(self) -> str:
-        return f"DEADLINE_EXCEEDED: {self.details()}"
+        return f"{self._code.name}: {self._details}"
 
 
 class _Armed:
@@ -123,11 +124,13 @@ class WindowStream:
             return next(self._responses)
         except StopIteration:  # the server closed the stream without answering (shutting down)
             self.close()
-            raise _StreamEnded() from None
+            raise StreamStatus(grpc.StatusCode.UNAVAILABLE,
+                               "the replica closed the window stream without answering") from None
         except grpc.RpcError:
             self.close()
             if armed is not None and self._watchdog.disarm(armed):
-                raise WindowDeadlineExceeded(timeout_s) from None
+                raise StreamStatus(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"no answer to the window within {timeout_s:g} s") from None
             raise
         finally:
             if armed is not None:
@@ -138,13 +141,3 @@ class WindowStream:
         if self._requests is not None:
             self._requests.put(_END)
         self._requests = self._responses = None
-
-
-class _StreamEnded(grpc.RpcError):
-    """The server ended a window stream without an answer: it is going away."""
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.UNAVAILABLE
-
-    def details(self) -> str:
-        return "the replica closed the window stream without answering"
