@@ -2,7 +2,7 @@
 
     python -m benchmarks.hints [--hint-layer 27] [--datasets humaneval,mtbench] [--num-prompts 3]
                                [--max-tokens 64] [--k 4] [--max-branches 4] [--alternatives 2]
-                               [--prompt-lookup 2] [--reps 60]
+                               [--prompt-lookup 2] [--draft-confidence 0.3] [--reps 60]
 
 Part 1 times the very call a hinted verify makes (``KVSession.logits_for`` over K + 1 positions
 inside ``EarlyExitProbe.watching``) with no hint, a hint over the whole vocabulary, and one over
@@ -12,7 +12,8 @@ three alike; one torch thread, as a target replica runs.
 Part 2 decodes the same prompts greedily in process with mirror always branching (up to
 ``--max-branches`` per window) and counts how many windows' verdicts a branch held, with the
 draft's own guesses alone and with either hint. The drafter is what the servers run by default:
-prompt lookup in front of the draft model (``--prompt-lookup 0``: the model alone). Greedy
+prompt lookup in front of the draft model (``--prompt-lookup 0``: the model alone), its windows
+ending at its first unsure token (``--draft-confidence 0``: always K). Greedy
 decoding makes these counts exact and repeatable, so the vocabularies compare without timing
 noise.
 """
@@ -29,7 +30,14 @@ import torch
 
 from benchmarks.prompts import checked_datasets, load_prompts
 from mirrorspec import SamplingParams, SpeculationConfig
-from mirrorspec.config import DEFAULT_PROMPT_LOOKUP, InvalidRequest, MirrorConfig, check_prompt_lookup
+from mirrorspec.config import (
+    DEFAULT_DRAFT_CONFIDENCE,
+    DEFAULT_PROMPT_LOOKUP,
+    InvalidRequest,
+    MirrorConfig,
+    check_draft_confidence,
+    check_prompt_lookup,
+)
 from mirrorspec.drafting.draft_model import declared_vocabulary
 from mirrorspec.engine import GenerationStats, TargetVerifier, decode_windows, make_drafter
 from mirrorspec.mirror import MirrorPipeline
@@ -68,7 +76,8 @@ def branch_hits(target: LoadedModel, draft: torch.nn.Module, prompts: list[list[
         stats = GenerationStats()
         pipeline = MirrorPipeline(MirrorConfig(stop_at_verdict=False, max_branches=args.max_branches,
                                                alternatives=args.alternatives, use_hints=probe is not None))
-        drafter = make_drafter(draft, proposal_top_k=32, prompt_lookup=args.prompt_lookup)
+        drafter = make_drafter(draft, proposal_top_k=32, prompt_lookup=args.prompt_lookup,
+                               draft_confidence=args.draft_confidence)
         try:
             for _ in decode_windows(drafter, TargetVerifier(KVSession(target.model), probe), ids, params,
                                     SpeculationConfig(num_speculative_tokens=args.k), 0, stats, pipeline):
@@ -92,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--alternatives", type=int, default=MirrorConfig.alternatives)
     parser.add_argument("--prompt-lookup", type=int, default=DEFAULT_PROMPT_LOOKUP, metavar="N",
                         help="prompt lookup before the draft model, as the servers run it (0 = the model alone)")
+    parser.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE, metavar="P",
+                        help="a draft window ends after the draft's first token below P (0 = off)")
     parser.add_argument("--reps", type=int, default=60)
     parser.add_argument("--target", default="demo-target")
     parser.add_argument("--draft", default="demo-draft")
@@ -102,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         check_prompt_lookup(args.prompt_lookup)
     except InvalidRequest as err:
         parser.error(f"--prompt-lookup: {err}")
+    try:
+        check_draft_confidence(args.draft_confidence)
+    except InvalidRequest as err:
+        parser.error(f"--draft-confidence: {err}")
     if args.alternatives < 0:
         parser.error(f"--alternatives must be >= 0, got {args.alternatives}")
 

@@ -98,14 +98,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         if not 1 <= len(branch_tokens) <= MAX_BRANCHES:
             raise OutOfRange(f"DraftBranches takes 1 to {MAX_BRANCHES} branch_tokens, got {len(branch_tokens)}",
                              field="branch_tokens")
+        forks = _fork_points(request.branch_forks, len(branch_tokens), int(request.context_length))
         async with session.lock:
             k = self._advance(session, request, reserve=1)
             started = time.perf_counter()
             seq = session.sequence
             proposals = await self.lane.run(session.drafter.propose_branches, list(seq.context), branch_tokens, k,
-                                            seq.params, seq.seed)
+                                            seq.params, seq.seed, forks)
         return drafter_pb2.DraftBranchesResponse(drafts=[_draft_response(p) for p in proposals],
-                                                 draft_time_s=time.perf_counter() - started)
+                                                 draft_time_s=time.perf_counter() - started, forked=forks is not None)
 
     async def RankTokens(self, request, context):
         session = self.sessions.get(request.session_id)
@@ -156,6 +157,23 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         if self.loaded is not None:
             info.model.CopyFrom(describe_model(self.loaded))
         return info
+
+
+def _fork_points(forks, num_branches: int, context_length: int) -> list[int] | None:
+    """A DraftBranches request's fork points (None: all at the end), checked against its branches
+    and the committed context."""
+    if not forks:
+        return None
+    points = [int(f) for f in forks]
+    if len(points) != num_branches:
+        raise InvalidRequest(f"branch_forks holds {len(points)} fork points for {num_branches} branch_tokens; send "
+                             "one per branch token (or none: all at the end of the context)", field="branch_forks")
+    for b, point in enumerate(points):
+        if not 1 <= point <= context_length:
+            raise InvalidRequest(f"branch_forks[{b}]={point} is outside [1, context_length={context_length}]: a "
+                                 "branch forks after at least one token and at most the whole context",
+                                 field="branch_forks")
+    return points
 
 
 def _draft_response(proposal) -> drafter_pb2.DraftResponse:

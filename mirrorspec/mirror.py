@@ -11,8 +11,11 @@ Its context is then exactly the true context, and ``propose`` draws from the DRA
 absolute positions (counter-based randomness), so the branch is the very proposal a fresh draft
 would make: same tokens, same q. Mirror mode changes *when* drafting happens, not what is drafted.
 
-Guesses that fork at the same point j are drafted together (``Drafter.propose_branches``: one
-batched forward per step for a draft model, one call for a remote drafter).
+The best guesses are drafted together, wherever in the window they fork (``Drafter.propose_branches``
+with fork points: one batched forward per step for a draft model, each row masked to its own
+prefix; one call for a remote drafter). The verdict is spread over the window's positions, so a
+batch of the best few guesses across them holds it about twice as often as the best guesses at
+one point.
 
 Guesses, best first: for each rejection point j < K, the drafter's own runner-up tokens at j
 (a rejected draft is never the recovered token: the residual is 0 there; where the window was
@@ -21,7 +24,8 @@ verify, ``Drafter.alternatives_for``); for "all accepted", the drafter's greedy 
 its last draft. Ranked by P(n = j) under the running
 acceptance estimate. A verifier that gives early-exit hints (``mirrorspec.models.early_exit``)
 sends the target's own leaning part-way through the verify: the pipeline drafts its best own
-guess, waits for the hint (or the verdict), then ranks the hint's guesses with the rest.
+guesses (half the branches at most), waits for the hint (or the verdict), then ranks the hint's
+guesses with the rest.
 """
 
 from __future__ import annotations
@@ -214,21 +218,25 @@ class MirrorPipeline:
                 continue
             if not pending:
                 break
-            # the guesses that fork where the best one does are drafted together, in one batched
-            # forward per step, for about the price of one: they start (or not) as one group
-            j = pending[0][1]
-            group = [g for g in pending if g[1] == j][:self.config.max_branches - len(branches)]
+            # the best guesses, wherever they fork, are drafted together (one batched forward per
+            # step, for not much more than the price of one); a branch is only any use if drafted
+            # with the K its window will ask for, so a group keeps to one K. Before a hint, the
+            # drafter's own guesses take half the branches: the rest are the hint's to steer
+            room = self.config.max_branches - len(branches)
+            if wants_hints:
+                room = -(-self.config.max_branches // 2)
+            k = k_after(pending[0][1], pending[0][1] + 1)
+            group = [g for g in pending if k_after(g[1], g[1] + 1) == k][:room]
             if self.config.stop_at_verdict and not self.worth_starting(sum(g[0] for g in group),
                                                                        time.perf_counter() - started):
                 break  # the rest are likelier misses still
-            pending = [g for g in pending if g[1] != j]
-            k = k_after(j, j + 1)
-            if k <= 0:  # no next window after this verdict (or not one worth drafting)
+            pending = [g for g in pending if g not in group]
+            if k <= 0:  # no next window after these verdicts (or not one worth drafting)
                 continue
             group_started = time.perf_counter()
-            drafted_group = self._draft_group(drafter, [*context, *proposal.tokens[:j]], [g[2] for g in group],
-                                              k, params, seed, exclude={t for (i, t) in branches if i == j})
-            branches.update({(j, token): Branch(j, token, k, drafted) for token, drafted in drafted_group})
+            drafted_group = self._draft_group(drafter, context, proposal.tokens, [(j, c) for _, j, c in group], k,
+                                              params, seed, exclude=set(branches))
+            branches.update({key: Branch(*key, k, drafted) for key, drafted in drafted_group})
             drafting_s += time.perf_counter() - group_started
             groups += 1
         drafted = time.perf_counter()
@@ -242,20 +250,25 @@ class MirrorPipeline:
                         (started, drafted))
 
     @staticmethod
-    def _draft_group(drafter: Drafter, head: list[int], guessed: list[int | None], k: int, params: SamplingParams,
-                     seed: int, exclude: set[int]) -> list[tuple[int, Proposal]]:
-        """Branches after ``head`` for each guessed next token (None: the drafter's own greedy
-        choice there, the guess for "all accepted"), drafted together."""
-        tokens: list[int] = []
-        for c in guessed:
+    def _draft_group(drafter: Drafter, context: Sequence[int], window: Sequence[int],
+                     guessed: list[tuple[int, int | None]], k: int, params: SamplingParams, seed: int,
+                     exclude: set[tuple[int, int]]) -> list[tuple[tuple[int, int], Proposal]]:
+        """Branches for each guessed verdict (j, c), drafted together: after the window's first j
+        drafts, then c (None: the drafter's own greedy choice there, the guess for "all accepted")."""
+        keys: list[tuple[int, int]] = []
+        for j, c in guessed:
             if c is None:
-                bonus = drafter.propose(head, 1, GREEDY, seed)
+                bonus = drafter.propose([*context, *window[:j]], 1, GREEDY, seed)
                 if not bonus.tokens:
                     continue
                 c = bonus.tokens[0]
-            tokens.append(c)
-        group = [t for t in dict.fromkeys(tokens) if t not in exclude]
-        return list(zip(group, drafter.propose_branches(head, group, k, params, seed))) if group else []
+            keys.append((j, c))
+        keys = [key for key in dict.fromkeys(keys) if key not in exclude]
+        if not keys:
+            return []
+        head = [*context, *window[:max(j for j, _ in keys)]]
+        forks = [len(context) + j for j, _ in keys]
+        return list(zip(keys, drafter.propose_branches(head, [c for _, c in keys], k, params, seed, forks)))
 
     def observe_hit(self, hit: bool) -> None:
         """Whether the last window's branches held the verdict (the engine knows, at ``take``)."""

@@ -217,6 +217,7 @@ class RemoteDrafter(Drafter):
         self.vocab_size = vocab_size
         self.failure: str | None = None
         self._ranks = True  # the replicas answer RankTokens (mirror guesses for looked-up windows)
+        self._forks = True  # the replicas honour DraftBranches' branch_forks
         # drafts are optional: never wait for a drafter to come up, go on target-only instead
         self.session = _DraftSession(pool, prompt, params, seed, timeout_s, replacement_wait_s=0.0,
                                      caller_looks_up=caller_lookup > 0)
@@ -229,15 +230,31 @@ class RemoteDrafter(Drafter):
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, seed: int) -> Proposal:
         if not self.drafting(k):
             return Proposal.empty()
-        return self._guard(lambda: self._draft(context, k)[0]) or Proposal.empty()
+        return self._guard(lambda: self._draft(context, k)[0][0]) or Proposal.empty()
 
     def propose_branches(self, head: Sequence[int], next_tokens: Sequence[int], k: int, params: SamplingParams,
-                         seed: int) -> list[Proposal]:
-        """All of them in one DraftBranches call (one batched forward per step on the replica)."""
+                         seed: int, fork_points: Sequence[int] | None = None) -> list[Proposal]:
+        """All of them in one DraftBranches call (one batched forward per step on the replica),
+        whichever point of ``head`` each forks at; on a replica built before fork points, one call
+        per fork point."""
         none = [Proposal.empty() for _ in next_tokens]
         if not self.drafting(k):
             return none
-        return self._guard(lambda: self._draft(head, k, list(next_tokens))) or none
+        forks = list(fork_points) if fork_points is not None else [len(head)] * len(next_tokens)
+        return self._guard(lambda: self._draft_branches(head, list(next_tokens), forks, k)) or none
+
+    def _draft_branches(self, head: Sequence[int], tokens: list[int], forks: list[int], k: int) -> list[Proposal]:
+        if self._forks and len(set(forks)) > 1:
+            drafts, forked = self._draft(head, k, tokens, forks)
+            if forked:
+                return drafts
+            self._forks = False  # it drafted them all at the end of head: unusable, and so is the next call
+        by_fork: dict[int, Proposal] = {}
+        for point in dict.fromkeys(forks):
+            at = [b for b, f in enumerate(forks) if f == point]
+            drafts, _ = self._draft(head[:point], k, [tokens[b] for b in at])
+            by_fork.update(zip(at, drafts))
+        return [by_fork[b] for b in range(len(tokens))]
 
     def drafting(self, k: int) -> bool:
         """Whether a call for ``k`` drafts gets any: not after a failure, nor while paused. Each
@@ -271,20 +288,25 @@ class RemoteDrafter(Drafter):
 
         return self._guard(rank) or ()
 
-    def _draft(self, context: Sequence[int], k: int, branch_tokens: list[int] | None = None) -> list[Proposal]:
-        """Draft after ``context`` (one proposal), or after each of ``branch_tokens``."""
-        response = self._call("DraftBranches" if branch_tokens else "Draft", context, k, branch_tokens)
+    def _draft(self, context: Sequence[int], k: int, branch_tokens: list[int] | None = None,
+               fork_points: list[int] | None = None) -> tuple[list[Proposal], bool]:
+        """Draft after ``context`` (one proposal), or after each of ``branch_tokens`` (at its fork
+        point); with whether the replica honoured the fork points."""
+        response = self._call("DraftBranches" if branch_tokens else "Draft", context, k, branch_tokens, fork_points)
         drafts = list(response.drafts) if branch_tokens else [response]
         if branch_tokens and len(drafts) != len(branch_tokens):
             raise InvalidRequest(f"the drafter answered {len(drafts)} branches for {len(branch_tokens)} asked",
                                  field="branch_tokens")
-        return [proposal_from_proto(d.tokens, d.q, self.vocab_size, d.alternatives) for d in drafts]
+        forked = bool(fork_points) and response.forked
+        return [proposal_from_proto(d.tokens, d.q, self.vocab_size, d.alternatives) for d in drafts], forked
 
-    def _call(self, method: str, context: Sequence[int], k: int, branch_tokens: list[int] | None = None):
+    def _call(self, method: str, context: Sequence[int], k: int, branch_tokens: list[int] | None = None,
+              fork_points: list[int] | None = None):
         """One DrafterService call that commits (or forks to) ``context`` first; timed."""
         def rpc(replica: Replica, session_id: str, keep: int, commit: list[int]):
             request = drafter_pb2.DraftRequest(session_id=session_id, commit_tokens=commit,
-                                               context_length=len(context), k=k, branch_tokens=branch_tokens or ())
+                                               context_length=len(context), k=k, branch_tokens=branch_tokens or (),
+                                               branch_forks=fork_points or ())
             if keep < len(self.session.held):
                 request.keep = keep
             if method == "Draft":

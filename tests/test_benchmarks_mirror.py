@@ -43,7 +43,8 @@ def test_a_short_run_writes_json_and_a_timeline_and_every_mode_is_identical(tmp_
 @pytest.mark.parametrize("argv,flag", [(["--num-prompts", "0"], "--num-prompts"), (["--reps", "0"], "--reps"),
                                        (["--datasets", "nope"], "--datasets"),
                                        (["--prompt-lookup", "9"], "--prompt-lookup"),
-                                       (["--alternatives", "-1"], "--alternatives")])
+                                       (["--alternatives", "-1"], "--alternatives"),
+                                       (["--draft-confidence", "1.5"], "--draft-confidence")])
 def test_hint_benchmark_flags_are_named(argv, flag, capsys):
     from benchmarks.hints import main as hints_main
 

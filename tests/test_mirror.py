@@ -83,6 +83,40 @@ def test_hint_guesses_follow_where_the_target_leans():
     assert ranked[0][0] == pytest.approx(0.7 * 0.65 * 0.8)
 
 
+class RecordingDrafter(DraftModelDrafter):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batches: list[list[int]] = []  # the fork points of each propose_branches call
+
+    def propose_branches(self, head, next_tokens, k, params, seed, fork_points=None):
+        self.batches.append(list(fork_points))
+        return super().propose_branches(head, next_tokens, k, params, seed, fork_points)
+
+
+def test_the_best_guesses_are_drafted_in_one_batch_wherever_they_fork(tiny_dir):
+    """The verdict is spread over the window's positions, so the first batch takes the best guesses
+    across them, not only those at the likeliest one; each branch is a fresh draft of its key's
+    context."""
+    import support
+
+    target, draft = support.load(tiny_dir["target16"]), support.load(tiny_dir["draft16"])
+    context, params = [0, 3, 5, 2], SamplingParams(max_new_tokens=16)
+    proposal = Proposal(tokens=(5, 6, 7), q=ProposalRows.one_hot([5, 6, 7]), alternatives=((5, 1, 2), (3, 6, 4), (7, 8, 9)))
+    drafter = RecordingDrafter(draft)
+    pipeline = MirrorPipeline(MirrorConfig(max_branches=4, alternatives=2, stop_at_verdict=False))
+    try:
+        prefetch = pipeline.verify_while_drafting(TargetVerifier(KVSession(target)), drafter, context, proposal,
+                                                  params, 0, 0.5, lambda n, m: 3)
+    finally:
+        pipeline.close()
+    # at alpha 0.5: two guesses at the first draft, one at the second, then "all accepted"
+    assert drafter.batches == [[4, 4, 5, 7]]
+    assert [key for key in prefetch.branches][:3] == [(0, 1), (0, 2), (1, 3)]
+    for (j, c), branch in prefetch.branches.items():
+        alone = DraftModelDrafter(draft).propose([*context, *proposal.tokens[:j], c], 3, params, 0)
+        assert branch.proposal.tokens == alone.tokens and branch.k == 3
+
+
 class OracleHints:
     """A verifier whose "early-exit hint" is its verdict (sent before it returns): the pipeline,
     once its own best guess is drafted, must draft the branch the hint points at."""

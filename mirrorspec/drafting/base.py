@@ -60,10 +60,12 @@ class Drafter(ABC):
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, seed: int) -> Proposal: ...
 
     def propose_branches(self, head: Sequence[int], next_tokens: Sequence[int], k: int, params: SamplingParams,
-                         seed: int) -> list[Proposal]:
-        """``propose([*head, c], k, ...)`` for each c: mirror branches that fork at the same point.
-        Strategies that can draft them together (one batched forward) override this."""
-        return [self.propose([*head, c], k, params, seed) for c in next_tokens]
+                         seed: int, fork_points: Sequence[int] | None = None) -> list[Proposal]:
+        """``propose([*head[:fork], c], k, ...)`` for each next token c and its fork point (default:
+        all of ``head``): mirror branches, each a guess of where the target rejects and what it
+        says there. Strategies that can draft them together (one batched forward) override this."""
+        forks = fork_points if fork_points is not None else [len(head)] * len(next_tokens)
+        return [self.propose([*head[:f], c], k, params, seed) for f, c in zip(forks, next_tokens)]
 
     def alternatives_for(self, context: Sequence[int], tokens: Sequence[int]) -> tuple[tuple[int, ...], ...]:
         """The drafter's own most likely tokens, best first, at each position of ``tokens`` continuing

@@ -106,22 +106,24 @@ class DraftModelDrafter(Drafter):
         return _proposal(steps)
 
     def propose_branches(self, head: Sequence[int], next_tokens: Sequence[int], k: int, params: SamplingParams,
-                         seed: int) -> list[Proposal]:
-        """Every branch in one batched forward per step. Each row draws from its own q with the
-        uniforms of its own positions, so each branch is the proposal ``propose([*head, c], k)``
-        would make (up to float rounding between batched and single forwards)."""
+                         seed: int, fork_points: Sequence[int] | None = None) -> list[Proposal]:
+        """Every branch in one batched forward per step, whichever point of ``head`` it forks at.
+        Each row draws from its own q with the uniforms of its own positions, so each branch is the
+        proposal ``propose([*head[:fork], c], k)`` would make (up to float rounding between batched
+        and single forwards)."""
         if k <= 0 or len(next_tokens) < 2 or not isinstance(self.session, KVSession):
-            return super().propose_branches(head, next_tokens, k, params, seed)
-        start = len(head) + 1  # every branch drafts at the same positions
-        u = uniforms(seed, range(start, start + k), Stream.DRAFT)  # [k]
-        batch = self.session.fork(head, next_tokens)
+            return super().propose_branches(head, next_tokens, k, params, seed, fork_points)
+        forks = list(fork_points) if fork_points is not None else [len(head)] * len(next_tokens)
+        # row b drafts at positions fork_b + 1 ... fork_b + k
+        u = torch.stack([uniforms(seed, range(f + 1, f + 1 + k), Stream.DRAFT) for f in forks])  # [B, k]
+        batch = self.session.fork(head, next_tokens, forks)
         branches: list[list[DraftStep]] = [[] for _ in next_tokens]
         drafting = [True] * len(branches)  # a branch stops after its first unsure token, as in propose
         for i in range(k):
             logits = batch.step()  # [B, vocab or m]
             for b, steps in enumerate(branches):
                 if drafting[b]:
-                    steps.append(self._draw(logits[b:b + 1], params, u[i:i + 1]))
+                    steps.append(self._draw(logits[b:b + 1], params, u[b, i:i + 1]))
                     drafting[b] = not self._unsure(steps[-1])
             if not any(drafting):
                 break

@@ -44,15 +44,18 @@ class HybridDrafter(Drafter):
         return _join(found, self.model.propose([*context, *looked_up], k - len(looked_up), params, seed))
 
     def propose_branches(self, head: Sequence[int], next_tokens: Sequence[int], k: int, params: SamplingParams,
-                         seed: int) -> list[Proposal]:
+                         seed: int, fork_points: Sequence[int] | None = None) -> list[Proposal]:
         """Branches whose context repeats itself are looked up one by one (and topped up by the
         model where the match runs out); the model drafts all the others together, in one batched
         forward per step (over gRPC: one DraftBranches call). Each is ``propose`` on its context."""
-        repeats = [bool(k > 0 and self.lookup.lookup([*head, c], 1)) for c in next_tokens]
-        drafted = [c for c, repeat in zip(next_tokens, repeats) if not repeat]
-        batch = iter(self.model.propose_branches(head, drafted, k, params, seed) if drafted else ())
-        return [self.propose([*head, c], k, params, seed) if repeat else next(batch)
-                for c, repeat in zip(next_tokens, repeats)]
+        forks = list(fork_points) if fork_points is not None else [len(head)] * len(next_tokens)
+        contexts = [[*head[:f], c] for f, c in zip(forks, next_tokens)]
+        repeats = [bool(k > 0 and self.lookup.lookup(context, 1)) for context in contexts]
+        drafted = [(f, c) for f, c, repeat in zip(forks, next_tokens, repeats) if not repeat]
+        batch = iter(self.model.propose_branches(head, [c for _, c in drafted], k, params, seed,
+                                                 [f for f, _ in drafted]) if drafted else ())
+        return [self.propose(context, k, params, seed) if repeat else next(batch)
+                for context, repeat in zip(contexts, repeats)]
 
     def alternatives_for(self, context: Sequence[int], tokens: Sequence[int]) -> tuple[tuple[int, ...], ...]:
         """The model's view of looked-up tokens: where the target rejects one, its token is likelier

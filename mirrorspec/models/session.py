@@ -109,27 +109,33 @@ class KVSession:
         self.tokens = list(context)
         return self.forward(new, self._cache, num_positions)
 
-    def forward(self, input_ids: torch.Tensor, cache: DynamicCache, num_positions: int) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache: DynamicCache, num_positions: int,
+                **masking: torch.Tensor) -> torch.Tensor:
         """Feed ``input_ids`` through ``cache``; logits of the last positions, over the head's rows.
+        ``masking``: ``attention_mask`` and ``position_ids`` where rows skip cached positions.
 
         # [batch, n] -> [batch, num_positions, vocab or m] float32
         """
         if self._head is not None:
-            hidden = self.model.get_decoder()(input_ids=input_ids, past_key_values=cache, use_cache=True)
+            hidden = self.model.get_decoder()(input_ids=input_ids, past_key_values=cache, use_cache=True, **masking)
             return self._head(hidden.last_hidden_state[:, -num_positions:]).float()
         # logits_to_keep: a 49k-vocabulary head over every prompt position costs more than the prefill
-        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=num_positions)
+        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=num_positions,
+                         **masking)
         return out.logits[:, -num_positions:].float()
 
     @torch.inference_mode()
-    def fork(self, prefix: Sequence[int], next_tokens: Sequence[int]) -> BranchBatch:
-        """Continuations of ``prefix``, one per next token, decoded side by side (mirror branches
-        that fork at the same point). This session keeps ``prefix`` cached and is not changed."""
+    def fork(self, prefix: Sequence[int], next_tokens: Sequence[int],
+             fork_points: Sequence[int] | None = None) -> BranchBatch:
+        """Continuations of ``prefix``, one per next token, decoded side by side (mirror branches).
+        Row b continues ``prefix[:fork_points[b]]`` (default: all of ``prefix``), so branches that
+        fork at different points of one window share one batch. This session keeps ``prefix``
+        cached and is not changed."""
         if common_prefix_length(self.tokens, prefix) < len(prefix):  # cache the rest; its logits are unused
             self._extend(prefix, 1)
         else:
             self.rollback(len(prefix))
-        return BranchBatch(self, next_tokens)
+        return BranchBatch(self, next_tokens, fork_points)
 
     def rollback(self, length: int) -> None:
         """Forget every cached position from ``length`` on."""
@@ -152,18 +158,40 @@ class KVSession:
 
 class BranchBatch:
     """B sequences sharing a session's cached prefix, one batched forward per step: the prefix's
-    KV cache is copied B times once, and every row advances one token per ``step``."""
+    KV cache is copied B times once, and every row advances one token per ``step``.
 
-    def __init__(self, session: KVSession, next_tokens: Sequence[int]):
+    A row that forks before the end of the prefix keeps the whole cache but is masked off the
+    positions past its fork point, and its new tokens take the positions right after that point:
+    it attends to exactly what a single sequence ``prefix[:fork] + its tokens`` would (masked
+    keys get zero weight), so one batch serves guesses at every rejection point of a window.
+    """
+
+    def __init__(self, session: KVSession, next_tokens: Sequence[int], fork_points: Sequence[int] | None = None):
         self.session = session
         self._cache = copy.deepcopy(session._cache)
         self._cache.batch_repeat_interleave(len(next_tokens))
         self._next = self._column(next_tokens)
+        self._steps = 0
+        cached = len(session.tokens)
+        forks = [cached] * len(next_tokens) if fork_points is None else [int(f) for f in fork_points]
+        if len(forks) != len(next_tokens) or not all(0 < f <= cached for f in forks):
+            raise ValueError(f"fork points must be one per next token, each in [1, {cached}]; got {forks}")
+        self._forks = torch.tensor(forks, dtype=torch.long, device=session.device)  # [B]
+        self._prefix_mask = None  # [B, cached], 0 past each row's fork; None where every row forks at the end
+        if min(forks) < cached:
+            self._prefix_mask = (torch.arange(cached, device=session.device) < self._forks[:, None]).long()
 
     @torch.inference_mode()
     def step(self) -> torch.Tensor:
         """Feed each row's pending token. # -> [B, vocab or m] float32"""
-        return self.session.forward(self._next, self._cache, 1)[:, 0]
+        masking = {}
+        if self._prefix_mask is not None:
+            rows = len(self._forks)
+            fed = torch.ones(rows, self._steps + 1, dtype=torch.long, device=self.session.device)  # [B, steps + 1]
+            masking = {"attention_mask": torch.cat([self._prefix_mask, fed], dim=1),  # [B, cached + steps + 1]
+                       "position_ids": (self._forks + self._steps)[:, None]}  # [B, 1]
+        self._steps += 1
+        return self.session.forward(self._next, self._cache, 1, **masking)[:, 0]
 
     def feed(self, tokens: Sequence[int]) -> None:
         self._next = self._column(tokens)

@@ -113,13 +113,15 @@ def test_sub_vocabulary_greedy_draft_is_the_argmax_over_its_ids(tiny_dir):
         context.append(token)
 
 
+@pytest.mark.parametrize("forks", [None, [4, 1, 3, 2]], ids=["one-fork-point", "four-fork-points"])
 @pytest.mark.parametrize("stops", [False, True])
 @pytest.mark.parametrize("sub_vocabulary", [False, True])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_branches_drafted_together_are_the_branches_drafted_one_by_one(tiny_dir, sub_vocabulary, temperature, stops):
-    """One batched forward per step for every branch that forks at the same point: each branch is
-    what a fresh draft of its own context gives (stopping where it would stop alone), and the
-    session goes on as if it had drafted none."""
+def test_branches_drafted_together_are_the_branches_drafted_one_by_one(tiny_dir, sub_vocabulary, temperature, stops,
+                                                                       forks):
+    """One batched forward per step for every branch, wherever in the head it forks: each branch
+    is what a fresh draft of its own context gives (stopping where it would stop alone, drawing
+    the uniforms of its own positions), and the session goes on as if it had drafted none."""
     from support import load
 
     model = sub_vocabulary_draft(tiny_dir, [1, 2, 4, 8, 9, 12]) if sub_vocabulary else load(tiny_dir["draft16"])
@@ -129,9 +131,10 @@ def test_branches_drafted_together_are_the_branches_drafted_one_by_one(tiny_dir,
     confidence = (0.98 if sub_vocabulary else 0.8) if stops else 0.0
     together = DraftModelDrafter(model, proposal_top_k=4, confidence=confidence)
     together.propose([*head, 7, 7], 2, params, seed=3)  # a cache that holds more than the head
-    branches = together.propose_branches(head, next_tokens, k, params, seed=3)
-    for c, branch in zip(next_tokens, branches):
-        alone = DraftModelDrafter(model, proposal_top_k=4, confidence=confidence).propose([*head, c], k, params, seed=3)
+    branches = together.propose_branches(head, next_tokens, k, params, seed=3, fork_points=forks)
+    for c, fork, branch in zip(next_tokens, forks or [len(head)] * 4, branches):
+        alone = DraftModelDrafter(model, proposal_top_k=4, confidence=confidence).propose([*head[:fork], c], k,
+                                                                                          params, seed=3)
         assert branch.tokens == alone.tokens and branch.alternatives == alone.alternatives
         assert torch.allclose(branch.q.dense(16), alone.q.dense(16), atol=1e-6)
     if stops:

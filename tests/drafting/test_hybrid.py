@@ -64,10 +64,11 @@ def test_branches_are_the_proposals_made_one_by_one(tiny_draft):
     assert branches[0].tokens == (2, 6, 1)
 
 
-def test_branches_that_do_not_repeat_are_batched_beside_those_that_do(tiny_draft):
+@pytest.mark.parametrize("forks", [None, [7, 7, 5]], ids=["one-fork-point", "two-fork-points"])
+def test_branches_that_do_not_repeat_are_batched_beside_those_that_do(tiny_draft, forks):
     """A group that mixes both: the model drafts the non-repeating branches in one batch (one
-    DraftBranches call when the model is remote), and every branch is still ``propose`` on its own
-    context."""
+    DraftBranches call when the model is remote), wherever they fork, and every branch is still
+    ``propose`` on its own context."""
     model = DraftModelDrafter(tiny_draft)
     batches = []
     batched_draft = model.propose_branches
@@ -79,11 +80,11 @@ def test_branches_that_do_not_repeat_are_batched_beside_those_that_do(tiny_draft
     model.propose_branches = counted
     hybrid = HybridDrafter(model, min_match=2)
     head = [0, 3, 5, 2, 6, 1, 3]
-    branches = hybrid.propose_branches(head, [7, 5, 4], 3, SAMPLED, seed=4)  # only "3 5" repeats
+    branches = hybrid.propose_branches(head, [7, 5, 4], 3, SAMPLED, seed=4, fork_points=forks)  # "3 5" repeats
     assert batches == [[7, 4]]
     fresh = HybridDrafter(DraftModelDrafter(tiny_draft), min_match=2)
-    for branch, c in zip(branches, [7, 5, 4]):
-        alone = fresh.propose([*head, c], 3, SAMPLED, seed=4)
+    for branch, c, fork in zip(branches, [7, 5, 4], forks or [len(head)] * 3):
+        alone = fresh.propose([*head[:fork], c], 3, SAMPLED, seed=4)
         assert branch.tokens == alone.tokens
         assert torch.allclose(branch.q.dense(8), alone.q.dense(8), atol=1e-6)
 

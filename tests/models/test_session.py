@@ -2,6 +2,7 @@
 
 import random
 
+import pytest
 import torch
 
 from mirrorspec.models import KVSession, common_prefix_length
@@ -49,3 +50,25 @@ def test_explicit_rollback_then_rescoring_is_consistent(tiny_target):
     session.rollback(0)
     assert session.tokens == []
     torch.testing.assert_close(session.logits_for([0, 1, 2, 3, 4, 5], 3), full)
+
+
+def test_rows_forked_at_different_points_see_only_their_own_prefix(tiny_dir):
+    """A batch of branches that fork at different points of one cached prefix: every row's logits,
+    step after step, are those of its own sequence scored alone."""
+    import support
+
+    model = support.load(tiny_dir["target16"])
+    session = KVSession(model)
+    prefix, next_tokens, forks = [0, 5, 9, 3, 7, 2], [4, 11, 6, 4], [6, 2, 4, 1]
+    batch = session.fork(prefix, next_tokens, forks)
+    rows = [[*prefix[:f], c] for f, c in zip(forks, next_tokens)]
+    for step in range(3):
+        logits = batch.step()  # [4, vocab]
+        for b, row in enumerate(rows):
+            torch.testing.assert_close(logits[b], MemoSession(model).logits_for(row, 1)[0], rtol=1e-4, atol=1e-5)
+        fed = [(b * 3 + step) % 16 for b in range(len(rows))]
+        batch.feed(fed)
+        rows = [[*row, t] for row, t in zip(rows, fed)]
+    assert session.tokens == prefix  # the session itself is unchanged
+    with pytest.raises(ValueError, match="fork points"):
+        session.fork(prefix, next_tokens, [7, 2, 4, 1])  # past the prefix
