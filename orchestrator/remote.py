@@ -19,6 +19,7 @@ import grpc
 
 from mirrorspec.config import InvalidRequest, SamplingParams
 from mirrorspec.drafting import Drafter, Proposal
+from mirrorspec.drafting.base import fork_points_or_end
 from mirrorspec.models import common_prefix_length
 from mirrorspec.models.early_exit import EarlyExitHint
 from mirrorspec.sampling import WindowVerdict
@@ -240,7 +241,7 @@ class RemoteDrafter(Drafter):
         none = [Proposal.empty() for _ in next_tokens]
         if not self.drafting(k):
             return none
-        forks = list(fork_points) if fork_points is not None else [len(head)] * len(next_tokens)
+        forks = fork_points_or_end(head, next_tokens, fork_points)
         return self._guard(lambda: self._draft_branches(head, list(next_tokens), forks, k)) or none
 
     def _draft_branches(self, head: Sequence[int], tokens: list[int], forks: list[int], k: int) -> list[Proposal]:
@@ -248,7 +249,7 @@ class RemoteDrafter(Drafter):
             drafts, forked = self._draft(head, k, tokens, forks)
             if forked:
                 return drafts
-            self._forks = False  # it drafted them all at the end of head: unusable, and so is the next call
+            self._forks = False  # it drafted every branch at the end of head: unusable; ask a point at a time
         by_fork: dict[int, Proposal] = {}
         for point in dict.fromkeys(forks):
             at = [b for b, f in enumerate(forks) if f == point]

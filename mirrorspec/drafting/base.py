@@ -40,6 +40,12 @@ class Proposal:
         return torch.tensor([self.tokens], dtype=torch.int64, device=device)
 
 
+def fork_points_or_end(head: Sequence[int], next_tokens: Sequence[int],
+                       fork_points: Sequence[int] | None) -> list[int]:
+    """Where each branch of ``propose_branches`` forks: as given, or all at the end of ``head``."""
+    return list(fork_points) if fork_points is not None else [len(head)] * len(next_tokens)
+
+
 class Drafter(ABC):
     """Proposes up to ``k`` tokens that continue ``context``.
 
@@ -64,7 +70,7 @@ class Drafter(ABC):
         """``propose([*head[:fork], c], k, ...)`` for each next token c and its fork point (default:
         all of ``head``): mirror branches, each a guess of where the target rejects and what it
         says there. Strategies that can draft them together (one batched forward) override this."""
-        forks = fork_points if fork_points is not None else [len(head)] * len(next_tokens)
+        forks = fork_points_or_end(head, next_tokens, fork_points)
         return [self.propose([*head[:f], c], k, params, seed) for f, c in zip(forks, next_tokens)]
 
     def alternatives_for(self, context: Sequence[int], tokens: Sequence[int]) -> tuple[tuple[int, ...], ...]:

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoConfig
 
 from mirrorspec.config import InvalidRequest, SamplingParams, check_draft_confidence
-from mirrorspec.drafting.base import Drafter, Proposal
+from mirrorspec.drafting.base import Drafter, Proposal, fork_points_or_end
 from mirrorspec.models.demo_draft import shipped_vocabulary
 from mirrorspec.models.loading import DEMO_DRAFT, locate_model
 from mirrorspec.models.session import KVSession, LogitSession
@@ -113,7 +113,7 @@ class DraftModelDrafter(Drafter):
         and single forwards)."""
         if k <= 0 or len(next_tokens) < 2 or not isinstance(self.session, KVSession):
             return super().propose_branches(head, next_tokens, k, params, seed, fork_points)
-        forks = list(fork_points) if fork_points is not None else [len(head)] * len(next_tokens)
+        forks = fork_points_or_end(head, next_tokens, fork_points)
         # row b drafts at positions fork_b + 1 ... fork_b + k
         u = torch.stack([uniforms(seed, range(f + 1, f + 1 + k), Stream.DRAFT) for f in forks])  # [B, k]
         batch = self.session.fork(head, next_tokens, forks)

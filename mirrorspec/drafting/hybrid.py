@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mirrorspec.config import SamplingParams
-from mirrorspec.drafting.base import Drafter, Proposal
+from mirrorspec.drafting.base import Drafter, Proposal, fork_points_or_end
 from mirrorspec.drafting.ngram import NgramDrafter
 from mirrorspec.sampling import ProposalRows
 
@@ -48,7 +48,7 @@ class HybridDrafter(Drafter):
         """Branches whose context repeats itself are looked up one by one (and topped up by the
         model where the match runs out); the model drafts all the others together, in one batched
         forward per step (over gRPC: one DraftBranches call). Each is ``propose`` on its context."""
-        forks = list(fork_points) if fork_points is not None else [len(head)] * len(next_tokens)
+        forks = fork_points_or_end(head, next_tokens, fork_points)
         contexts = [[*head[:f], c] for f, c in zip(forks, next_tokens)]
         repeats = [bool(k > 0 and self.lookup.lookup(context, 1)) for context in contexts]
         drafted = [(f, c) for f, c, repeat in zip(forks, next_tokens, repeats) if not repeat]
