@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from mirrorspec.config import DEFAULT_DRAFT_QUANTIZE
+
 VOCAB = 49_152
 
 
@@ -63,9 +65,9 @@ def start_in_process(target_dir: Path, draft_dir: Path, proposal_top_k: int):
 
 def start_processes(target_dir: Path | str, draft_dir: Path | str | None, proposal_top_k: int,
                     target_args: tuple = (), threads: int = 1, pin: bool = True, prompt_lookup: int = 0,
-                    draft_confidence: float = 0.0):
+                    draft_confidence: float = 0.0, quantize: str = DEFAULT_DRAFT_QUANTIZE):
     """Each server in its own process with ``threads`` torch threads (an n-gram drafter where
-    ``draft_dir`` is None; a draft model with ``prompt_lookup`` and ``draft_confidence`` otherwise): (target address,
+    ``draft_dir`` is None; a draft model with ``prompt_lookup``, ``draft_confidence`` and ``quantize`` otherwise): (target address,
     drafter address, stop). With ``pin``, and cores enough, the target and the drafter get
     disjoint cores (``--cpus``), as deployed on one machine."""
     import subprocess
@@ -75,7 +77,8 @@ def start_processes(target_dir: Path | str, draft_dir: Path | str | None, propos
 
     drafter = (["--strategy", "ngram"] if draft_dir is None else
                ["--strategy", "draft-model", "--model", str(draft_dir), "--proposal-top-k", str(proposal_top_k),
-                "--prompt-lookup", str(prompt_lookup), "--draft-confidence", str(draft_confidence)])
+                "--prompt-lookup", str(prompt_lookup), "--draft-confidence", str(draft_confidence),
+                "--quantize", quantize])
     commands = [[sys.executable, "-m", "target_service", "--model", str(target_dir), *target_args],
                 [sys.executable, "-m", "drafter_service", *drafter]]
     cores = disjoint_cores(threads) if pin else None

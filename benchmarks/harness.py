@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -46,6 +46,13 @@ class Drafts:
     name: str = "none"
     services: ServedStacks = field(default_factory=ServedStacks)  # started lazily by the served modes
     server_source: str | None = None  # what a drafter server process loads for ``model`` (None: it cannot)
+    quantize: str = "none"  # how ``model`` was loaded (``--draft-quantize``'s first value)
+    others: dict[str, torch.nn.Module] = field(default_factory=dict)  # the same draft loaded with other quantizations
+
+    def as_quantized(self, quantize: str) -> Drafts:
+        """These drafts with the model loaded as ``quantize`` (for in-process modes: the served
+        stacks keep the main draft)."""
+        return replace(self, model=self.others[quantize], quantize=quantize, others={})
 
 
 @dataclass
@@ -71,16 +78,25 @@ class Mode:
     uses_k: bool
     needs_draft_model: bool = False
     description: str = ""
+    in_process: bool = True  # False: the draft runs in a server process, loaded there
+
+    def with_draft_quantized(self, quantize: str) -> Mode:
+        """This mode on the draft loaded as ``quantize``, named ``MODE@quantize``: side-by-side
+        figures for the same draft's weights in another form."""
+        def run(target, drafts, ids, params, k, seed):
+            return self.run(target, drafts.as_quantized(quantize), ids, params, k, seed)
+        return replace(self, name=f"{self.name}@{quantize}", run=run)
 
 
 MODES: dict[str, Mode] = {}
 
 
 def register_mode(name: str, *, uses_k: bool, needs_draft_model: bool = False,
-                  description: str = "") -> Callable[[ModeFn], ModeFn]:
+                  description: str = "", in_process: bool = True) -> Callable[[ModeFn], ModeFn]:
     """Decorator: make ``fn(target, drafts, prompt_ids, params, k, seed) -> RunOutput`` a mode."""
     def wrap(fn: ModeFn) -> ModeFn:
-        MODES[name] = Mode(name, fn, uses_k, needs_draft_model, description or (fn.__doc__ or "").strip())
+        MODES[name] = Mode(name, fn, uses_k, needs_draft_model, description or (fn.__doc__ or "").strip(),
+                           in_process)
         return fn
     return wrap
 
@@ -207,21 +223,21 @@ def _served(client, ids: list[int], params: SamplingParams, k: int, seed: int) -
     return RunOutput(list(done.token_ids), wall, done.finish_reason, stats)
 
 
-@register_mode("served-ngram", uses_k=True)
+@register_mode("served-ngram", uses_k=True, in_process=False)
 def served_ngram(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
                  k: int, seed: int) -> RunOutput:
     """mirrorspec over gRPC on loopback (orchestrator, target, n-gram drafter servers)."""
     return _served(drafts.services.client(target, None), ids, params, k, seed)
 
 
-@register_mode("served-draft", uses_k=True, needs_draft_model=True)
+@register_mode("served-draft", uses_k=True, needs_draft_model=True, in_process=False)
 def served_draft(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
                  k: int, seed: int) -> RunOutput:
     """mirrorspec over gRPC on loopback with the draft model in its own drafter server."""
     return _served(drafts.services.client(target, drafts.model, drafts.server_source), ids, params, k, seed)
 
 
-@register_mode("served-hybrid", uses_k=True, needs_draft_model=True)
+@register_mode("served-hybrid", uses_k=True, needs_draft_model=True, in_process=False)
 def served_hybrid(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
                   k: int, seed: int) -> RunOutput:
     """mirrorspec over gRPC on loopback, prompt lookup before the draft model: the front door
@@ -230,7 +246,7 @@ def served_hybrid(target: LoadedModel, drafts: Drafts, ids: list[int], params: S
                    ids, params, k, seed)
 
 
-@register_mode("served-hybrid-confident", uses_k=True, needs_draft_model=True)
+@register_mode("served-hybrid-confident", uses_k=True, needs_draft_model=True, in_process=False)
 def served_hybrid_confident(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
                             k: int, seed: int) -> RunOutput:
     """served-hybrid with the drafter's windows ending after its first unsure token: what
@@ -239,7 +255,7 @@ def served_hybrid_confident(target: LoadedModel, drafts: Drafts, ids: list[int],
                                           draft_confidence=DEFAULT_DRAFT_CONFIDENCE), ids, params, k, seed)
 
 
-@register_mode("served-hybrid-drafter-lookup", uses_k=True, needs_draft_model=True)
+@register_mode("served-hybrid-drafter-lookup", uses_k=True, needs_draft_model=True, in_process=False)
 def served_hybrid_drafter_lookup(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
                                  k: int, seed: int) -> RunOutput:
     """served-hybrid with the lookup left to the drafter server (front_door_lookup=False): a
@@ -344,7 +360,8 @@ class BenchPlan:
 
 
 def select_modes(names: Sequence[str], drafts: Drafts) -> tuple[list[Mode], list[str]]:
-    """The runnable modes, baseline first, and a note for each skipped one.
+    """The runnable modes, baseline first, and a note for each skipped one; each in-process
+    draft-model mode again as ``MODE@q`` for every other quantization of the draft loaded.
 
     target-only is always run: every ratio and the identity check are taken against it.
     """
@@ -354,8 +371,10 @@ def select_modes(names: Sequence[str], drafts: Drafts) -> tuple[list[Mode], list
         mode = MODES[name]
         if mode.needs_draft_model and drafts.model is None:
             notes.append(f"skipping {name}: it needs a draft model (pass --draft PATH or --draft truncate:2)")
-        else:
-            modes.append(mode)
+            continue
+        modes.append(mode)
+        if mode.needs_draft_model and mode.in_process:
+            modes += [mode.with_draft_quantized(q) for q in drafts.others]
     return modes, notes
 
 

@@ -39,7 +39,9 @@ from benchmarks.report import cpu_busy_before_run
 from mirrorspec.client import Client
 from mirrorspec.config import (
     DEFAULT_DRAFT_CONFIDENCE,
+    DEFAULT_DRAFT_QUANTIZE,
     DEFAULT_PROMPT_LOOKUP,
+    QUANTIZATIONS,
     InvalidRequest,
     MirrorConfig,
     check_draft_confidence,
@@ -157,6 +159,8 @@ def main(argv=None) -> int:
                         help="the drafter's prompt lookup before its draft model (0 = the model alone)")
     parser.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE, metavar="P",
                         help="the drafter's windows end after its first token below probability P (0 = always K)")
+    parser.add_argument("--draft-quantize", choices=QUANTIZATIONS, default=DEFAULT_DRAFT_QUANTIZE,
+                        help="how the drafter server loads its draft model (default %(default)s)")
     parser.add_argument("--max-branches", type=int, default=MirrorConfig.max_branches,
                         help="branches drafted per window at most (default %(default)s)")
     parser.add_argument("--alternatives", type=int, default=MirrorConfig.alternatives,
@@ -182,7 +186,7 @@ def main(argv=None) -> int:
                        *(("--hint-vocab", args.draft) if args.hint_vocab == "draft" else ()))
     target, drafter, stop = start_processes(args.target, args.draft, args.proposal_top_k, target_args,
                                             pin=not args.no_pin, prompt_lookup=args.prompt_lookup,
-                                            draft_confidence=args.draft_confidence)
+                                            draft_confidence=args.draft_confidence, quantize=args.draft_quantize)
     doors = {"plain": front_door(target, drafter, replace(mirror, use_hints=False), args.k)}
     if args.hint_layer:
         doors["hinted"] = front_door(target, drafter, mirror, args.k)

@@ -16,13 +16,15 @@ from pathlib import Path
 
 import torch
 
-from mirrorspec.config import InvalidRequest, SamplingParams, SpeculationConfig
+from mirrorspec.config import DEFAULT_DRAFT_QUANTIZE, QUANTIZATIONS, InvalidRequest, SamplingParams, SpeculationConfig
 from mirrorspec.models.loading import LoadedModel, load_causal_lm
 from mirrorspec.models.prepack import is_prepacked, prepack_linears
+from mirrorspec.models.quantize import apply_quantization
 
 from benchmarks.harness import MODES, BenchPlan, Drafts, RunRecord, run_benchmark, select_modes
 from benchmarks.metrics import summarize
 from benchmarks.prompts import DATASETS, load_prompts
+from benchmarks.served import ServedStacks
 from benchmarks.report import (LEGEND, cpu_sample, environment, format_table, others_busy_fraction, plot,
                                write_json)
 
@@ -107,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(draft-model modes are skipped), a model path / hub id sharing the target's tokenizer, "
                         "or 'truncate:N' = the target cut to its first N layers (a smoke/debug draft: it runs "
                         "the draft-model paths but accepts little)")
+    p.add_argument("--draft-quantize", type=_csv(_choice(QUANTIZATIONS, "quantization")),
+                   default=[DEFAULT_DRAFT_QUANTIZE],
+                   help=f"how the draft model's weights are loaded (default {DEFAULT_DRAFT_QUANTIZE}, as mirrorspec "
+                        "runs it); more values, e.g. int8,none, also run each in-process draft-model mode on the "
+                        "draft loaded the other way, as MODE@none, side by side")
     p.add_argument("--threads", type=_positive, default=len(os.sched_getaffinity(0)),
                    help="torch intra-op threads (default: all usable cores)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
@@ -121,20 +128,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ------------------------------------------------------------------------------ model loading
 
-def load_draft(spec: str, target: LoadedModel) -> Drafts:
-    """The draft model named by ``--draft``; raises InvalidRequest(field="draft") on a bad one."""
+def load_draft(spec: str, target: LoadedModel, quantizations: Sequence[str] = (DEFAULT_DRAFT_QUANTIZE,)) -> Drafts:
+    """The draft model named by ``--draft``, loaded once per ``--draft-quantize`` value (the first
+    is the main draft); raises InvalidRequest(field="draft") on a bad one."""
     if spec == "none":
         return Drafts()
+    first, *others = quantizations
+    models = {q: _load_draft_model(spec, target, q) for q in quantizations}
+    return Drafts(model=models[first], name=spec, server_source=None if spec.startswith(TRUNCATE_PREFIX) else spec,
+                  services=ServedStacks(draft_quantize=first), quantize=first, others={q: models[q] for q in others})
+
+
+def _load_draft_model(spec: str, target: LoadedModel, quantize: str) -> torch.nn.Module:
     if spec.startswith(TRUNCATE_PREFIX):
         model = truncated_target(target, int(spec.removeprefix(TRUNCATE_PREFIX)))
+        apply_quantization(model, quantize)
     else:
         model = load_causal_lm(spec, dtype=str(target.model.dtype).removeprefix("torch."),
-                               device=str(target.model.device), tokenizer=False).model
+                               device=str(target.model.device), tokenizer=False, quantize=quantize).model
     if model.config.vocab_size != target.model.config.vocab_size:
         raise InvalidRequest(f"the draft's vocabulary ({model.config.vocab_size}) differs from the target's "
                              f"({target.model.config.vocab_size}); it must share the target's tokenizer",
                              field="draft")
-    return Drafts(model=model, name=spec, server_source=None if spec.startswith(TRUNCATE_PREFIX) else spec)
+    return model
 
 
 def truncated_target(target: LoadedModel, layers: int) -> torch.nn.Module:
@@ -233,7 +249,7 @@ def _load(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Lo
     if target.tokenizer is None:
         parser.error("--target: the target has no tokenizer; prompts cannot be encoded")
     try:
-        return target, load_draft(args.draft, target)
+        return target, load_draft(args.draft, target, args.draft_quantize)
     except (InvalidRequest, OSError) as err:
         parser.error(f"--draft: {err}")
 

@@ -20,6 +20,7 @@ import torch
 from drafter_service.servicer import DrafterConfig
 from mirrorspec.cli import start_local_stack
 from mirrorspec.client import Client
+from mirrorspec.config import DEFAULT_DRAFT_QUANTIZE
 from mirrorspec.models import LoadedModel
 from target_service.servicer import TargetConfig
 
@@ -29,7 +30,8 @@ from benchmarks.data_plane import start_processes
 class ServedStacks:
     """One stack per drafter kind ("ngram" or the draft model), created on first use."""
 
-    def __init__(self) -> None:
+    def __init__(self, draft_quantize: str = DEFAULT_DRAFT_QUANTIZE) -> None:
+        self.draft_quantize = draft_quantize  # what a drafter server process loads the draft model with
         self._stops: dict[str, Callable[[], None]] = {}
         self._clients: dict[str, Client] = {}
 
@@ -43,7 +45,7 @@ class ServedStacks:
         kind = "ngram" if draft_model is None else f"draft-model, prompt lookup {prompt_lookup}"
         kind += "" if front_door_lookup else ", looked up by the drafter"
         kind += f", confidence {draft_confidence}" if draft_confidence else ""
-        drafter = {"prompt_lookup": prompt_lookup, "draft_confidence": draft_confidence}
+        drafter = {"prompt_lookup": prompt_lookup, "draft_confidence": draft_confidence, "quantize": self.draft_quantize}
         if kind not in self._clients:
             if draft_model is not None and draft_source is None:
                 address, stop = _stack_in_this_process(target, draft_model, drafter, front_door_lookup)

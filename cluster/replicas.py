@@ -57,7 +57,8 @@ class DrafterReplica(_ServerActor):
         self.host = _bind_host(spec)
         config = DrafterConfig.for_draft(spec.draft, dtype=spec.dtype, device=spec.device, host=self.host, port=0,
                                          max_sessions=spec.max_sessions, proposal_top_k=spec.proposal_top_k,
-                                         prompt_lookup=spec.prompt_lookup, draft_confidence=spec.draft_confidence)
+                                         prompt_lookup=spec.prompt_lookup, draft_confidence=spec.draft_confidence,
+                                         quantize=spec.draft_quantize)
         self.server = BackgroundServer(lambda: serve(config), "drafter").start(timeout=600)
 
 

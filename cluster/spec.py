@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mirrorspec.config import (
+    DEFAULT_DRAFT_QUANTIZE,
     AdaptiveKConfig,
     InvalidRequest,
     MirrorConfig,
     check_draft_confidence,
     check_prompt_lookup,
+    check_quantization,
 )
 
 POOLS = ("drafter", "target")
@@ -45,6 +47,7 @@ class StackSpec:
     proposal_top_k: int = 32
     prompt_lookup: int = 0  # draft-model replicas: prompt lookup drafts first on matches this long
     draft_confidence: float = 0.0  # draft-model replicas: a window ends after the model's first token below this
+    draft_quantize: str = DEFAULT_DRAFT_QUANTIZE  # draft-model replicas: int8 weights for one-token steps on CPU (models.quantize)
     max_sessions: int = 64
     host: str = "127.0.0.1"  # the front door
     port: int = 50051
@@ -66,6 +69,7 @@ class StackSpec:
                                  field="hint_layer")
         check_prompt_lookup(self.prompt_lookup)
         check_draft_confidence(self.draft_confidence)
+        check_quantization(self.draft_quantize, field="draft_quantize")
         if self.threads < 1:
             raise InvalidRequest(f"threads must be >= 1, got {self.threads}", field="threads")
 

@@ -3,7 +3,8 @@
 import argparse
 
 from drafter_service.servicer import DrafterConfig, serve
-from mirrorspec.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_PROMPT_LOOKUP, InvalidRequest
+from mirrorspec.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DEFAULT_PROMPT_LOOKUP, QUANTIZATIONS,
+                               InvalidRequest)
 from mirrorspec.serving.placement import add_placement_args, apply_placement
 from mirrorspec.serving.server import run_until_terminated
 
@@ -22,13 +23,17 @@ parser.add_argument("--prompt-lookup", type=int, default=DEFAULT_PROMPT_LOOKUP, 
 parser.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE, metavar="P",
                     help="strategy draft-model: a window ends after the first token the model gives less than "
                          "probability P (0 = always draft K)")
+parser.add_argument("--quantize", default=DEFAULT_DRAFT_QUANTIZE, choices=QUANTIZATIONS,
+                    help="strategy draft-model: int8 = int8 weights for the draft's one-token steps on CPU (exact "
+                         "either way; a no-op on GPU)")
 add_placement_args(parser)
 args = parser.parse_args()
 apply_placement(parser, args)
 try:
     config = DrafterConfig(strategy=args.strategy, model=args.model, host=args.host, port=args.port, dtype=args.dtype,
                            device=args.device, max_sessions=args.max_sessions, proposal_top_k=args.proposal_top_k,
-                           prompt_lookup=args.prompt_lookup, draft_confidence=args.draft_confidence)
+                           prompt_lookup=args.prompt_lookup, draft_confidence=args.draft_confidence,
+                           quantize=args.quantize)
 except InvalidRequest as err:
     parser.error(f"--{(err.field or 'strategy').replace('_', '-')}: {err}")
 run_until_terminated(lambda: serve(config), "drafter_service")

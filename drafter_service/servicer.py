@@ -7,7 +7,8 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 
-from mirrorspec.config import InvalidRequest, OutOfRange, ReplicaConfig, check_draft_confidence, check_prompt_lookup
+from mirrorspec.config import (DEFAULT_DRAFT_QUANTIZE, InvalidRequest, OutOfRange, ReplicaConfig, check_draft_confidence,
+                               check_prompt_lookup, check_quantization)
 from mirrorspec.drafting import Drafter, NgramDrafter
 from mirrorspec.engine import make_drafter, validate_prompt
 from mirrorspec.models import LoadedModel, load_causal_lm
@@ -26,9 +27,11 @@ class DrafterConfig(ReplicaConfig):
     proposal_top_k: int = 32  # sparse q by default: a few KB per window instead of MBs
     prompt_lookup: int = 0  # draft-model: prompt lookup drafts first on matches this long (HybridDrafter)
     draft_confidence: float = 0.0  # draft-model: a window ends after the model's first token below this
+    quantize: str = DEFAULT_DRAFT_QUANTIZE  # draft-model: int8 weights for one-token steps on CPU (models.quantize)
 
     def __post_init__(self) -> None:
         check_prompt_lookup(self.prompt_lookup)
+        check_quantization(self.quantize)
         check_draft_confidence(self.draft_confidence)
         if self.strategy not in ("ngram", "draft-model"):
             raise InvalidRequest(f"drafter strategy must be 'ngram' or 'draft-model', got {self.strategy!r}",
@@ -189,7 +192,7 @@ async def serve(config: DrafterConfig, loaded: LoadedModel | None = None):
     lane = ComputeLane("drafter-compute")  # loads on the thread that will run it (see ComputeLane)
     if loaded is None and config.strategy == "draft-model":
         loaded = await lane.run(partial(load_causal_lm, config.model, dtype=config.dtype, device=config.device,
-                                        tokenizer=False))
+                                        tokenizer=False, quantize=config.quantize))
     servicer = DrafterServicer(config, loaded, lane)
     service = Service(drafter_pb2_grpc.add_DrafterServiceServicer_to_server, servicer,
                       drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name)

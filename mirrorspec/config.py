@@ -207,6 +207,19 @@ def check_prompt_lookup(min_match: int) -> None:
                              f"alone; 2 is a good default), got {min_match!r}", field="prompt_lookup")
 
 
+QUANTIZATIONS = ("none", "int8")
+# Drafts only (``models.quantize``): int8 weights for one-token steps of a float32 CPU draft, a no-op
+# where that does not apply (GPU, bf16). A target is never quantized: its distribution is the product.
+DEFAULT_DRAFT_QUANTIZE = "int8"
+
+
+def check_quantization(name: str, field: str = "quantize") -> str:
+    if name not in QUANTIZATIONS:
+        raise InvalidRequest(f"{field} must be one of {', '.join(QUANTIZATIONS)} (int8: int8 weights for a CPU "
+                             f"draft's one-token steps, exact either way), got {name!r}", field=field)
+    return name
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Where a model comes from and where it runs.

@@ -2,17 +2,18 @@
 
 from drafter_service.servicer import DrafterConfig
 from mirrorspec.cli import LocalStack, start_local_stack
+from mirrorspec.config import DEFAULT_DRAFT_QUANTIZE
 from target_service.servicer import TargetConfig
 
 
 def start_stack(target_dir, draft_dir=None, strategy="draft-model", proposal_top_k=4, k=3,
                 target_max_sessions=64, hint_layer=None, hint_vocab=None, prompt_lookup=0, draft_confidence=0.0,
-                **replicas) -> LocalStack:
+                quantize=DEFAULT_DRAFT_QUANTIZE, **replicas) -> LocalStack:
     drafter = None
     if strategy is not None:
         drafter = DrafterConfig(strategy=strategy, model=str(draft_dir) if draft_dir else None,
                                 proposal_top_k=proposal_top_k, prompt_lookup=prompt_lookup,
-                                draft_confidence=draft_confidence)
+                                draft_confidence=draft_confidence, quantize=quantize)
     target = TargetConfig(model=str(target_dir), max_sessions=target_max_sessions, hint_layer=hint_layer,
                           hint_vocab=hint_vocab)
     return start_local_stack(target, drafter, port=0, num_speculative_tokens=k, **replicas)

@@ -44,6 +44,7 @@ def test_speedup_bound_matches_the_closed_form():
     (["--temperatures", "-1"], "--temperatures"),
     (["--num-prompts", "0"], "--num-prompts"),
     (["--draft", "truncate:zero"], "--draft"),
+    (["--draft-quantize", "int8,int4"], "--draft-quantize"),
 ])
 def test_bad_flags_are_argparse_errors_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -80,6 +81,21 @@ def test_tiny_benchmark_runs_every_mode_and_greedy_is_identical(tmp_path, capsys
     assert out["environment"]["torch_threads"] == 1 and out["config"]["draft"] == "truncate:2"
     printed = capsys.readouterr().out
     assert "mirrorspec-draft" in printed and "identical" in printed
+
+
+@pytest.mark.slow
+def test_a_second_quantization_runs_the_in_process_draft_modes_again_side_by_side(tmp_path):
+    out = _run(tmp_path, "--datasets", "mtbench", "--num-prompts", "1", "--max-tokens", "6", "--k", "2",
+               "--temperatures", "0", "--modes", "mirrorspec-draft,mirrorspec-hybrid,hf-assisted",
+               "--draft", "truncate:2", "--draft-quantize", "int8,none")
+    modes = {r["mode"] for r in out["records"]}
+    assert modes == {"target-only", "mirrorspec-draft", "mirrorspec-draft@none", "mirrorspec-hybrid",
+                     "mirrorspec-hybrid@none", "hf-assisted", "hf-assisted@none"}
+    for r in out["records"]:
+        if r["mode"].startswith("mirrorspec"):
+            assert r["identical_to_target_only"] is True, r["mode"]
+    drafted = {r["mode"]: r["stats"]["drafted"] for r in out["records"] if r["mode"].startswith("mirrorspec-draft")}
+    assert all(n > 0 for n in drafted.values())
 
 
 @pytest.mark.slow

@@ -41,6 +41,9 @@ from mirrorspec.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_K, DEFAULT_K_CON
     (["generate", "hi", "--local", "--draft-confidence", "1.5"], "--draft-confidence"),
     (["serve", "--draft-confidence", "-0.1"], "--draft-confidence"),
     (["serve", "--draft-confidence", "nan"], "--draft-confidence"),
+    (["generate", "hi", "--draft-quantize", "int8"], "--draft-quantize"),  # a server setting without --local
+    (["generate", "hi", "--local", "--draft-quantize", "int4"], "argument --draft-quantize"),
+    (["serve", "--draft-quantize", "fp8"], "argument --draft-quantize"),
     (["demo", "--k", "99"], "--k"),
     (["demo", "--rebuild", "--epochs", "0"], "--epochs"),
 ])

@@ -246,13 +246,19 @@ class ColumnAddressedQ(Drafter):
 @pytest.mark.parametrize("planted", [False, True], ids=["exact", "column-addressed-q-bug"])
 def test_exactness_of_a_sub_vocabulary_draft(tiny_dir, planted):
     """A draft that proposes from 6 of 16 ids (as the demo draft does from 8k of 49k), real KV
-    caches on both sides; the planted bug must be rejected."""
+    caches on both sides; the planted bug must be rejected. The draft is quantized as the demo
+    draft is served (``--draft-quantize int8``): its one-token steps and its sub-vocabulary head
+    run int8 weights, its catch-up passes float32, so its q differs from its float32 self's and
+    must still be the q each token was drawn from."""
     import support
     from mirrorspec.drafting.draft_model import DRAFT_VOCAB_KEY
+    from mirrorspec.models.quantize import Int8Linear, quantize_linears
 
     target_model, draft_model = support.load(tiny_dir["target16"]), support.load(tiny_dir["draft16"])
     setattr(draft_model.config, DRAFT_VOCAB_KEY, [1, 3, 4, 8, 10, 13])
+    quantized = quantize_linears(draft_model)  # 0 on a build without the int8 kernel: the float32 draft then
     drafter = DraftModelDrafter(draft_model, proposal_top_k=4)
+    assert isinstance(drafter.session._head, Int8Linear) == bool(quantized)
     if planted:
         drafter = ColumnAddressedQ(drafter)
     case = Case("sub-vocab-t1.0-k3-sparse", 1.0, 3, proposal_top_k=4)
@@ -262,3 +268,4 @@ def test_exactness_of_a_sub_vocabulary_draft(tiny_dir, planted):
         assert pvalue < CAUGHT_BELOW, f"column-addressed q went unnoticed (p={pvalue:.2e})"
     else:
         assert pvalue > PASS_ABOVE, f"chi-square p={pvalue:.2e}"
+

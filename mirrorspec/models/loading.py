@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from mirrorspec.config import InvalidRequest
+from mirrorspec.config import InvalidRequest, check_quantization
 from mirrorspec.models.prepack import prepack_linears
+from mirrorspec.models.quantize import apply_quantization
 
 DEMO_TARGET = "demo-target"
 DEMO_DRAFT = "demo-draft"  # the draft mirrorspec distils from the demo target (mirrorspec demo)
@@ -77,11 +78,14 @@ def locate_model(source: str) -> tuple[str, dict]:
 
 
 def load_causal_lm(source: str, *, dtype: str = "auto", device: str = "auto", tokenizer: bool = True,
-                   prepack: bool = True) -> LoadedModel:
+                   prepack: bool = True, quantize: str = "none") -> LoadedModel:
     """Load a model for inference from anything ``locate_model`` finds.
 
     ``prepack`` packs a float32 CPU model's linear weights for oneDNN (``models.prepack``);
-    pass False where the model will be trained from, edited or sharded afterwards."""
+    pass False where the model will be trained from, edited or sharded afterwards. ``quantize``
+    'int8' gives a float32 CPU model's few-row calls int8 weights (``models.quantize``: for a
+    draft, whose steps are one token; a no-op on GPU)."""
+    check_quantization(quantize)
     location, gguf = locate_model(source)
     source = location if not gguf else str(Path(location) / gguf["gguf_file"])
     dev = resolve_device(device)
@@ -89,6 +93,7 @@ def load_causal_lm(source: str, *, dtype: str = "auto", device: str = "auto", to
     model = AutoModelForCausalLM.from_pretrained(location, **kwargs).to(dev).eval()
     if prepack:
         prepack_linears(model)
+    apply_quantization(model, quantize)
     tok = None
     if tokenizer:
         tok = AutoTokenizer.from_pretrained(location, **gguf)

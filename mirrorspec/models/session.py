@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from mirrorspec.models.prepack import PackedLinear, is_prepacked
+from mirrorspec.models.quantize import int8_linear, is_quantized
 
 
 class LogitSession(Protocol):
@@ -59,11 +60,13 @@ def head_rows(model: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
 
 
 def sub_vocabulary_head(model: torch.nn.Module, rows: torch.Tensor) -> torch.nn.Module:
-    """A linear head over ``head_rows``, packed like the model's own layers when they are.
+    """A linear head over ``head_rows``, packed and quantized like the model's own layers when
+    they are (the head is the largest weight a small draft reads per token).
 
     # [..., hidden] -> [..., m]
     """
-    return PackedLinear(head_rows(model, rows), pack=is_prepacked(model))
+    head = PackedLinear(head_rows(model, rows), pack=is_prepacked(model))
+    return int8_linear(head) if is_quantized(model) else head
 
 
 class KVSession:

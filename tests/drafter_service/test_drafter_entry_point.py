@@ -10,6 +10,7 @@ import pytest
     (["--strategy", "draft-model", "--model", "x", "--prompt-lookup", "-1"], "--prompt-lookup", "[0, 8]"),
     (["--strategy", "draft-model"], "--model", "needs a draft model path"),
     (["--strategy", "draft-model", "--model", "x", "--draft-confidence", "1"], "--draft-confidence", "in [0, 1)"),
+    (["--strategy", "draft-model", "--model", "x", "--quantize", "int4"], "argument --quantize", "'none', 'int8'"),
 ])
 def test_bad_settings_name_their_flag(args, flag, needle):
     out = subprocess.run([sys.executable, "-m", "drafter_service", *args], capture_output=True, text=True, timeout=120)
