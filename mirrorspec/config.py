@@ -62,6 +62,8 @@ class SamplingParams:
 # One drafted token of a small draft model over one target step, where nothing better is known
 # (the demo draft measured 0.10 on this CPU): ``Drafter.step_cost`` and adaptive K's default.
 DRAFT_MODEL_STEP_COST = 0.1
+# The same with int8 draft steps (``models.quantize``): the demo draft measured 0.04-0.06 (bench cost c).
+INT8_DRAFT_MODEL_STEP_COST = 0.05
 
 # Target pass over K = 1, 2, ... drafts, in one-token steps: the demo target, float32, 2 CPU threads,
 # linears prepacked for oneDNN as load_causal_lm serves them (measured by benchmarks/pass_cost.py;

@@ -8,10 +8,11 @@ from typing import NamedTuple
 import torch
 from transformers import AutoConfig
 
-from mirrorspec.config import InvalidRequest, SamplingParams, check_draft_confidence
+from mirrorspec.config import INT8_DRAFT_MODEL_STEP_COST, InvalidRequest, SamplingParams, check_draft_confidence
 from mirrorspec.drafting.base import Drafter, Proposal, fork_points_or_end
 from mirrorspec.models.demo_draft import shipped_vocabulary
 from mirrorspec.models.loading import DEMO_DRAFT, locate_model
+from mirrorspec.models.quantize import is_quantized
 from mirrorspec.models.session import KVSession, LogitSession
 from mirrorspec.sampling import ProposalRows, Stream, proposal_distribution, sample_proposal, uniforms
 
@@ -87,6 +88,8 @@ class DraftModelDrafter(Drafter):
         check_draft_confidence(confidence)
         self.vocab_ids = draft_vocabulary(model) if isinstance(model, torch.nn.Module) else None  # [m] or None
         self.session = KVSession(model, self.vocab_ids) if isinstance(model, torch.nn.Module) else model
+        if isinstance(model, torch.nn.Module) and is_quantized(model):
+            self.step_cost = INT8_DRAFT_MODEL_STEP_COST  # adaptive K then drafts further for the same alpha
         self.proposal_top_k = proposal_top_k
         self.num_alternatives = num_alternatives  # top tokens kept per position, for mirror branch guesses
         self.confidence = confidence

@@ -121,3 +121,15 @@ def test_an_unknown_quantization_is_refused_naming_the_field(tiny_dir):
     with pytest.raises(InvalidRequest) as err:
         StackSpec(draft_quantize="int4")
     assert err.value.field == "draft_quantize"
+
+
+@needs_int8
+def test_adaptive_k_counts_an_int8_draft_step_as_cheaper(tiny_dir):
+    from mirrorspec.config import DRAFT_MODEL_STEP_COST, INT8_DRAFT_MODEL_STEP_COST
+    from mirrorspec.drafting import DraftModelDrafter, HybridDrafter
+
+    model = load(tiny_dir["draft16"])
+    assert DraftModelDrafter(model).step_cost == DRAFT_MODEL_STEP_COST
+    quantize_linears(model)
+    assert DraftModelDrafter(model).step_cost == INT8_DRAFT_MODEL_STEP_COST < DRAFT_MODEL_STEP_COST
+    assert HybridDrafter(DraftModelDrafter(model)).step_cost == INT8_DRAFT_MODEL_STEP_COST
