@@ -236,6 +236,8 @@ def decode_windows(
             ended = time.perf_counter()
             stats.draft_time_s += ended - started
             stats.span("draft", started, ended)
+            if mirror is not None and k > 0:
+                mirror.observe_fresh_draft(ended - started)
         if mirror is not None and len(proposal):
             alpha = policy.alpha if policy else posterior_alpha(stats.accepted, stats.rejected, AdaptiveKConfig())
             prefetch = mirror.verify_while_drafting(verifier, drafter, context, proposal, params, seed, alpha,

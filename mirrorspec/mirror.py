@@ -167,7 +167,8 @@ class MirrorPipeline:
         self.config = config or MirrorConfig()
         self.verify_s = RunningMean()  # verify time in windows that branched
         self.alone_s = RunningMean()  # verify time in windows that did not
-        self.group_s = RunningMean()  # drafting time per group of branches that fork at one point
+        self.group_s = RunningMean()  # drafting time per group of branches drafted together, beside a verify
+        self.fresh_s = RunningMean()  # a window drafted on the critical path, alone: what a hit saves
         self.overrun_s = RunningMean()  # branch drafting past the verdict
         self.hit_rate = RunningMean()
         self.acceptance = AcceptanceByKind()  # ranks guesses: looked-up drafts pass far more often
@@ -274,9 +275,16 @@ class MirrorPipeline:
         """Whether the last window's branches held the verdict (the engine knows, at ``take``)."""
         self.hit_rate.add(float(hit))
 
+    def observe_fresh_draft(self, seconds: float) -> None:
+        """A window drafted after the verdict, on the critical path (the engine times it)."""
+        self.fresh_s.add(seconds)
+
     def should_branch(self) -> bool:
         """Branch in this window? Yes while hits save more drafting than branching costs: the
         verify's slowdown beside the drafter plus the drafting that runs past the verdict.
+        A hit saves the window's fresh draft, timed alone on the critical path; not the branches'
+        own drafting time, which beside a verify runs up to twice as slow (shared cores and memory
+        bandwidth) and in batches, and so overstated the saving.
         It learns both sides first, then probes the other choice so the estimates follow the
         request: ``probe_every`` windows after the choice changes, then at doubling gaps (up to
         ``max_probe_every``) while probes leave it standing: each probe of a choice that does not
@@ -288,7 +296,8 @@ class MirrorPipeline:
             return True
         if not self.alone_s.count:
             return False
-        saving = self.hit_rate.value * self.group_s.value
+        saved_per_hit = self.fresh_s.value if self.fresh_s.count else self.group_s.value
+        saving = self.hit_rate.value * saved_per_hit
         cost = max(self.verify_s.value - self.alone_s.value, 0.0) + self.overrun_s.value
         branching = saving > cost
         if branching != self._branching:  # the estimates changed the choice: look back soon
