@@ -247,9 +247,9 @@ class ColumnAddressedQ(Drafter):
 def test_exactness_of_a_sub_vocabulary_draft(tiny_dir, planted):
     """A draft that proposes from 6 of 16 ids (as the demo draft does from 8k of 49k), real KV
     caches on both sides; the planted bug must be rejected. The draft is quantized as the demo
-    draft is served (``--draft-quantize int8``): its one-token steps and its sub-vocabulary head
-    run int8 weights, its catch-up passes float32, so its q differs from its float32 self's and
-    must still be the q each token was drawn from."""
+    draft is served (``--draft-quantize int8``): its layers and its sub-vocabulary head run int8
+    weights, so its q differs from its float32 self's and must still be the q each token was
+    drawn from."""
     import support
     from mirrorspec.drafting.draft_model import DRAFT_VOCAB_KEY
     from mirrorspec.models.quantize import Int8Linear, quantize_linears

@@ -7,9 +7,15 @@ as streaming its weights. The same weights in int8 are a quarter of the bytes, a
 into time: measured on the 2-core CI machine, one thread, a 1-row call of the 8192x576 head takes
 0.28 ms against 0.71 ms prepacked float32, and the whole draft step 3.1 ms against 5.4 ms.
 
-Only calls of a few rows take that path. From 4 rows up the int8 kernel is no faster than the
-prepacked float32 one (measured: 1536x576 at 4 rows 104 us against 99 us, at 64 rows 1.55 ms
-against 1.03 ms), so prefill and wide batches keep the float32 weights, which stay on the module.
+Every call runs the int8 weights, however many rows it has, although from 4 rows up the int8
+kernel is slower than prepacked float32 (1536x576, one thread: 4 rows 104 us against 99 us, 64
+rows 1.55 ms against 1.03 ms). Which kernel computes a position must not depend on how positions
+are grouped into calls: a live session steps a context one token at a time, a replica that takes
+over after a failure replays it in one prefill, a mirror branch is one row of a batch. With one
+kernel per row (the op computes each row alone, bit for bit whatever the batch), a seeded sampled
+request stays reproducible across all of these; switching to float32 for wide calls broke that,
+since int8 moves logits by ~1%, enough to flip a sampled token now and then. The price is the
+draft's prefill (about 1.4x slower, a few ms next to the target's) and wide branch batches.
 
 Exactness does not depend on it. The draft only proposes: whatever logits it computes, the
 proposal q is the distribution its tokens were drawn from, and the target verifies every token.
@@ -32,7 +38,7 @@ from torch import nn
 from mirrorspec.config import check_quantization
 from mirrorspec.models.prepack import PackedLinear
 
-INT8_MAX_ROWS = 3  # calls with more rows than this run the float32 weights (see the module docstring)
+PROBE_ROWS = (1, 2, 3, 4, 17, 64)  # a row, small batches, and wide calls that may take other code paths
 INT8_ROW_BLOCK = 16  # in_features must be a multiple of this: the kernel reads 16-wide blocks
 PROBE_TOLERANCE = 0.02  # of the output's largest magnitude: int8 rounding is ~0.5%, a broken kernel ~100%
 
@@ -58,11 +64,11 @@ def _int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torc
 
 
 def _probe_agrees(q: torch.Tensor, scales: torch.Tensor) -> bool:
-    """Whether this CPU's kernel computes what it should for this shape, at 1..INT8_MAX_ROWS rows:
+    """Whether this CPU's kernel computes what it should for this shape, at ``PROBE_ROWS`` rows:
     the op is private and has read garbage on shapes it does not expect."""
     dequantized = q.float() * scales.float()[:, None]  # [out, in]
     probe = torch.Generator().manual_seed(0)
-    for rows in range(1, INT8_MAX_ROWS + 1):
+    for rows in PROBE_ROWS:
         x = torch.randn(rows, q.shape[1], generator=probe).to(torch.bfloat16).float()  # exactly representable
         expected = x @ dequantized.T
         error = (_int8_matmul(x, q, scales) - expected).abs().max()
@@ -77,34 +83,33 @@ def can_quantize(weight: torch.Tensor) -> bool:
 
 
 class Int8Linear(PackedLinear):
-    """A linear whose calls of up to ``INT8_MAX_ROWS`` rows run on an int8 copy of its weight.
+    """A linear whose inference calls run on an int8 copy of its weight.
 
-    Wider calls, and any call the int8 path does not fit (gradients, autocast, another dtype), run
-    the float32 weight, prepacked where ``linear`` was: it is a ``PackedLinear`` with an int8 copy
-    beside, so ``weight``, ``bias`` and the state dict are the original linear's.
+    Calls the int8 path does not fit (gradients, autocast, another device or dtype) run
+    ``F.linear`` on the float32 weight. It is a ``PackedLinear`` left unpacked, so ``weight``,
+    ``bias`` and the state dict are the original linear's, and no packed float32 copy is kept.
     """
 
     def __init__(self, linear: nn.Module, q: torch.Tensor, scales: torch.Tensor):
         super().__init__(linear.weight, linear.bias, pack=False)
-        self._packed = getattr(linear, "_packed", None)  # the float32 path as it was: packed once already
-        self.q = q  # [out, in] int8; plain attributes, like the packed copy: not state, not moved by .to()
+        self.q = q  # [out, in] int8; plain attributes, like a packed copy: not state, not moved by .to()
         self.scales = scales  # [out] bfloat16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        if not self._fits_int8(x, rows):
+        if not self._fits_int8(x):
             return super().forward(x)
+        rows = x.numel() // self.in_features
         out = _int8_matmul(x.reshape(rows, self.in_features), self.q, self.scales)  # [rows, out]
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
-    def _fits_int8(self, x: torch.Tensor, rows: int) -> bool:
-        return (rows <= INT8_MAX_ROWS and x.device.type == "cpu" and x.dtype == torch.float32
-                and not torch.is_autocast_enabled("cpu") and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)))
+    def _fits_int8(self, x: torch.Tensor) -> bool:
+        return (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)))
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, int8_max_rows={INT8_MAX_ROWS}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8=True"
 
 
 def int8_linear(linear: nn.Module) -> nn.Module:
@@ -142,5 +147,5 @@ def apply_quantization(model: nn.Module, name: str) -> int:
     return quantize_linears(model) if check_quantization(name) == "int8" else 0
 
 
-__all__ = ["INT8_MAX_ROWS", "Int8Linear", "apply_quantization", "can_quantize", "int8_linear", "is_quantized",
+__all__ = ["Int8Linear", "apply_quantization", "can_quantize", "int8_linear", "is_quantized",
            "quantize_linears", "quantize_rows"]

@@ -432,20 +432,10 @@ def test_drafter_session_errors(stack):
     stub.CloseSession(common_pb2.CloseSessionRequest(session_id=sid))
 
 
-@pytest.fixture(scope="module")
-def float32_stack(tiny_dir):
-    """A stack whose drafter keeps float32 weights: a batched row equals a single sequence to
-    1e-6 only there (an int8 draft runs 1-3 rows on int8 weights and wider passes on float32)."""
-    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, quantize="none")
-    yield s
-    s.stop()
-
-
-def test_drafter_rewinds_a_session_for_a_branch(float32_stack):
+def test_drafter_rewinds_a_session_for_a_branch(stack):
     """`keep` forks a drafter session a few tokens back (a mirror branch): the draft is then the
     one a fresh session on that context gives (q up to float rounding: a rolled-back KV cache and a
     fresh prefill sum in different orders)."""
-    stack = float32_stack
     stub = drafter_pb2_grpc.DrafterServiceStub(grpc.insecure_channel(f"127.0.0.1:{stack.drafter.port}"))
     params = common_pb2.SamplingParams(temperature=1.0, max_new_tokens=8)
 
@@ -467,10 +457,9 @@ def test_drafter_rewinds_a_session_for_a_branch(float32_stack):
 
 
 
-def test_drafter_drafts_branches_that_fork_at_one_point_together(float32_stack):
+def test_drafter_drafts_branches_that_fork_at_one_point_together(stack):
     """DraftBranches: one call (one batched forward per step) for every branch token; each draft
     is the one a fresh session on its own context gives, and the session stays at the fork."""
-    stack = float32_stack
     stub = drafter_pb2_grpc.DrafterServiceStub(grpc.insecure_channel(f"127.0.0.1:{stack.drafter.port}"))
     params = common_pb2.SamplingParams(temperature=1.0, max_new_tokens=8)
 
