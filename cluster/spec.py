@@ -47,7 +47,7 @@ class StackSpec:
     proposal_top_k: int = 32
     prompt_lookup: int = 0  # draft-model replicas: prompt lookup drafts first on matches this long
     draft_confidence: float = 0.0  # draft-model replicas: a window ends after the model's first token below this
-    draft_quantize: str = DEFAULT_DRAFT_QUANTIZE  # draft-model replicas: int8 weights for one-token steps on CPU (models.quantize)
+    draft_quantize: str = DEFAULT_DRAFT_QUANTIZE  # draft-model replicas: int8 weights for their linear layers on CPU (models.quantize)
     max_sessions: int = 64
     host: str = "127.0.0.1"  # the front door
     port: int = 50051

@@ -24,7 +24,7 @@ parser.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONF
                     help="strategy draft-model: a window ends after the first token the model gives less than "
                          "probability P (0 = always draft K)")
 parser.add_argument("--quantize", default=DEFAULT_DRAFT_QUANTIZE, choices=QUANTIZATIONS,
-                    help="strategy draft-model: int8 = int8 weights for the draft's one-token steps on CPU (exact "
+                    help="strategy draft-model: int8 = int8 weights for the draft's linear layers on CPU (exact "
                          "either way; a no-op on GPU)")
 add_placement_args(parser)
 args = parser.parse_args()

@@ -27,7 +27,7 @@ class DrafterConfig(ReplicaConfig):
     proposal_top_k: int = 32  # sparse q by default: a few KB per window instead of MBs
     prompt_lookup: int = 0  # draft-model: prompt lookup drafts first on matches this long (HybridDrafter)
     draft_confidence: float = 0.0  # draft-model: a window ends after the model's first token below this
-    quantize: str = DEFAULT_DRAFT_QUANTIZE  # draft-model: int8 weights for one-token steps on CPU (models.quantize)
+    quantize: str = DEFAULT_DRAFT_QUANTIZE  # draft-model: int8 weights for its linear layers on CPU (models.quantize)
 
     def __post_init__(self) -> None:
         check_prompt_lookup(self.prompt_lookup)

@@ -45,7 +45,7 @@ DRAFT_CONFIDENCE_HELP = ("with a draft model: a window ends after the first toke
                          "probability P, the drafts after it being likely rejections (exact either way; "
                          "0 = always draft K)")
 
-DRAFT_QUANTIZE_HELP = ("with a draft model: int8 runs its one-token steps on int8 weights, ~1.7x faster per "
+DRAFT_QUANTIZE_HELP = ("with a draft model: int8 runs its linear layers on int8 weights, ~1.7x faster per "
                        "drafted token on CPU (exact either way; a no-op on GPU or bf16)")
 
 K_HELP = (f"speculative tokens per window (default {DEFAULT_K_CONFIDENT} with a draft model whose windows end at its "

@@ -210,7 +210,7 @@ def check_prompt_lookup(min_match: int) -> None:
 
 
 QUANTIZATIONS = ("none", "int8")
-# Drafts only (``models.quantize``): int8 weights for one-token steps of a float32 CPU draft, a no-op
+# Drafts only (``models.quantize``): int8 weights for a float32 CPU draft's linear layers, a no-op
 # where that does not apply (GPU, bf16). A target is never quantized: its distribution is the product.
 DEFAULT_DRAFT_QUANTIZE = "int8"
 
@@ -218,7 +218,7 @@ DEFAULT_DRAFT_QUANTIZE = "int8"
 def check_quantization(name: str, field: str = "quantize") -> str:
     if name not in QUANTIZATIONS:
         raise InvalidRequest(f"{field} must be one of {', '.join(QUANTIZATIONS)} (int8: int8 weights for a CPU "
-                             f"draft's one-token steps, exact either way), got {name!r}", field=field)
+                             f"draft's linear layers, exact either way), got {name!r}", field=field)
     return name
 
 

@@ -83,8 +83,8 @@ def load_causal_lm(source: str, *, dtype: str = "auto", device: str = "auto", to
 
     ``prepack`` packs a float32 CPU model's linear weights for oneDNN (``models.prepack``);
     pass False where the model will be trained from, edited or sharded afterwards. ``quantize``
-    'int8' gives a float32 CPU model's few-row calls int8 weights (``models.quantize``: for a
-    draft, whose steps are one token; a no-op on GPU)."""
+    'int8' runs a float32 CPU model's linear layers on int8 weights (``models.quantize``: for a
+    draft, whose one-token steps are memory-bound; a no-op on GPU)."""
     check_quantization(quantize)
     location, gguf = locate_model(source)
     source = location if not gguf else str(Path(location) / gguf["gguf_file"])

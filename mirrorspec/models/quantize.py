@@ -1,4 +1,4 @@
-"""Int8 weight-only linears for a CPU draft's one-token steps.
+"""Int8 weight-only linears for a CPU draft.
 
 Why: a draft step is memory-bound. The demo draft reads ~47 MB of float32 weights per token (two
 layers and an 8k-row head), more than this CPU's 32 MB L3, so a drafted token costs about as much
