@@ -46,13 +46,12 @@ class Drafts:
     name: str = "none"
     services: ServedStacks = field(default_factory=ServedStacks)  # started lazily by the served modes
     server_source: str | None = None  # what a drafter server process loads for ``model`` (None: it cannot)
-    quantize: str = "none"  # how ``model`` was loaded (``--draft-quantize``'s first value)
     others: dict[str, torch.nn.Module] = field(default_factory=dict)  # the same draft loaded with other quantizations
 
     def as_quantized(self, quantize: str) -> Drafts:
         """These drafts with the model loaded as ``quantize`` (for in-process modes: the served
         stacks keep the main draft)."""
-        return replace(self, model=self.others[quantize], quantize=quantize, others={})
+        return replace(self, model=self.others[quantize], others={})
 
 
 @dataclass

@@ -136,7 +136,7 @@ def load_draft(spec: str, target: LoadedModel, quantizations: Sequence[str] = (D
     first, *others = quantizations
     models = {q: _load_draft_model(spec, target, q) for q in quantizations}
     return Drafts(model=models[first], name=spec, server_source=None if spec.startswith(TRUNCATE_PREFIX) else spec,
-                  services=ServedStacks(draft_quantize=first), quantize=first, others={q: models[q] for q in others})
+                  services=ServedStacks(draft_quantize=first), others={q: models[q] for q in others})
 
 
 def _load_draft_model(spec: str, target: LoadedModel, quantize: str) -> torch.nn.Module:

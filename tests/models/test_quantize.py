@@ -143,3 +143,15 @@ def test_adaptive_k_counts_an_int8_draft_step_as_cheaper(tiny_dir):
     quantize_linears(model)
     assert DraftModelDrafter(model).step_cost == INT8_DRAFT_MODEL_STEP_COST < DRAFT_MODEL_STEP_COST
     assert HybridDrafter(DraftModelDrafter(model)).step_cost == INT8_DRAFT_MODEL_STEP_COST
+
+
+@needs_int8
+def test_sessions_on_one_model_share_its_sub_vocabulary_head(tiny_dir):
+    """The head is built (packed, rounded to int8, probed) once per model and sub-vocabulary, not
+    per session: a session is opened per request."""
+    model = load(tiny_dir["target16"])
+    quantize_linears(model)
+    rows = torch.tensor([1, 3, 4])
+    first, second = KVSession(model, rows), KVSession(model, rows)
+    assert first._head is second._head
+    assert KVSession(model, torch.tensor([1, 3, 5]))._head is not first._head
