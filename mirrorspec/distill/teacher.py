@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from mirrorspec.models.session import cache_argument
+
 
 @dataclass
 class TeacherShard:
@@ -74,8 +76,8 @@ def generate_batch(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, 
     stop = torch.tensor(list(stop_ids), device=device)
     step_ids = ids
     for _ in range(max_new_tokens):
-        out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                    use_cache=True, logits_to_keep=1)
+        out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                    logits_to_keep=1, **cache_argument(model, cache))
         logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)  # [b, vocab]
         top = logp.topk(top_k, dim=-1)  # [b, k]
         if temperature > 0:  # drawn on the CPU from a CPU generator: same draws on any device

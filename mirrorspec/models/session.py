@@ -10,6 +10,8 @@ for remote drafters: nothing but new tokens ever has to be resent.
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -60,6 +62,18 @@ def head_rows(model: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
 
 
 HEADS_ATTRIBUTE = "_mirrorspec_sub_vocabulary_heads"
+
+
+@functools.cache
+def _cache_keyword(module_type: type) -> str:
+    return "cache" if "cache" in inspect.signature(module_type.forward).parameters else "past_key_values"
+
+
+def cache_argument(module: torch.nn.Module, cache: DynamicCache) -> dict[str, DynamicCache]:
+    """``forward``'s KV-cache keyword argument. transformers 5.24 renamed ``past_key_values`` to
+    ``cache``: the old name warns on every run and goes in 5.40, and the 5.x releases before the
+    rename know only it."""
+    return {_cache_keyword(type(module)): cache}
 
 
 def sub_vocabulary_head(model: torch.nn.Module, rows: torch.Tensor) -> torch.nn.Module:
@@ -132,11 +146,12 @@ class KVSession:
         # [batch, n] -> [batch, num_positions, vocab or m] float32
         """
         if self._head is not None:
-            hidden = self.model.get_decoder()(input_ids=input_ids, past_key_values=cache, use_cache=True, **masking)
+            decoder = self.model.get_decoder()
+            hidden = decoder(input_ids=input_ids, use_cache=True, **cache_argument(decoder, cache), **masking)
             return self._head(hidden.last_hidden_state[:, -num_positions:]).float()
         # logits_to_keep: a 49k-vocabulary head over every prompt position costs more than the prefill
-        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=num_positions,
-                         **masking)
+        out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=num_positions,
+                         **cache_argument(self.model, cache), **masking)
         return out.logits[:, -num_positions:].float()
 
     @torch.inference_mode()

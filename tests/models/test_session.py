@@ -1,5 +1,6 @@
 """KV-cache roll-back correctness: the cached session must agree with full uncached forwards."""
 
+import inspect
 import random
 
 import pytest
@@ -72,3 +73,20 @@ def test_rows_forked_at_different_points_see_only_their_own_prefix(tiny_dir):
     assert session.tokens == prefix  # the session itself is unchanged
     with pytest.raises(ValueError, match="fork points"):
         session.fork(prefix, next_tokens, [7, 2, 4, 1])  # past the prefix
+
+
+def test_sessions_pass_the_cache_under_the_name_the_installed_transformers_uses(tiny_target):
+    """transformers 5.24 renamed forward's past_key_values to cache: the old name warns on every
+    run (users saw a FutureWarning from `mirrorspec generate`) and goes in 5.40."""
+    import warnings
+
+    from mirrorspec.models.session import cache_argument
+
+    [keyword] = cache_argument(tiny_target, None)
+    assert keyword in inspect.signature(type(tiny_target).forward).parameters
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        session = KVSession(tiny_target)
+        session.logits_for([0, 1, 2], 2)
+        session.logits_for([0, 1, 2, 3, 4], 3)
+        session.fork([0, 1, 2], [3, 4]).step()
