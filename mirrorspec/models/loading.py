@@ -91,9 +91,9 @@ def load_causal_lm(source: str, *, dtype: str = "auto", device: str = "auto", to
     dev = resolve_device(device)
     kwargs: dict = {"dtype": resolve_dtype(dtype, dev), **gguf}
     model = AutoModelForCausalLM.from_pretrained(location, **kwargs).to(dev).eval()
+    apply_quantization(model, quantize)  # first: packing a layer int8 then replaces is wasted work
     if prepack:
-        prepack_linears(model)
-    apply_quantization(model, quantize)
+        prepack_linears(model)  # what int8 left as nn.Linear (the tied head, shapes it refused)
     tok = None
     if tokenizer:
         tok = AutoTokenizer.from_pretrained(location, **gguf)
