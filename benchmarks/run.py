@@ -11,16 +11,17 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from mirrorspec.config import DEFAULT_DRAFT_QUANTIZE, QUANTIZATIONS, InvalidRequest, SamplingParams, SpeculationConfig
+from mirrorspec.config import DEFAULT_DRAFT_QUANTIZE, QUANTIZATIONS, InvalidRequest
 from mirrorspec.models.loading import LoadedModel, load_causal_lm
 from mirrorspec.models.prepack import is_prepacked, prepack_linears
 from mirrorspec.models.quantize import apply_quantization
 
+from benchmarks.flags import TRUNCATE_PREFIX, csv_of, draft_spec, one_of, positive, sampling_temperature, window_k
 from benchmarks.harness import MODES, BenchPlan, Drafts, RunRecord, run_benchmark, select_modes
 from benchmarks.metrics import summarize
 from benchmarks.prompts import DATASETS, load_prompts
@@ -29,63 +30,6 @@ from benchmarks.report import (LEGEND, cpu_sample, environment, format_table, ot
                                write_json)
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-TRUNCATE_PREFIX = "truncate:"
-
-
-# ------------------------------------------------------------------------------ flag parsing
-
-def _csv(item: Callable[[str], object]) -> Callable[[str], list]:
-    """An argparse type for comma-separated lists; ArgumentTypeError names the flag for us."""
-    def parse(text: str) -> list:
-        values = [item(part.strip()) for part in text.split(",") if part.strip()]
-        if not values:
-            raise argparse.ArgumentTypeError("needs at least one value")
-        return list(dict.fromkeys(values))  # de-duplicate, keep order
-    return parse
-
-
-def _choice(options: Sequence[str], what: str) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        if text not in options:
-            raise argparse.ArgumentTypeError(f"unknown {what} {text!r}; choose from {', '.join(options)}")
-        return text
-    return parse
-
-
-def _k(text: str) -> int:
-    try:
-        k = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"K must be an integer, got {text!r}") from None
-    upper = SpeculationConfig().max_speculative_tokens  # the engine's own bound
-    if not 1 <= k <= upper:
-        raise argparse.ArgumentTypeError(f"K must be in [1, {upper}], got {k} "
-                                         "(target-only always runs as the baseline)")
-    return k
-
-
-def _temperature(text: str) -> float:
-    try:
-        return SamplingParams(temperature=float(text)).temperature
-    except (ValueError, InvalidRequest) as err:
-        raise argparse.ArgumentTypeError(f"bad temperature {text!r}: {err}") from None
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _draft(text: str) -> str:
-    layers = text.removeprefix(TRUNCATE_PREFIX)
-    if text.startswith(TRUNCATE_PREFIX) and not (layers.isdigit() and int(layers) >= 1):
-        raise argparse.ArgumentTypeError(f"truncate:N needs an integer N >= 1, got {layers!r}")
-    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,27 +38,27 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmark mirrorspec's decoding modes side by side on real prompt sets.",
         epilog="Modes: " + "; ".join(f"{m.name}: {m.description.splitlines()[0].rstrip('.')}" for m in MODES.values()),
     )
-    p.add_argument("--datasets", type=_csv(_choice(list(DATASETS), "dataset")), default=list(DATASETS),
+    p.add_argument("--datasets", type=csv_of(one_of(list(DATASETS), "dataset")), default=list(DATASETS),
                    help=f"comma-separated, from {','.join(DATASETS)} (default: all)")
-    p.add_argument("--num-prompts", type=_positive, default=4, help="first N prompts of each dataset (default 4)")
-    p.add_argument("--max-tokens", type=_positive, default=64, help="max new tokens per prompt (default 64)")
-    p.add_argument("--k", type=_csv(_k), default=[2, 4], help="draft tokens per window, comma-separated (default 2,4)")
-    p.add_argument("--temperatures", type=_csv(_temperature), default=[0.0, 0.7],
+    p.add_argument("--num-prompts", type=positive, default=4, help="first N prompts of each dataset (default 4)")
+    p.add_argument("--max-tokens", type=positive, default=64, help="max new tokens per prompt (default 64)")
+    p.add_argument("--k", type=csv_of(window_k), default=[2, 4], help="draft tokens per window, comma-separated (default 2,4)")
+    p.add_argument("--temperatures", type=csv_of(sampling_temperature), default=[0.0, 0.7],
                    help="comma-separated; 0 = greedy (default 0,0.7)")
-    p.add_argument("--modes", type=_csv(_choice(list(MODES), "mode")), default=list(MODES),
+    p.add_argument("--modes", type=csv_of(one_of(list(MODES), "mode")), default=list(MODES),
                    help="comma-separated (default: all); target-only always runs as the baseline")
     p.add_argument("--target", default="demo-target", help="hub id, local path, .gguf, or demo-target (default)")
-    p.add_argument("--draft", type=_draft, default="demo-draft",
+    p.add_argument("--draft", type=draft_spec, default="demo-draft",
                    help="'demo-draft' (default: the draft mirrorspec distils from the demo target), 'none' "
                         "(draft-model modes are skipped), a model path / hub id sharing the target's tokenizer, "
                         "or 'truncate:N' = the target cut to its first N layers (a smoke/debug draft: it runs "
                         "the draft-model paths but accepts little)")
-    p.add_argument("--draft-quantize", type=_csv(_choice(QUANTIZATIONS, "quantization")),
+    p.add_argument("--draft-quantize", type=csv_of(one_of(QUANTIZATIONS, "quantization")),
                    default=[DEFAULT_DRAFT_QUANTIZE],
                    help=f"how the draft model's weights are loaded (default {DEFAULT_DRAFT_QUANTIZE}, as mirrorspec "
                         "runs it); more values, e.g. int8,none, also run each in-process draft-model mode on the "
                         "draft loaded the other way, as MODE@none, side by side")
-    p.add_argument("--threads", type=_positive, default=len(os.sched_getaffinity(0)),
+    p.add_argument("--threads", type=positive, default=len(os.sched_getaffinity(0)),
                    help="torch intra-op threads (default: all usable cores)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")

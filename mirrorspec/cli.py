@@ -216,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     # listed for --help; main() hands everything after "bench" to the harness's own parser
     commands.add_parser("bench", help="benchmark decoding modes side by side (mirrorspec bench --help); "
                                       "`mirrorspec bench mirror` compares serial and mirror over gRPC and "
-                                      "draws a timeline PNG")
+                                      "draws a timeline PNG; `mirrorspec bench acceptance` replays the draft "
+                                      "along the target's answers: acceptance with no timing noise")
     return parser
 
 
@@ -226,6 +227,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from benchmarks.mirror import main as mirror_main
 
         return mirror_main(argv[2:])
+    if argv[:2] == ["bench", "acceptance"]:
+        from benchmarks.acceptance import main as acceptance_main
+
+        return acceptance_main(argv[2:])
     if argv[:1] == ["bench"]:
         from benchmarks.run import main as bench_main
 

@@ -1,0 +1,233 @@
+"""Draft quality without a clock: how often the target would accept the draft, computed exactly.
+
+    python -m benchmarks.acceptance [--draft demo-draft] [--draft-quantize int8,none]
+        [--datasets humaneval,mtbench] [--num-prompts 8] [--max-tokens 64] [--k 2,4,8]
+        [--temperatures 0,0.7]          (also: mirrorspec bench acceptance ...)
+
+Timed benchmark runs over a few prompts report acceptance with noise: a sampled run's alpha
+swings by ±0.06 between drafts that barely differ, and greedy runs mix in adaptive K, confidence
+stops and prompt lookup. This replays the draft along the target's own greedy answer to each
+prompt instead. At every answer position the draft proposes one token exactly as it does when
+decoding (``DraftModelDrafter.propose``: its sub-vocabulary, its quantization, its q) and the
+target's p is formed as the verifier forms it (``target_probs``). From those:
+
+* ``beta``: per-token acceptance sum_x min(p(x), q(x)), the probability that rejection sampling
+  keeps the draft's token there (Leviathan et al. 2023's alpha); greedy, 1 where the argmaxes agree;
+* greedy, per K: the windows greedy speculation runs, replayed along the answer, which *is* the
+  output: acceptance (accepted / drafted), Leviathan's alpha (accepted / tests run) and tokens per
+  target pass with the bonus token, the figures of the demo-draft issue's goal (alpha >= 0.55,
+  >= 2.1 tokens per pass at K=4), for a draft-model window with no prompt lookup or confidence stop;
+* sampled, per K: tokens per pass from ``beta`` under i.i.d. acceptance (an estimate: a sampled
+  run leaves the greedy path).
+
+Deterministic: the same draft gives the same figures on every run, so two drafts, or one draft's
+quantizations, compare with no noise. Nothing here is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from benchmarks.metrics import expected_tokens_per_window
+from benchmarks.prompts import DATASETS, load_prompts
+from benchmarks.flags import csv_of, draft_spec, one_of, positive, sampling_temperature, window_k
+from benchmarks.run import DEFAULT_OUT, load_draft
+from mirrorspec.config import DEFAULT_DRAFT_QUANTIZE, QUANTIZATIONS, InvalidRequest, SamplingParams
+from mirrorspec.drafting.draft_model import DraftModelDrafter
+from mirrorspec.engine import generate
+from mirrorspec.models import KVSession, LoadedModel, encode_prompt, load_causal_lm
+from mirrorspec.sampling.distributions import target_probs
+
+
+def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The chance rejection sampling accepts a token drawn from q where the target's law is p.
+
+    # [n, vocab], [n, vocab] -> [n]
+    """
+    return torch.minimum(p, q).sum(-1)
+
+
+@dataclass(frozen=True)
+class Replay:
+    """Greedy windows of at most K drafts run along one answer."""
+
+    windows: int
+    drafted: int
+    accepted: int
+    tests: int  # positions tested: a window stops at its first rejection
+
+
+def replay_greedy(agrees: Sequence[bool], k: int) -> Replay:
+    """The windows greedy speculation runs over an answer whose position i the draft gets right
+    iff ``agrees[i]``: each accepts drafts up to its first miss, then the target adds one token
+    (the correction, or the bonus after K hits). The last window drafts no further than the
+    answer's end, as the engine drafts no further than max_new_tokens."""
+    start = windows = drafted = accepted = tests = 0
+    while start < len(agrees):
+        budget = min(k, len(agrees) - start - 1)
+        hits = 0
+        while hits < budget and agrees[start + hits]:
+            hits += 1
+        windows, drafted, accepted = windows + 1, drafted + budget, accepted + hits
+        tests += hits + (hits < budget)
+        start += hits + 1
+    return Replay(windows, drafted, accepted, tests)
+
+
+def answer_betas(target: torch.nn.Module, drafter: DraftModelDrafter, prompt: list[int], answer: list[int],
+                 temperatures: Sequence[float]) -> dict[float, list[float]]:
+    """beta at every answer position, per temperature (teacher-forced on the answer)."""
+    sequence = prompt + answer
+    target_logits = KVSession(target).logits_for(sequence[:-1], len(answer))  # [m, vocab], row i -> answer[i]
+    vocab_size = target_logits.shape[-1]
+    betas: dict[float, list[float]] = {}
+    for temperature in temperatures:
+        params = SamplingParams(temperature=temperature)
+        p = target_probs(target_logits, params)  # [m, vocab]
+        q = torch.cat([drafter.propose(sequence[:len(prompt) + i], 1, params, seed=0).q.dense(vocab_size)
+                       for i in range(len(answer))])  # [m, vocab]
+        betas[temperature] = acceptance_probability(p, q).tolist()
+    drafter.release()
+    return betas
+
+
+@dataclass
+class Row:
+    dataset: str
+    draft: str
+    temperature: float
+    k: int
+    positions: int
+    beta: float  # mean per-token acceptance over every answer position
+    tokens_per_pass: float  # greedy: replayed; sampled: i.i.d. estimate from beta
+    acceptance_rate: float | None = None  # greedy: accepted / drafted
+    alpha: float | None = None  # greedy: accepted / tests run
+
+
+def summarize(dataset: str, draft: str, temperature: float, betas: list[list[float]], ks: Sequence[int]) -> list[Row]:
+    """One row per K from the betas of every prompt's answer."""
+    flat = [b for answer in betas for b in answer]
+    beta = sum(flat) / max(len(flat), 1)
+    rows = []
+    for k in ks:
+        row = Row(dataset, draft, temperature, k, len(flat), round(beta, 4),
+                  round(expected_tokens_per_window(beta, k), 3))
+        if temperature == 0:
+            replays = [replay_greedy([b > 0.5 for b in answer], k) for answer in betas]
+            windows, drafted, accepted, tests = (sum(getattr(r, f) for r in replays)
+                                                 for f in ("windows", "drafted", "accepted", "tests"))
+            row.tokens_per_pass = round(len(flat) / max(windows, 1), 3)
+            row.acceptance_rate = round(accepted / max(drafted, 1), 4)
+            row.alpha = round(accepted / max(tests, 1), 4)
+        rows.append(row)
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    def cell(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    lines = [f"{'dataset':<10} {'draft':<22} {'T':>4} {'K':>2} {'positions':>9} {'beta':>6} {'accept':>6} "
+             f"{'alpha':>6} {'tok/pass':>8}"]
+    for r in rows:
+        lines.append(f"{r.dataset:<10} {r.draft:<22} {r.temperature:>4g} {r.k:>2} {r.positions:>9} {r.beta:>6.3f} "
+                     f"{cell(r.acceptance_rate):>6} {cell(r.alpha):>6} {r.tokens_per_pass:>8.3f}")
+    return "\n".join(lines)
+
+
+LEGEND = ("beta = mean sum_x min(p, q) per answer position; greedy: accept = accepted/drafted, alpha = accepted/"
+          "tests run, tok/pass = replayed windows (bonus included); sampled: tok/pass = (1 - beta^(K+1)) / "
+          "(1 - beta), i.i.d. estimate")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.acceptance", description=__doc__.split("\n")[0])
+    p.add_argument("--datasets", type=csv_of(one_of(list(DATASETS), "dataset")), default=["humaneval", "mtbench"],
+                   help="comma-separated (default humaneval,mtbench)")
+    p.add_argument("--num-prompts", type=positive, default=8, help="first N prompts per dataset (default 8)")
+    p.add_argument("--max-tokens", type=positive, default=64, help="answer length per prompt (default 64)")
+    p.add_argument("--k", type=csv_of(window_k), default=[2, 4, 8], help="window sizes to replay (default 2,4,8)")
+    p.add_argument("--temperatures", type=csv_of(sampling_temperature), default=[0.0, 0.7],
+                   help="comma-separated; 0 = greedy (default 0,0.7)")
+    p.add_argument("--target", default="demo-target", help="hub id, local path, .gguf, or demo-target (default)")
+    p.add_argument("--draft", type=draft_spec, default="demo-draft",
+                   help="a draft model: demo-draft (default), a path / hub id sharing the target's tokenizer, "
+                        "or truncate:N (see python -m benchmarks --help)")
+    p.add_argument("--draft-quantize", type=csv_of(one_of(QUANTIZATIONS, "quantization")),
+                   default=[DEFAULT_DRAFT_QUANTIZE], help=f"one row per value, e.g. int8,none "
+                                                          f"(default {DEFAULT_DRAFT_QUANTIZE})")
+    p.add_argument("--threads", type=positive, default=2, help="torch intra-op threads (default 2)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return p
+
+
+def _load(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[LoadedModel, dict[str, DraftModelDrafter]]:
+    if args.draft == "none":
+        parser.error("--draft: 'none' leaves nothing to measure; name a draft model")
+    try:
+        target = load_causal_lm(args.target)
+    except (InvalidRequest, OSError) as err:
+        parser.error(f"--target: {err}")
+    if target.tokenizer is None:
+        parser.error("--target: the target has no tokenizer; prompts cannot be encoded")
+    try:
+        drafts = load_draft(args.draft, target, args.draft_quantize)
+    except (InvalidRequest, OSError, ValueError) as err:
+        parser.error(f"--draft: {err}")
+    models = {args.draft_quantize[0]: drafts.model, **drafts.others}
+    return target, {f"{args.draft}@{q}": DraftModelDrafter(model) for q, model in models.items()}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        with torch.inference_mode():
+            return _run(args, parser)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    target, drafters = _load(args, parser)
+    prompts = {name: load_prompts(name, args.num_prompts) for name in args.datasets}
+    betas: dict[tuple[str, str, float], list[list[float]]] = {}
+    answers: dict[str, list[dict]] = {}
+    total = sum(len(p) for p in prompts.values())
+    with tqdm(total=total, desc="replaying drafts on target answers", disable=args.no_progress) as bar:
+        for dataset, items in prompts.items():
+            for prompt in items:
+                ids = encode_prompt(target.tokenizer, prompt.text)
+                params = SamplingParams(max_new_tokens=args.max_tokens, stop_token_ids=target.stop_token_ids())
+                answer = list(generate(target.model, None, ids, params).token_ids)
+                answers.setdefault(dataset, []).append({"prompt_id": prompt.prompt_id, "answer_ids": answer})
+                for name, drafter in drafters.items():
+                    for temperature, values in answer_betas(target.model, drafter, ids, answer, args.temperatures).items():
+                        betas.setdefault((dataset, name, temperature), []).append(values)
+                        answers[dataset][-1].setdefault("beta", {})[f"{name} T={temperature:g}"] = values
+                bar.update(1)
+    rows = [row for (dataset, name, temperature), values in betas.items()
+            for row in summarize(dataset, name, temperature, values, args.k)]
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / time.strftime("acceptance-%Y%m%d-%H%M%S.json")
+    config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
+    out.write_text(json.dumps({"config": config, "rows": [asdict(r) for r in rows], "answers": answers}, indent=1))
+    print(format_table(rows))
+    print(f"\n{LEGEND}\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""argparse types shared by the benchmark commands: each raises ArgumentTypeError, so the error
+names the flag (``argument --k: K must be in [1, 8], got 0``) before any model is loaded."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+
+from mirrorspec.config import InvalidRequest, SamplingParams, SpeculationConfig
+
+TRUNCATE_PREFIX = "truncate:"
+
+
+def csv_of(item: Callable[[str], object]) -> Callable[[str], list]:
+    """An argparse type for comma-separated lists; ArgumentTypeError names the flag for us."""
+    def parse(text: str) -> list:
+        values = [item(part.strip()) for part in text.split(",") if part.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError("needs at least one value")
+        return list(dict.fromkeys(values))  # de-duplicate, keep order
+    return parse
+
+
+def one_of(options: Sequence[str], what: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in options:
+            raise argparse.ArgumentTypeError(f"unknown {what} {text!r}; choose from {', '.join(options)}")
+        return text
+    return parse
+
+
+def window_k(text: str) -> int:
+    try:
+        k = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"K must be an integer, got {text!r}") from None
+    upper = SpeculationConfig().max_speculative_tokens  # the engine's own bound
+    if not 1 <= k <= upper:
+        raise argparse.ArgumentTypeError(f"K must be in [1, {upper}], got {k} "
+                                         "(target-only always runs as the baseline)")
+    return k
+
+
+def sampling_temperature(text: str) -> float:
+    try:
+        return SamplingParams(temperature=float(text)).temperature
+    except (ValueError, InvalidRequest) as err:
+        raise argparse.ArgumentTypeError(f"bad temperature {text!r}: {err}") from None
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def draft_spec(text: str) -> str:
+    layers = text.removeprefix(TRUNCATE_PREFIX)
+    if text.startswith(TRUNCATE_PREFIX) and not (layers.isdigit() and int(layers) >= 1):
+        raise argparse.ArgumentTypeError(f"truncate:N needs an integer N >= 1, got {layers!r}")
+    return text

@@ -1,0 +1,107 @@
+"""The acceptance replay: its greedy windows are the engine's own, and beta is the acceptance
+probability (fast, tiny models); one run on the demo target (slow). Nothing is timed."""
+
+import json
+
+import pytest
+import torch
+
+from benchmarks.acceptance import Replay, acceptance_probability, answer_betas, main, replay_greedy, summarize
+from mirrorspec import SamplingParams, generate
+from mirrorspec.drafting.draft_model import DraftModelDrafter
+from support import load
+
+
+def test_replay_accepts_up_to_the_first_miss_then_adds_one_target_token():
+    assert replay_greedy([True] * 10, 4) == Replay(windows=2, drafted=8, accepted=8, tests=8)
+    # windows from 0: T T, miss at 2; from 3: T, miss at 4; from 5: four hits, bonus at 9; from 10: the
+    # last token, nothing left to draft beside it
+    pattern = [True, True, False, True, False, True, True, True, True, True, True]
+    assert replay_greedy(pattern, 4) == Replay(windows=4, drafted=4 + 4 + 4 + 0, accepted=2 + 1 + 4, tests=3 + 2 + 4)
+    assert replay_greedy([False] * 3, 2) == Replay(windows=3, drafted=2 + 1 + 0, accepted=0, tests=2)
+
+
+def test_acceptance_probability_is_the_overlap_of_p_and_q():
+    p = torch.tensor([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])
+    q = torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.2, 0.8]])
+    assert acceptance_probability(p, q).tolist() == pytest.approx([1.0, 0.0])
+
+
+@pytest.fixture(scope="module")
+def near_draft(tiny_dir):
+    """The tiny target with seeded noise on every weight: it agrees with the target at about a third
+    of greedy positions (the tiny random draft agrees at none, which would test nothing)."""
+    draft = load(tiny_dir["target"])
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for weight in draft.parameters():
+            weight.add_(torch.randn(weight.shape, generator=generator) * 0.5 * weight.std())
+    return draft
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+@pytest.mark.parametrize("prompt", [[0, 3, 5], [1, 2]])
+def test_greedy_replay_reproduces_the_engines_own_windows(tiny_target, near_draft, prompt, k):
+    """The replay claims to be what greedy speculation does: the engine's statistics must match it."""
+    params = SamplingParams(max_new_tokens=24)
+    answer = list(generate(tiny_target, None, prompt, params).token_ids)
+    [betas] = answer_betas(tiny_target, DraftModelDrafter(near_draft), prompt, answer, [0.0]).values()
+    replay = replay_greedy([b > 0.5 for b in betas], k)
+    stats = generate(tiny_target, near_draft, prompt, params, num_speculative_tokens=k).stats
+    assert 0 < replay.accepted < replay.drafted  # the tiny pair agrees sometimes, not always
+    assert (replay.windows, replay.drafted, replay.accepted) == (stats.windows, stats.drafted, stats.accepted)
+    assert replay.tests - replay.accepted == stats.rejected
+
+
+def test_beta_matches_the_acceptance_rate_the_engine_samples(tiny_target, near_draft):
+    """At T=1, beta at the first answer position is the chance the engine accepts its first draft."""
+    prompt = [0, 3, 5]
+    answer = list(generate(tiny_target, None, prompt, SamplingParams(max_new_tokens=2)).token_ids)
+    [betas] = answer_betas(tiny_target, DraftModelDrafter(near_draft), prompt, answer, [1.0]).values()
+    params = SamplingParams(temperature=1.0, max_new_tokens=2)
+    runs = [generate(tiny_target, near_draft, prompt, params, num_speculative_tokens=1, seed=s).stats
+            for s in range(2000)]
+    accepted = sum(r.accepted_per_position[0] for r in runs) / len(runs)
+    assert accepted == pytest.approx(betas[0], abs=4 * (betas[0] * (1 - betas[0]) / len(runs)) ** 0.5 + 1e-3)
+
+
+def test_summary_rows_replay_greedy_and_estimate_sampled():
+    greedy = summarize("d", "x", 0.0, [[1.0, 1.0, 0.0, 1.0]], [2])[0]
+    # one window of two hits and the bonus, then the last token alone: the miss is never tested
+    assert (greedy.positions, greedy.beta, greedy.acceptance_rate, greedy.alpha) == (4, 0.75, 1.0, 1.0)
+    assert greedy.tokens_per_pass == 4 / 2
+    sampled = summarize("d", "x", 0.7, [[0.5, 0.5]], [2])[0]
+    assert sampled.tokens_per_pass == pytest.approx(1.75) and sampled.alpha is None
+
+
+@pytest.mark.parametrize("argv, flag", [(["--k", "0"], "--k"), (["--draft-quantize", "int4"], "--draft-quantize"),
+                                        (["--datasets", "nope"], "--datasets"), (["--draft", "truncate:x"], "--draft")])
+def test_bad_flags_name_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_target_as_its_own_draft_is_always_accepted(tmp_path, capsys):
+    """The demo target as its own draft: every proposal must be accepted (a q read one position
+    off, or p and q over different vocabularies, would fall far below); truncate:2 must not be."""
+    common = ["--datasets", "humaneval", "--num-prompts", "1", "--max-tokens", "12", "--k", "4",
+              "--temperatures", "0,0.7", "--draft-quantize", "none", "--threads", "1", "--no-progress"]
+    for draft in ("demo-target", "truncate:2"):
+        assert main([*common, "--draft", draft, "--out", str(tmp_path / draft)]) == 0
+    rows = {draft: {r["temperature"]: r for r in json.loads(next((tmp_path / draft).glob("*.json")).read_text())["rows"]}
+            for draft in ("demo-target", "truncate:2")}
+    whole, cut = rows["demo-target"], rows["truncate:2"]
+    assert whole[0.0]["acceptance_rate"] == 1.0 and whole[0.0]["beta"] == 1.0
+    assert whole[0.7]["beta"] > 0.999
+    assert cut[0.0]["beta"] < 0.9 and cut[0.7]["beta"] < 0.9
+    assert "tok/pass" in capsys.readouterr().out
+
+
+def test_mirrorspec_bench_acceptance_is_the_same_command(capsys):
+    from mirrorspec.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["bench", "acceptance", "--num-prompts", "0"])
+    assert exc.value.code == 2 and "argument --num-prompts" in capsys.readouterr().err
