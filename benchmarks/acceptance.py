@@ -37,9 +37,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from benchmarks.flags import csv_of, draft_spec, integer_at_least, one_of, positive, sampling_temperature, window_k
 from benchmarks.metrics import expected_tokens_per_window
 from benchmarks.prompts import DATASETS, load_prompts
-from benchmarks.flags import csv_of, draft_spec, one_of, positive, sampling_temperature, window_k
 from benchmarks.run import DEFAULT_OUT, load_draft
 from mirrorspec.config import DEFAULT_DRAFT_QUANTIZE, QUANTIZATIONS, InvalidRequest, SamplingParams
 from mirrorspec.drafting.draft_model import DraftModelDrafter
@@ -86,6 +86,8 @@ def replay_greedy(agrees: Sequence[bool], k: int) -> Replay:
 def answer_betas(target: torch.nn.Module, drafter: DraftModelDrafter, prompt: list[int], answer: list[int],
                  temperatures: Sequence[float]) -> dict[float, list[float]]:
     """beta at every answer position, per temperature (teacher-forced on the answer)."""
+    if not answer:
+        return {temperature: [] for temperature in temperatures}
     sequence = prompt + answer
     target_logits = KVSession(target).logits_for(sequence[:-1], len(answer))  # [m, vocab], row i -> answer[i]
     vocab_size = target_logits.shape[-1]
@@ -132,6 +134,16 @@ def summarize(dataset: str, draft: str, temperature: float, betas: list[list[flo
     return rows
 
 
+def category_betas(categories: Sequence[str], betas: Sequence[Sequence[float]]) -> dict[str, float]:
+    """Mean beta per prompt category, over every answer position of the category's prompts
+    (MT-Bench's eight categories differ by 2x for the demo draft: where new training data helps)."""
+    sums: dict[str, tuple[float, int]] = {}
+    for category, answer in zip(categories, betas, strict=True):
+        total, count = sums.get(category, (0.0, 0))
+        sums[category] = (total + sum(answer), count + len(answer))
+    return {category: round(total / max(count, 1), 4) for category, (total, count) in sums.items()}
+
+
 def format_table(rows: list[Row]) -> str:
     def cell(value: float | None) -> str:
         return "-" if value is None else f"{value:.3f}"
@@ -165,13 +177,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-quantize", type=csv_of(one_of(QUANTIZATIONS, "quantization")),
                    default=[DEFAULT_DRAFT_QUANTIZE], help=f"one row per value, e.g. int8,none "
                                                           f"(default {DEFAULT_DRAFT_QUANTIZE})")
+    p.add_argument("--proposal-top-k", type=integer_at_least(0), default=0,
+                   help="the draft's q kept to its top-k tokens, as drafters with --proposal-top-k propose (0 = dense, "
+                        "as `mirrorspec generate --local`; `mirrorspec serve` uses 32)")
     p.add_argument("--threads", type=positive, default=2, help="torch intra-op threads (default 2)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
 
-def _load(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[LoadedModel, dict[str, DraftModelDrafter]]:
+def _load(args: argparse.Namespace,
+          parser: argparse.ArgumentParser) -> tuple[LoadedModel, dict[str, DraftModelDrafter]]:
     if args.draft == "none":
         parser.error("--draft: 'none' leaves nothing to measure; name a draft model")
     try:
@@ -185,7 +201,8 @@ def _load(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Lo
     except (InvalidRequest, OSError, ValueError) as err:
         parser.error(f"--draft: {err}")
     models = {args.draft_quantize[0]: drafts.model, **drafts.others}
-    return target, {f"{args.draft}@{q}": DraftModelDrafter(model) for q, model in models.items()}
+    return target, {f"{args.draft}@{q}": DraftModelDrafter(model, proposal_top_k=args.proposal_top_k)
+                    for q, model in models.items()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -200,31 +217,51 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(previous_threads)
 
 
-def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    target, drafters = _load(args, parser)
-    prompts = {name: load_prompts(name, args.num_prompts) for name in args.datasets}
-    betas: dict[tuple[str, str, float], list[list[float]]] = {}
+Betas = dict[tuple[str, str, float], list[list[float]]]  # (dataset, draft, T) -> per answer, per position
+
+
+def replay_prompts(target: LoadedModel, drafters: dict[str, DraftModelDrafter], prompts: dict[str, list],
+                   max_tokens: int, temperatures: Sequence[float],
+                   progress: bool) -> tuple[Betas, dict[str, list[dict]]]:
+    """Every draft's betas along the target's greedy answer to every prompt; and the answers."""
+    betas: Betas = {}
     answers: dict[str, list[dict]] = {}
+    params = SamplingParams(max_new_tokens=max_tokens, stop_token_ids=target.stop_token_ids())
     total = sum(len(p) for p in prompts.values())
-    with tqdm(total=total, desc="replaying drafts on target answers", disable=args.no_progress) as bar:
+    with tqdm(total=total, desc="replaying drafts on target answers", disable=not progress) as bar:
         for dataset, items in prompts.items():
             for prompt in items:
                 ids = encode_prompt(target.tokenizer, prompt.text)
-                params = SamplingParams(max_new_tokens=args.max_tokens, stop_token_ids=target.stop_token_ids())
                 answer = list(generate(target.model, None, ids, params).token_ids)
-                answers.setdefault(dataset, []).append({"prompt_id": prompt.prompt_id, "answer_ids": answer})
+                record = {"prompt_id": prompt.prompt_id, "category": prompt.category, "answer_ids": answer, "beta": {}}
                 for name, drafter in drafters.items():
-                    for temperature, values in answer_betas(target.model, drafter, ids, answer, args.temperatures).items():
+                    for temperature, values in answer_betas(target.model, drafter, ids, answer, temperatures).items():
                         betas.setdefault((dataset, name, temperature), []).append(values)
-                        answers[dataset][-1].setdefault("beta", {})[f"{name} T={temperature:g}"] = values
+                        record["beta"][f"{name} T={temperature:g}"] = values
+                answers.setdefault(dataset, []).append(record)
                 bar.update(1)
+    return betas, answers
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    target, drafters = _load(args, parser)
+    prompts = {name: load_prompts(name, args.num_prompts) for name in args.datasets}
+    betas, answers = replay_prompts(target, drafters, prompts, args.max_tokens, args.temperatures,
+                                    progress=not args.no_progress)
     rows = [row for (dataset, name, temperature), values in betas.items()
             for row in summarize(dataset, name, temperature, values, args.k)]
+    by_category = {f"{dataset} {name} T={temperature:g}":
+                   category_betas([a["category"] for a in answers[dataset]], values)
+                   for (dataset, name, temperature), values in betas.items()}
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / time.strftime("acceptance-%Y%m%d-%H%M%S.json")
     config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
-    out.write_text(json.dumps({"config": config, "rows": [asdict(r) for r in rows], "answers": answers}, indent=1))
+    out.write_text(json.dumps({"config": config, "rows": [asdict(r) for r in rows], "beta_by_category": by_category,
+                               "answers": answers}, indent=1))
     print(format_table(rows))
+    for key, categories in by_category.items():
+        if len(categories) > 1:
+            print(f"beta by category, {key}: " + ", ".join(f"{c} {b:.3f}" for c, b in categories.items()))
     print(f"\n{LEGEND}\nwrote {out}")
     return 0
 

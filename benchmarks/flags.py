@@ -36,8 +36,8 @@ def window_k(text: str) -> int:
         raise argparse.ArgumentTypeError(f"K must be an integer, got {text!r}") from None
     upper = SpeculationConfig().max_speculative_tokens  # the engine's own bound
     if not 1 <= k <= upper:
-        raise argparse.ArgumentTypeError(f"K must be in [1, {upper}], got {k} "
-                                         "(target-only always runs as the baseline)")
+        raise argparse.ArgumentTypeError(f"K must be in [1, {upper}], got {k} (drafts per window; K=0 is "
+                                         "target-only decoding, which the benchmark runs anyway)")
     return k
 
 
@@ -48,14 +48,19 @@ def sampling_temperature(text: str) -> float:
         raise argparse.ArgumentTypeError(f"bad temperature {text!r}: {err}") from None
 
 
-def positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def integer_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+positive = integer_at_least(1)
 
 
 def draft_spec(text: str) -> str:

@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from benchmarks.acceptance import Replay, acceptance_probability, answer_betas, main, replay_greedy, summarize
+from benchmarks.acceptance import (Replay, acceptance_probability, answer_betas, category_betas, main, replay_greedy,
+                                   summarize)
 from mirrorspec import SamplingParams, generate
 from mirrorspec.drafting.draft_model import DraftModelDrafter
 from support import load
@@ -19,6 +20,10 @@ def test_replay_accepts_up_to_the_first_miss_then_adds_one_target_token():
     pattern = [True, True, False, True, False, True, True, True, True, True, True]
     assert replay_greedy(pattern, 4) == Replay(windows=4, drafted=4 + 4 + 4 + 0, accepted=2 + 1 + 4, tests=3 + 2 + 4)
     assert replay_greedy([False] * 3, 2) == Replay(windows=3, drafted=2 + 1 + 0, accepted=0, tests=2)
+
+
+def test_an_empty_answer_has_no_positions(tiny_target, near_draft):
+    assert answer_betas(tiny_target, DraftModelDrafter(near_draft), [0, 3], [], [0.0, 0.7]) == {0.0: [], 0.7: []}
 
 
 def test_acceptance_probability_is_the_overlap_of_p_and_q():
@@ -53,14 +58,17 @@ def test_greedy_replay_reproduces_the_engines_own_windows(tiny_target, near_draf
     assert replay.tests - replay.accepted == stats.rejected
 
 
-def test_beta_matches_the_acceptance_rate_the_engine_samples(tiny_target, near_draft):
-    """At T=1, beta at the first answer position is the chance the engine accepts its first draft."""
+@pytest.mark.parametrize("proposal_top_k", [0, 2])
+def test_beta_matches_the_acceptance_rate_the_engine_samples(tiny_target, near_draft, proposal_top_k):
+    """At T=1, beta at the first answer position is the chance the engine accepts its first draft,
+    with a dense q and with a sparse one."""
     prompt = [0, 3, 5]
     answer = list(generate(tiny_target, None, prompt, SamplingParams(max_new_tokens=2)).token_ids)
-    [betas] = answer_betas(tiny_target, DraftModelDrafter(near_draft), prompt, answer, [1.0]).values()
+    drafter = DraftModelDrafter(near_draft, proposal_top_k=proposal_top_k)
+    [betas] = answer_betas(tiny_target, drafter, prompt, answer, [1.0]).values()
     params = SamplingParams(temperature=1.0, max_new_tokens=2)
-    runs = [generate(tiny_target, near_draft, prompt, params, num_speculative_tokens=1, seed=s).stats
-            for s in range(2000)]
+    runs = [generate(tiny_target, DraftModelDrafter(near_draft, proposal_top_k=proposal_top_k), prompt, params,
+                     num_speculative_tokens=1, seed=s).stats for s in range(1500)]
     accepted = sum(r.accepted_per_position[0] for r in runs) / len(runs)
     assert accepted == pytest.approx(betas[0], abs=4 * (betas[0] * (1 - betas[0]) / len(runs)) ** 0.5 + 1e-3)
 
@@ -74,8 +82,14 @@ def test_summary_rows_replay_greedy_and_estimate_sampled():
     assert sampled.tokens_per_pass == pytest.approx(1.75) and sampled.alpha is None
 
 
+def test_categories_weigh_their_prompts_by_answer_positions():
+    betas = [[1.0, 0.0], [1.0], [0.0, 0.0, 0.0, 1.0]]
+    assert category_betas(["writing", "writing", "math"], betas) == {"writing": round(2 / 3, 4), "math": 0.25}
+
+
 @pytest.mark.parametrize("argv, flag", [(["--k", "0"], "--k"), (["--draft-quantize", "int4"], "--draft-quantize"),
-                                        (["--datasets", "nope"], "--datasets"), (["--draft", "truncate:x"], "--draft")])
+                                        (["--datasets", "nope"], "--datasets"), (["--draft", "truncate:x"], "--draft"),
+                                        (["--proposal-top-k", "-1"], "--proposal-top-k")])
 def test_bad_flags_name_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
         main(argv)
@@ -90,13 +104,15 @@ def test_the_target_as_its_own_draft_is_always_accepted(tmp_path, capsys):
               "--temperatures", "0,0.7", "--draft-quantize", "none", "--threads", "1", "--no-progress"]
     for draft in ("demo-target", "truncate:2"):
         assert main([*common, "--draft", draft, "--out", str(tmp_path / draft)]) == 0
-    rows = {draft: {r["temperature"]: r for r in json.loads(next((tmp_path / draft).glob("*.json")).read_text())["rows"]}
-            for draft in ("demo-target", "truncate:2")}
+    stored = {draft: json.loads(next((tmp_path / draft).glob("*.json")).read_text())
+              for draft in ("demo-target", "truncate:2")}
+    rows = {draft: {r["temperature"]: r for r in run["rows"]} for draft, run in stored.items()}
     whole, cut = rows["demo-target"], rows["truncate:2"]
     assert whole[0.0]["acceptance_rate"] == 1.0 and whole[0.0]["beta"] == 1.0
     assert whole[0.7]["beta"] > 0.999
     assert cut[0.0]["beta"] < 0.9 and cut[0.7]["beta"] < 0.9
     assert "tok/pass" in capsys.readouterr().out
+    assert stored["truncate:2"]["beta_by_category"]["humaneval truncate:2@none T=0"]["completion"] == cut[0.0]["beta"]
 
 
 def test_mirrorspec_bench_acceptance_is_the_same_command(capsys):
