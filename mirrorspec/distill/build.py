@@ -24,7 +24,7 @@ from mirrorspec.distill.teacher import LENGTH_GROUP
 from mirrorspec.models.demo_target import cache_root
 
 
-TEACHER_FIELDS = ("seed", "teacher_batch_size", "shard_batches", "max_prompt_tokens", "max_new_tokens",
+TEACHER_FIELDS = ("seed", "prompt_set", "teacher_batch_size", "shard_batches", "max_prompt_tokens", "max_new_tokens",
                   "teacher_top_k", "teacher_dtype")
 
 
@@ -51,7 +51,7 @@ def teacher_stage(recipe: DistillRecipe, *, threads: int | None = None) -> list[
 
     torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
     target = load_causal_lm("demo-target", dtype=recipe.teacher_dtype, prepack=False)  # as the cache was written
-    prompts = training_prompts(recipe.seed)[:recipe.teacher_prompts]
+    prompts = training_prompts(recipe.seed, prompt_set=recipe.prompt_set)[:recipe.teacher_prompts]
     encoded = [encode_prompt(target.tokenizer, p.text)[-recipe.max_prompt_tokens:] for p in prompts]
     num_batches = -(-len(encoded) // recipe.teacher_batch_size)
     with tqdm(total=num_batches, desc="target writes training data", unit="batch") as bar:

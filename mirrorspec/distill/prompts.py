@@ -10,7 +10,8 @@ the reported acceptance rates meaningless:
 * code editing: short, unannotated stdlib functions, "add type hints";
 * chat: templates over topics in the spirit of MT-Bench's categories (writing, roleplay,
   reasoning, math, coding, extraction, STEM, humanities), plus passages of Python's own
-  documentation (``pydoc_data``) to explain or summarise.
+  documentation (``pydoc_data``) to explain or summarise. Prompt set 2 draws the chat from
+  ``broad_chat``, a much wider family of phrasings, subjects and constraints.
 
 The order is a seeded shuffle, so "the first N prompts" is a reproducible training set.
 """
@@ -18,12 +19,15 @@ The order is a seeded shuffle, so "the first N prompts" is a reproducible traini
 from __future__ import annotations
 
 import ast
+import functools
 import random
 import sysconfig
 import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from mirrorspec.distill.broad_chat import broad_chat_prompts
 
 # The benchmark's own phrasings, so the draft sees the same instruction the benchmark sends.
 COMPLETE_INSTRUCTION = "Complete this Python function:\n\n"
@@ -162,9 +166,9 @@ def doc_prompts(rng: random.Random, max_chars: int = 900) -> list[TrainingPrompt
     return out
 
 
-def training_prompts(seed: int = 0, num_chat: int = 6000) -> list[TrainingPrompt]:
-    """Every training prompt, in a seeded order; take the first N for a budgeted run."""
-    rng = random.Random(seed)
+@functools.cache
+def code_prompts() -> tuple[TrainingPrompt, ...]:
+    """Completion and editing prompts over the standard library (parsed once per process: seconds)."""
     prompts: list[TrainingPrompt] = []
     seen: set[str] = set()
     for fn in stdlib_functions():
@@ -175,7 +179,23 @@ def training_prompts(seed: int = 0, num_chat: int = 6000) -> list[TrainingPrompt
             source = edit_source(fn) if len(seen) % 3 == 0 else None  # editing is a third as common
             if source and len(source) < 1500:
                 prompts.append(TrainingPrompt("edit", EDIT_INSTRUCTION + source))
-    prompts += chat_prompts(rng, num_chat)
+    return tuple(prompts)
+
+
+def training_prompts(seed: int = 0, num_chat: int = 6000, prompt_set: int = 1) -> list[TrainingPrompt]:
+    """Every training prompt, in a seeded order; take the first N for a budgeted run.
+
+    ``prompt_set`` 1 asks chat from the templates above; 2 from ``broad_chat``'s wider family.
+    The code and documentation prompts are the same in both.
+    """
+    if prompt_set not in (1, 2):
+        raise ValueError(f"prompt_set must be 1 or 2, got {prompt_set}")
+    rng = random.Random(seed)
+    prompts = list(code_prompts())
+    if prompt_set == 1:
+        prompts += chat_prompts(rng, num_chat)
+    else:
+        prompts += [TrainingPrompt("chat", text) for text in broad_chat_prompts(rng, num_chat)]
     prompts += doc_prompts(rng)
     rng.shuffle(prompts)
     return prompts

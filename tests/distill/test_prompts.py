@@ -1,0 +1,59 @@
+import random
+
+import pytest
+
+from benchmarks.prompts import load_humaneval, load_mtbench
+from mirrorspec.config import DistillRecipe
+from mirrorspec.distill.broad_chat import CATEGORIES, broad_chat_prompts
+from mirrorspec.distill.build import teacher_dir
+from mirrorspec.distill.prompts import training_prompts
+
+
+@pytest.fixture(scope="module")
+def both_sets():
+    return training_prompts(0, prompt_set=1), training_prompts(0, prompt_set=2)
+
+
+def test_prompt_sets_share_code_and_docs_and_differ_in_chat(both_sets):
+    one, two = both_sets
+    code = ("complete", "edit")
+    assert sorted(p.text for p in one if p.kind in code) == sorted(p.text for p in two if p.kind in code)
+    assert sum(p.kind == "docs" for p in one) == sum(p.kind == "docs" for p in two)  # phrasing is drawn
+    chat_one = {p.text for p in one if p.kind == "chat"}
+    chat_two = {p.text for p in two if p.kind == "chat"}
+    assert len(chat_two) == 6000  # all distinct
+    assert len(chat_one & chat_two) < 60  # a few short templates may coincide; the families differ
+
+
+def test_prompt_sets_are_seeded(both_sets):
+    assert training_prompts(0, prompt_set=2) == both_sets[1]
+    assert [p.text for p in training_prompts(1, prompt_set=2)[:50]] != [p.text for p in both_sets[1][:50]]
+
+
+def test_broad_chat_fills_every_slot_and_visits_every_category():
+    prompts = broad_chat_prompts(random.Random(0), 400)
+    assert len(set(prompts)) == 400
+    assert not [p for p in prompts if "{" in p or "}" in p]
+    # categories come in turn, so each category's n-th prompt sits at a fixed stride
+    categories = sorted(CATEGORIES)
+    for i, name in enumerate(categories):
+        own = prompts[i::len(categories)]
+        templates = [t.split("{")[0] for t in CATEGORIES[name]]
+        assert all(any(p.startswith(head) for head in templates) for p in own), name
+
+
+def test_no_training_prompt_is_a_benchmark_prompt(both_sets):
+    benchmark = [p.text.strip() for p in load_mtbench(80) + load_humaneval(164)]
+    training = {p.text.strip() for prompts in both_sets for p in prompts}
+    assert not training.intersection(benchmark)
+    mtbench_openings = {text[:60] for text in benchmark[:80]}
+    assert not {t[:60] for t in training} & mtbench_openings
+
+
+def test_unknown_prompt_set_is_refused():
+    with pytest.raises(ValueError, match="prompt_set must be 1 or 2"):
+        training_prompts(0, prompt_set=3)
+
+
+def test_teacher_cache_is_keyed_by_prompt_set():
+    assert teacher_dir(DistillRecipe(prompt_set=1)) != teacher_dir(DistillRecipe(prompt_set=2))
