@@ -262,7 +262,7 @@ class DistillRecipe:
     """
 
     seed: int = 0
-    prompt_set: int = 1  # which chat prompts the target answers (mirrorspec.distill.prompts.training_prompts)
+    prompt_set: int = 2  # which chat prompts the target answers (mirrorspec.distill.prompts.training_prompts)
     teacher_prompts: int = 10240
     teacher_batch_size: int = 128
     shard_batches: int = 4
