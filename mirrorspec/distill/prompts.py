@@ -182,10 +182,11 @@ def code_prompts() -> tuple[TrainingPrompt, ...]:
     return tuple(prompts)
 
 
-def training_prompts(seed: int = 0, num_chat: int = 6000, prompt_set: int = 1) -> list[TrainingPrompt]:
+def training_prompts(seed: int = 0, num_chat: int = 6000, *, prompt_set: int) -> list[TrainingPrompt]:
     """Every training prompt, in a seeded order; take the first N for a budgeted run.
 
-    ``prompt_set`` 1 asks chat from the templates above; 2 from ``broad_chat``'s wider family.
+    ``prompt_set`` (no default: `DistillRecipe.prompt_set` is the one place that picks it) 1 asks
+    chat from the templates above; 2 from ``broad_chat``'s wider family.
     The code and documentation prompts are the same in both.
     """
     if prompt_set not in (1, 2):
