@@ -10,6 +10,7 @@ from functools import partial
 from mirrorspec.config import (DEFAULT_DRAFT_QUANTIZE, InvalidRequest, OutOfRange, ReplicaConfig, check_draft_confidence,
                                check_prompt_lookup, check_quantization)
 from mirrorspec.drafting import Drafter, NgramDrafter
+from mirrorspec.drafting.draft_model import draft_model_step_cost
 from mirrorspec.engine import make_drafter, validate_prompt
 from mirrorspec.models import LoadedModel, load_causal_lm
 from mirrorspec.serving.convert import check_token_ids, describe_model, params_from_proto, proposal_to_proto
@@ -62,6 +63,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.sessions: SessionStore[DraftSession] = SessionStore(
             config.max_sessions, config.session_ttl_s, on_evict=lambda s: s.drafter.release())
         self.lane = lane or ComputeLane("drafter-compute")
+        self.step_cost = draft_model_step_cost(loaded.model) if loaded is not None else NgramDrafter.step_cost
 
     async def OpenSession(self, request, context):
         params = params_from_proto(request.params, default_max_new_tokens=1)
@@ -156,7 +158,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         info = drafter_pb2.DrafterInfo(strategy=self.config.strategy, open_sessions=len(self.sessions),
                                        max_sessions=self.config.max_sessions,
                                        proposal_top_k=self.config.proposal_top_k,
-                                       prompt_lookup=self.config.prompt_lookup if self.loaded else 0)
+                                       prompt_lookup=self.config.prompt_lookup if self.loaded else 0,
+                                       step_cost=self.step_cost)
         if self.loaded is not None:
             info.model.CopyFrom(describe_model(self.loaded))
         return info

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import grpc
 
 from mirrorspec.config import InvalidRequest, SamplingParams
-from mirrorspec.drafting import Drafter, Proposal
+from mirrorspec.drafting import Drafter, NgramDrafter, Proposal
 from mirrorspec.drafting.base import fork_points_or_end
 from mirrorspec.models import common_prefix_length
 from mirrorspec.models.early_exit import EarlyExitHint
@@ -197,6 +197,15 @@ class PauseGate:
             self.refused += 1
             return False
         return True
+
+
+def replica_step_cost(info: drafter_pb2.DrafterInfo) -> float:
+    """A draft step on a pool's replicas over one target step, for adaptive K: what the replica
+    reports (``DrafterInfo.step_cost``, its quantization included). A replica from before that
+    field reports 0 for any strategy; its draft model is then priced at the plain default."""
+    if info.strategy == "ngram":
+        return NgramDrafter.step_cost
+    return info.step_cost or Drafter.step_cost
 
 
 class RemoteDrafter(Drafter):

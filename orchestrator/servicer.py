@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from mirrorspec.config import AdaptiveKConfig, InvalidRequest, MirrorConfig, SamplingParams, SpeculationConfig
-from mirrorspec.drafting import Drafter, NgramDrafter, Proposal
+from mirrorspec.drafting import Drafter, Proposal
 from mirrorspec.engine import GenerationStats, decode_windows, first_window_k, validate_prompt
 from mirrorspec.mirror import MirrorPipeline
 from mirrorspec.models import encode_chat, encode_prompt
@@ -38,7 +38,7 @@ from mirrorspec.v1 import (
 from orchestrator.lookup import FrontDoorNgram, front_door_drafter, looks_up_whole_window
 from orchestrator.metrics import SpecDecodeMetrics
 from orchestrator.pool import ReplicaPool, parse_addresses
-from orchestrator.remote import RemoteDrafter, RemoteVerifier
+from orchestrator.remote import RemoteDrafter, RemoteVerifier, replica_step_cost
 
 log = logging.getLogger(__name__)
 
@@ -291,9 +291,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if self._ngram_here():
             ngram = FrontDoorNgram(paused=self._saturated)
             return OpenedDrafter(ngram, ngram, self._draft_ahead(prepared, ngram))
-        step_cost = NgramDrafter.step_cost if self.drafter_info.strategy == "ngram" else Drafter.step_cost
         remote = RemoteDrafter(self.drafters, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
-                               timeout_s=timeout, step_cost=step_cost, paused=self._saturated,
+                               timeout_s=timeout, step_cost=replica_step_cost(self.drafter_info),
+                               paused=self._saturated,
                                caller_lookup=self._lookup_here())
         drafter = front_door_drafter(remote)
         return OpenedDrafter(remote, drafter, self._draft_ahead(prepared, drafter))

@@ -72,17 +72,19 @@ class DraftBranchesResponse(_message.Message):
     def __init__(self, drafts: _Optional[_Iterable[_Union[DraftResponse, _Mapping]]] = ..., draft_time_s: _Optional[float] = ..., forked: _Optional[bool] = ...) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("strategy", "model", "open_sessions", "max_sessions", "proposal_top_k", "prompt_lookup")
+    __slots__ = ("strategy", "model", "open_sessions", "max_sessions", "proposal_top_k", "prompt_lookup", "step_cost")
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_TOP_K_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    STEP_COST_FIELD_NUMBER: _ClassVar[int]
     strategy: str
     model: _common_pb2.ModelDescription
     open_sessions: int
     max_sessions: int
     proposal_top_k: int
     prompt_lookup: int
-    def __init__(self, strategy: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelDescription, _Mapping]] = ..., open_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., proposal_top_k: _Optional[int] = ..., prompt_lookup: _Optional[int] = ...) -> None: ...
+    step_cost: float
+    def __init__(self, strategy: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelDescription, _Mapping]] = ..., open_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., proposal_top_k: _Optional[int] = ..., prompt_lookup: _Optional[int] = ..., step_cost: _Optional[float] = ...) -> None: ...
