@@ -6,12 +6,20 @@ The public in-process API::
     result = generate(target_model, draft_model, input_ids, SamplingParams(temperature=0.7),
                       num_speculative_tokens=4, seed=1)
     result.token_ids, result.stats.acceptance_rate
+
+and the client of a running server (``mirrorspec serve``)::
+
+    from mirrorspec import Client   # or AsyncClient, for asyncio
+    with Client("127.0.0.1:50051") as client:
+        print(client.generate("Hello", max_tokens=32).text)
 """
 
 from mirrorspec.config import InvalidRequest, OutOfRange, SamplingParams, SpeculationConfig
 from mirrorspec.engine import GenerationResult, GenerationStats, decode_windows, generate
 
 __all__ = [
+    "AsyncClient",
+    "Client",
     "GenerationResult",
     "GenerationStats",
     "InvalidRequest",
@@ -22,3 +30,12 @@ __all__ = [
     "generate",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """The gRPC clients, imported on first use: the in-process API needs no gRPC stack."""
+    if name in ("Client", "AsyncClient"):
+        from mirrorspec import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'mirrorspec' has no attribute {name!r}")
