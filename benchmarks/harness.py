@@ -254,6 +254,16 @@ def served_hybrid_confident(target: LoadedModel, drafts: Drafts, ids: list[int],
                                           draft_confidence=DEFAULT_DRAFT_CONFIDENCE), ids, params, k, seed)
 
 
+@register_mode("served-hybrid-adaptive-confident", uses_k=True, needs_draft_model=True, in_process=False)
+def served_hybrid_adaptive_confident(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
+                                     k: int, seed: int) -> RunOutput:
+    """served-hybrid-confident with the front door choosing K per window in [0, K] (``mirrorspec
+    serve --adaptive``), pricing draft steps as the drafter server reports them."""
+    return _served(drafts.services.client(target, drafts.model, drafts.server_source, DEFAULT_PROMPT_LOOKUP,
+                                          draft_confidence=DEFAULT_DRAFT_CONFIDENCE, adaptive=True),
+                   ids, params, k, seed)
+
+
 @register_mode("served-hybrid-drafter-lookup", uses_k=True, needs_draft_model=True, in_process=False)
 def served_hybrid_drafter_lookup(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
                                  k: int, seed: int) -> RunOutput:

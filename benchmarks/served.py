@@ -20,7 +20,7 @@ import torch
 from drafter_service.servicer import DrafterConfig
 from mirrorspec.cli import start_local_stack
 from mirrorspec.client import Client
-from mirrorspec.config import DEFAULT_DRAFT_QUANTIZE
+from mirrorspec.config import DEFAULT_DRAFT_QUANTIZE, AdaptiveKConfig
 from mirrorspec.models import LoadedModel
 from target_service.servicer import TargetConfig
 
@@ -36,22 +36,25 @@ class ServedStacks:
         self._clients: dict[str, Client] = {}
 
     def client(self, target: LoadedModel, draft_model: torch.nn.Module | None, draft_source: str | None = None,
-               prompt_lookup: int = 0, front_door_lookup: bool = True, draft_confidence: float = 0.0) -> Client:
+               prompt_lookup: int = 0, front_door_lookup: bool = True, draft_confidence: float = 0.0,
+               adaptive: bool = False) -> Client:
         """``draft_source`` names the draft for a server process to load; without one, a draft
         model is served from threads of this process. ``prompt_lookup``, ``draft_confidence``: the
         drafter's settings;
         ``front_door_lookup``: the orchestrator runs that lookup (the default), or leaves it to
-        the drafter server."""
+        the drafter server; ``adaptive``: the orchestrator chooses K per window (``serve --adaptive``)."""
         kind = "ngram" if draft_model is None else f"draft-model, prompt lookup {prompt_lookup}"
         kind += "" if front_door_lookup else ", looked up by the drafter"
         kind += f", confidence {draft_confidence}" if draft_confidence else ""
+        kind += ", adaptive K" if adaptive else ""
         drafter = {"prompt_lookup": prompt_lookup, "draft_confidence": draft_confidence, "quantize": self.draft_quantize}
+        front = {"front_door_lookup": front_door_lookup, "adaptive": AdaptiveKConfig() if adaptive else None}
         if kind not in self._clients:
             if draft_model is not None and draft_source is None:
-                address, stop = _stack_in_this_process(target, draft_model, drafter, front_door_lookup)
+                address, stop = _stack_in_this_process(target, draft_model, drafter, front)
             else:
                 address, stop = _stack_in_processes(target.source, draft_source if draft_model is not None else None,
-                                                    drafter, front_door_lookup)
+                                                    drafter, front)
             self._stops[kind] = stop
             self._clients[kind] = Client(address)
         return self._clients[kind]
@@ -66,14 +69,14 @@ class ServedStacks:
 
 
 def _stack_in_processes(target_source: str, draft_source: str | None, drafter: dict,
-                        front_door_lookup: bool) -> tuple[str, Callable[[], None]]:
+                        front: dict) -> tuple[str, Callable[[], None]]:
     from mirrorspec.serving.server import BackgroundServer
     from orchestrator.servicer import OrchestratorConfig, serve
 
     target, drafter, stop_servers = start_processes(target_source, draft_source,
                                                     DrafterConfig.proposal_top_k, threads=torch.get_num_threads(),
                                                     **drafter)
-    config = OrchestratorConfig(target=target, drafter=drafter, port=0, front_door_lookup=front_door_lookup)
+    config = OrchestratorConfig(target=target, drafter=drafter, port=0, **front)
     front = BackgroundServer(lambda: serve(config), "orchestrator").start(timeout=300)
 
     def stop() -> None:
@@ -84,10 +87,9 @@ def _stack_in_processes(target_source: str, draft_source: str | None, drafter: d
 
 
 def _stack_in_this_process(target: LoadedModel, draft_model: torch.nn.Module, drafter: dict,
-                           front_door_lookup: bool) -> tuple[str, Callable[[], None]]:
+                           front: dict) -> tuple[str, Callable[[], None]]:
     draft = LoadedModel(model=draft_model, tokenizer=None, source="draft")
     stack = start_local_stack(TargetConfig(model=target.source),
                               DrafterConfig(strategy="draft-model", model="draft", **drafter),
-                              target_model=target, draft_model=draft, port=0,
-                              front_door_lookup=front_door_lookup)
+                              target_model=target, draft_model=draft, port=0, **front)
     return stack.address, stack.stop

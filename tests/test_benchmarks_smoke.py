@@ -65,7 +65,7 @@ def _run(tmp_path: Path, *argv: str) -> dict:
 def test_tiny_benchmark_runs_every_mode_and_greedy_is_identical(tmp_path, capsys):
     modes = ["target-only", "mirrorspec-ngram", "mirrorspec-draft", "mirrorspec-draft-adaptive",
              "mirrorspec-draft-mirror", "mirrorspec-hybrid-adaptive-confident", "hf-assisted", "served-ngram",
-             "served-draft", "served-hybrid-confident"]
+             "served-draft", "served-hybrid-confident", "served-hybrid-adaptive-confident"]
     out = _run(tmp_path, "--datasets", "mtbench,humaneval,code-edit", "--num-prompts", "1", "--max-tokens", "8",
                "--k", "2", "--temperatures", "0", "--modes", ",".join(modes), "--draft", "truncate:2")
     records = out["records"]
