@@ -17,6 +17,12 @@ target's p is formed as the verifier forms it (``target_probs``). From those:
   output: acceptance (accepted / drafted), Leviathan's alpha (accepted / tests run) and tokens per
   target pass with the bonus token, the figures of the demo-draft issue's goal (alpha >= 0.55,
   >= 2.1 tokens per pass at K=4), for a draft-model window with no prompt lookup or confidence stop;
+* greedy, per K and ``--draft-confidence`` threshold: the same windows when each also ends after the
+  draft's first token it gives less than the threshold (``mirrorspec generate --draft-confidence``),
+  with drafts per pass and the speedup over target-only those windows would give under the
+  adaptive-K cost model (``window_cost``: the drafter's step cost, the measured pass costs). Up to
+  a window's first miss its drafts and their confidence are exact; the drafts a confident draft
+  would add after its own miss are estimated from its confidence along the target's answer;
 * sampled, per K: tokens per pass from ``beta`` under i.i.d. acceptance (an estimate: a sampled
   run leaves the greedy path).
 
@@ -31,17 +37,19 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from benchmarks.flags import csv_of, draft_spec, integer_at_least, one_of, positive, sampling_temperature, window_k
+from benchmarks.flags import csv_of, draft_confidence, draft_spec, integer_at_least, one_of, positive, sampling_temperature, window_k
 from benchmarks.metrics import expected_tokens_per_window
 from benchmarks.prompts import DATASETS, load_prompts
 from benchmarks.run import DEFAULT_OUT, load_draft
-from mirrorspec.config import DEFAULT_DRAFT_QUANTIZE, QUANTIZATIONS, InvalidRequest, SamplingParams
+from mirrorspec.adaptive import window_cost
+from mirrorspec.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, QUANTIZATIONS, AdaptiveKConfig,
+                               InvalidRequest, SamplingParams)
 from mirrorspec.drafting.draft_model import DraftModelDrafter
 from mirrorspec.engine import generate
 from mirrorspec.models import KVSession, LoadedModel, encode_prompt, load_causal_lm
@@ -64,23 +72,38 @@ class Replay:
     drafted: int
     accepted: int
     tests: int  # positions tested: a window stops at its first rejection
+    drafts_per_window: tuple[int, ...] = field(default=(), compare=False)
 
 
-def replay_greedy(agrees: Sequence[bool], k: int) -> Replay:
+def replay_greedy(agrees: Sequence[bool], k: int, confidences: Sequence[float] | None = None,
+                  threshold: float = 0.0) -> Replay:
     """The windows greedy speculation runs over an answer whose position i the draft gets right
     iff ``agrees[i]``: each accepts drafts up to its first miss, then the target adds one token
     (the correction, or the bonus after K hits). The last window drafts no further than the
-    answer's end, as the engine drafts no further than max_new_tokens."""
-    start = windows = drafted = accepted = tests = 0
+    answer's end, as the engine drafts no further than max_new_tokens.
+
+    With ``confidences`` (the draft's own probability of its token at each position), a window
+    also ends after its first draft below ``threshold``; past a miss, the draft's confidence along
+    the answer stands in for its confidence along its own tokens (what a replay cannot see)."""
+    start = tests = 0
+    window_drafts: list[int] = []
+    accepted_total = 0
     while start < len(agrees):
         budget = min(k, len(agrees) - start - 1)
-        hits = 0
-        while hits < budget and agrees[start + hits]:
-            hits += 1
-        windows, drafted, accepted = windows + 1, drafted + budget, accepted + hits
-        tests += hits + (hits < budget)
+        hits = drafted = 0
+        missed = False
+        while drafted < budget:
+            position = start + drafted
+            drafted += 1
+            missed = missed or not agrees[position]
+            hits += not missed
+            if confidences is not None and confidences[position] < threshold:
+                break
+        window_drafts.append(drafted)
+        accepted_total += hits
+        tests += hits + missed
         start += hits + 1
-    return Replay(windows, drafted, accepted, tests)
+    return Replay(len(window_drafts), sum(window_drafts), accepted_total, tests, tuple(window_drafts))
 
 
 def answer_betas(target: torch.nn.Module, drafter: DraftModelDrafter, prompt: list[int], answer: list[int],
@@ -102,6 +125,17 @@ def answer_betas(target: torch.nn.Module, drafter: DraftModelDrafter, prompt: li
     return betas
 
 
+def answer_confidences(drafter: DraftModelDrafter, prompt: list[int], answer: list[int]) -> list[float]:
+    """The draft's own probability (temperature 1) of its greedy token at every answer position,
+    teacher-forced: what ``DraftModelDrafter`` compares with its confidence threshold."""
+    if not answer:
+        return []
+    logits = drafter.session.logits_for((prompt + answer)[:-1], len(answer))  # [m, vocab or sub-vocab]
+    confidences = logits.float().softmax(-1).amax(-1).tolist()  # [m]
+    drafter.release()
+    return confidences
+
+
 @dataclass
 class Row:
     dataset: str
@@ -113,25 +147,40 @@ class Row:
     tokens_per_pass: float  # greedy: replayed; sampled: i.i.d. estimate from beta
     acceptance_rate: float | None = None  # greedy: accepted / drafted
     alpha: float | None = None  # greedy: accepted / tests run
+    draft_confidence: float = 0.0  # greedy: windows end after a draft below this (0: never)
+    drafts_per_pass: float | None = None  # greedy: draft steps per target pass
+    est_speedup: float | None = None  # greedy: over target-only, under the adaptive-K cost model
 
 
-def summarize(dataset: str, draft: str, temperature: float, betas: list[list[float]], ks: Sequence[int]) -> list[Row]:
-    """One row per K from the betas of every prompt's answer."""
+def summarize(dataset: str, draft: str, temperature: float, betas: list[list[float]], ks: Sequence[int],
+              confidences: list[list[float]] | None = None, thresholds: Sequence[float] = (0.0,),
+              draft_cost: float = DraftModelDrafter.step_cost) -> list[Row]:
+    """One row per K from the betas of every prompt's answer; greedy, one per K and confidence
+    threshold (``confidences``: the draft's own, per answer and position)."""
     flat = [b for answer in betas for b in answer]
     beta = sum(flat) / max(len(flat), 1)
     rows = []
     for k in ks:
-        row = Row(dataset, draft, temperature, k, len(flat), round(beta, 4),
-                  round(expected_tokens_per_window(beta, k), 3))
-        if temperature == 0:
-            replays = [replay_greedy([b > 0.5 for b in answer], k) for answer in betas]
-            windows, drafted, accepted, tests = (sum(getattr(r, f) for r in replays)
-                                                 for f in ("windows", "drafted", "accepted", "tests"))
-            row.tokens_per_pass = round(len(flat) / max(windows, 1), 3)
-            row.acceptance_rate = round(accepted / max(drafted, 1), 4)
-            row.alpha = round(accepted / max(tests, 1), 4)
-        rows.append(row)
+        estimate = Row(dataset, draft, temperature, k, len(flat), round(beta, 4),
+                       round(expected_tokens_per_window(beta, k), 3))
+        if temperature != 0:
+            rows.append(estimate)
+            continue
+        for threshold in thresholds:
+            replays = [replay_greedy([b > 0.5 for b in answer], k, None if confidences is None else confidences[i],
+                                     threshold) for i, answer in enumerate(betas)]
+            rows.append(_greedy_row(estimate, replays, threshold, draft_cost))
     return rows
+
+
+def _greedy_row(estimate: Row, replays: Sequence[Replay], threshold: float, draft_cost: float) -> Row:
+    windows, drafted, accepted, tests = (sum(getattr(r, f) for r in replays)
+                                         for f in ("windows", "drafted", "accepted", "tests"))
+    cost = sum(window_cost(d, AdaptiveKConfig(), draft_cost) for r in replays for d in r.drafts_per_window)
+    return replace(estimate, tokens_per_pass=round(estimate.positions / max(windows, 1), 3),
+                   acceptance_rate=round(accepted / max(drafted, 1), 4), alpha=round(accepted / max(tests, 1), 4),
+                   draft_confidence=threshold, drafts_per_pass=round(drafted / max(windows, 1), 3),
+                   est_speedup=round(estimate.positions / cost, 3) if cost else None)
 
 
 def category_betas(categories: Sequence[str], betas: Sequence[Sequence[float]]) -> dict[str, float]:
@@ -148,16 +197,19 @@ def format_table(rows: list[Row]) -> str:
     def cell(value: float | None) -> str:
         return "-" if value is None else f"{value:.3f}"
 
-    lines = [f"{'dataset':<10} {'draft':<22} {'T':>4} {'K':>2} {'positions':>9} {'beta':>6} {'accept':>6} "
-             f"{'alpha':>6} {'tok/pass':>8}"]
+    lines = [f"{'dataset':<10} {'draft':<22} {'T':>4} {'K':>2} {'conf':>4} {'positions':>9} {'beta':>6} "
+             f"{'accept':>6} {'alpha':>6} {'tok/pass':>8} {'drafts':>6} {'est.x':>5}"]
     for r in rows:
-        lines.append(f"{r.dataset:<10} {r.draft:<22} {r.temperature:>4g} {r.k:>2} {r.positions:>9} {r.beta:>6.3f} "
-                     f"{cell(r.acceptance_rate):>6} {cell(r.alpha):>6} {r.tokens_per_pass:>8.3f}")
+        lines.append(f"{r.dataset:<10} {r.draft:<22} {r.temperature:>4g} {r.k:>2} {r.draft_confidence:>4g} "
+                     f"{r.positions:>9} {r.beta:>6.3f} {cell(r.acceptance_rate):>6} {cell(r.alpha):>6} "
+                     f"{r.tokens_per_pass:>8.3f} {cell(r.drafts_per_pass):>6} {cell(r.est_speedup):>5}")
     return "\n".join(lines)
 
 
 LEGEND = ("beta = mean sum_x min(p, q) per answer position; greedy: accept = accepted/drafted, alpha = accepted/"
-          "tests run, tok/pass = replayed windows (bonus included); sampled: tok/pass = (1 - beta^(K+1)) / "
+          "tests run, tok/pass = replayed windows (bonus included), conf = windows end after a draft the draft "
+          "gives less than this, drafts = draft steps per pass, est.x = speedup over target-only under the "
+          "adaptive-K cost model (no prompt lookup, no clock); sampled: tok/pass = (1 - beta^(K+1)) / "
           "(1 - beta), i.i.d. estimate")
 
 
@@ -170,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=csv_of(window_k), default=[2, 4, 8], help="window sizes to replay (default 2,4,8)")
     p.add_argument("--temperatures", type=csv_of(sampling_temperature), default=[0.0, 0.7],
                    help="comma-separated; 0 = greedy (default 0,0.7)")
+    p.add_argument("--draft-confidence", type=csv_of(draft_confidence), default=[0.0, DEFAULT_DRAFT_CONFIDENCE],
+                   help="greedy: thresholds to replay windows with, each a row; 0 = no confidence stop "
+                        f"(default 0,{DEFAULT_DRAFT_CONFIDENCE})")
     p.add_argument("--target", default="demo-target", help="hub id, local path, .gguf, or demo-target (default)")
     p.add_argument("--draft", type=draft_spec, default="demo-draft",
                    help="a draft model: demo-draft (default), a path / hub id sharing the target's tokenizer, "
@@ -218,14 +273,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 Betas = dict[tuple[str, str, float], list[list[float]]]  # (dataset, draft, T) -> per answer, per position
+Confidences = dict[tuple[str, str], list[list[float]]]  # (dataset, draft) -> per answer, per position
+
+
+@dataclass
+class Replayed:
+    """Every draft's betas and greedy confidences along the target's answers, and the answers."""
+
+    betas: Betas = field(default_factory=dict)
+    confidences: Confidences = field(default_factory=dict)
+    answers: dict[str, list[dict]] = field(default_factory=dict)
 
 
 def replay_prompts(target: LoadedModel, drafters: dict[str, DraftModelDrafter], prompts: dict[str, list],
-                   max_tokens: int, temperatures: Sequence[float],
-                   progress: bool) -> tuple[Betas, dict[str, list[dict]]]:
+                   max_tokens: int, temperatures: Sequence[float], progress: bool) -> Replayed:
     """Every draft's betas along the target's greedy answer to every prompt; and the answers."""
-    betas: Betas = {}
-    answers: dict[str, list[dict]] = {}
+    replayed = Replayed()
     params = SamplingParams(max_new_tokens=max_tokens, stop_token_ids=target.stop_token_ids())
     total = sum(len(p) for p in prompts.values())
     with tqdm(total=total, desc="replaying drafts on target answers", disable=not progress) as bar:
@@ -236,20 +299,25 @@ def replay_prompts(target: LoadedModel, drafters: dict[str, DraftModelDrafter], 
                 record = {"prompt_id": prompt.prompt_id, "category": prompt.category, "answer_ids": answer, "beta": {}}
                 for name, drafter in drafters.items():
                     for temperature, values in answer_betas(target.model, drafter, ids, answer, temperatures).items():
-                        betas.setdefault((dataset, name, temperature), []).append(values)
+                        replayed.betas.setdefault((dataset, name, temperature), []).append(values)
                         record["beta"][f"{name} T={temperature:g}"] = values
-                answers.setdefault(dataset, []).append(record)
+                    confidences = answer_confidences(drafter, ids, answer)
+                    replayed.confidences.setdefault((dataset, name), []).append(confidences)
+                    record.setdefault("confidence", {})[name] = confidences
+                replayed.answers.setdefault(dataset, []).append(record)
                 bar.update(1)
-    return betas, answers
+    return replayed
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     target, drafters = _load(args, parser)
     prompts = {name: load_prompts(name, args.num_prompts) for name in args.datasets}
-    betas, answers = replay_prompts(target, drafters, prompts, args.max_tokens, args.temperatures,
-                                    progress=not args.no_progress)
+    replayed = replay_prompts(target, drafters, prompts, args.max_tokens, args.temperatures,
+                              progress=not args.no_progress)
+    betas, answers = replayed.betas, replayed.answers
     rows = [row for (dataset, name, temperature), values in betas.items()
-            for row in summarize(dataset, name, temperature, values, args.k)]
+            for row in summarize(dataset, name, temperature, values, args.k, replayed.confidences[dataset, name],
+                                 args.draft_confidence, drafters[name].step_cost)]
     by_category = {f"{dataset} {name} T={temperature:g}":
                    category_betas([a["category"] for a in answers[dataset]], values)
                    for (dataset, name, temperature), values in betas.items()}

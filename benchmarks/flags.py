@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Sequence
 
-from mirrorspec.config import InvalidRequest, SamplingParams, SpeculationConfig
+from mirrorspec.config import InvalidRequest, SamplingParams, SpeculationConfig, check_draft_confidence
 
 TRUNCATE_PREFIX = "truncate:"
 
@@ -46,6 +46,15 @@ def sampling_temperature(text: str) -> float:
         return SamplingParams(temperature=float(text)).temperature
     except (ValueError, InvalidRequest) as err:
         raise argparse.ArgumentTypeError(f"bad temperature {text!r}: {err}") from None
+
+
+def draft_confidence(text: str) -> float:
+    try:
+        threshold = float(text)
+        check_draft_confidence(threshold)
+    except (ValueError, InvalidRequest) as err:
+        raise argparse.ArgumentTypeError(f"bad threshold {text!r}: {err}") from None
+    return threshold
 
 
 def integer_at_least(low: int) -> Callable[[str], int]:

@@ -6,8 +6,10 @@ import json
 import pytest
 import torch
 
-from benchmarks.acceptance import (Replay, acceptance_probability, answer_betas, category_betas, main, replay_greedy,
-                                   summarize)
+from benchmarks.acceptance import (Replay, acceptance_probability, answer_betas, answer_confidences, category_betas,
+                                   main, replay_greedy, summarize)
+from mirrorspec.adaptive import window_cost
+from mirrorspec.config import AdaptiveKConfig
 from mirrorspec import SamplingParams, generate
 from mirrorspec.drafting.draft_model import DraftModelDrafter
 from support import load
@@ -20,6 +22,23 @@ def test_replay_accepts_up_to_the_first_miss_then_adds_one_target_token():
     pattern = [True, True, False, True, False, True, True, True, True, True, True]
     assert replay_greedy(pattern, 4) == Replay(windows=4, drafted=4 + 4 + 4 + 0, accepted=2 + 1 + 4, tests=3 + 2 + 4)
     assert replay_greedy([False] * 3, 2) == Replay(windows=3, drafted=2 + 1 + 0, accepted=0, tests=2)
+
+
+def test_an_unsure_draft_ends_its_window_after_itself():
+    agrees = [True, True, True, True, False, True, True, True]
+    sure = [0.9] * 8
+    # from 0: an unsure draft at 1 is accepted and ends the window; from 3: a hit, then the miss at 4
+    # (sure) is tested and the window drafts on to K; from 5: the last two, bonus at 7
+    unsure_at_1 = [0.9, 0.2, *[0.9] * 6]
+    replay = replay_greedy(agrees, 3, unsure_at_1, threshold=0.3)
+    assert replay == Replay(windows=3, drafted=2 + 3 + 2, accepted=2 + 1 + 2, tests=2 + 2 + 2)
+    assert replay.drafts_per_window == (2, 3, 2)
+    # the miss itself unsure: the window ends at it, the drafts past it are not made
+    unsure_miss = [0.9, 0.9, 0.9, 0.9, 0.1, 0.9, 0.9, 0.9]
+    assert replay_greedy(agrees, 8, unsure_miss, threshold=0.3).drafts_per_window == (5, 2)
+    # threshold 0, or every draft sure: the plain replay
+    assert replay_greedy(agrees, 3, unsure_at_1, threshold=0.0) == replay_greedy(agrees, 3)
+    assert replay_greedy(agrees, 3, sure, threshold=0.3).drafts_per_window == replay_greedy(agrees, 3).drafts_per_window
 
 
 def test_an_empty_answer_has_no_positions(tiny_target, near_draft):
@@ -58,6 +77,25 @@ def test_greedy_replay_reproduces_the_engines_own_windows(tiny_target, near_draf
     assert replay.tests - replay.accepted == stats.rejected
 
 
+@pytest.mark.parametrize("quantile", [0.3, 0.7])
+@pytest.mark.parametrize("k", [2, 5])
+def test_confidence_replay_reproduces_the_engines_windows(tiny_target, near_draft, k, quantile):
+    """Up to each window's first miss the replay with a confidence stop is the engine's; past a miss
+    it only estimates how far a sure draft runs on, so drafted is bounded, not equal."""
+    prompt, params = [0, 3, 5], SamplingParams(max_new_tokens=24)
+    answer = list(generate(tiny_target, None, prompt, params).token_ids)
+    [betas] = answer_betas(tiny_target, DraftModelDrafter(near_draft), prompt, answer, [0.0]).values()
+    confidences = answer_confidences(DraftModelDrafter(near_draft), prompt, answer)
+    threshold = sorted(confidences)[int(quantile * len(confidences))]  # a stop that some drafts trip, some not
+    replay = replay_greedy([b > 0.5 for b in betas], k, confidences, threshold)
+    stats = generate(tiny_target, DraftModelDrafter(near_draft, confidence=threshold), prompt, params,
+                     num_speculative_tokens=k).stats
+    assert replay.drafted < replay_greedy([b > 0.5 for b in betas], k).drafted  # the stop cut some windows short
+    assert (replay.windows, replay.accepted, replay.tests - replay.accepted) == (
+        stats.windows, stats.accepted, stats.rejected)
+    assert stats.accepted + stats.rejected <= replay.drafted <= stats.windows * k
+
+
 @pytest.mark.parametrize("proposal_top_k", [0, 2])
 def test_beta_matches_the_acceptance_rate_the_engine_samples(tiny_target, near_draft, proposal_top_k):
     """At T=1, beta at the first answer position is the chance the engine accepts its first draft,
@@ -82,6 +120,18 @@ def test_summary_rows_replay_greedy_and_estimate_sampled():
     assert sampled.tokens_per_pass == pytest.approx(1.75) and sampled.alpha is None
 
 
+def test_greedy_rows_price_each_threshold_by_its_windows():
+    betas, confidences = [[1.0, 1.0, 0.0, 1.0, 1.0]], [[0.9, 0.1, 0.9, 0.9, 0.9]]
+    plain, stopped = summarize("d", "x", 0.0, betas, [4], confidences, [0.0, 0.5], draft_cost=0.05)
+    # no stop: from 0, 4 drafts (2 hits, the miss at 2), from 3 the last draft; the stop: from 0, 2 drafts
+    # (the unsure second ends the window, accepted), then the same last window
+    assert (plain.draft_confidence, plain.drafts_per_pass, plain.tokens_per_pass) == (0.0, 5 / 2, 5 / 2)
+    assert (stopped.draft_confidence, stopped.drafts_per_pass, stopped.tokens_per_pass) == (0.5, 3 / 2, 5 / 2)
+    assert plain.est_speedup < stopped.est_speedup  # the same tokens for fewer drafts
+    cost = sum(window_cost(d, AdaptiveKConfig(), 0.05) for d in (2, 1))
+    assert stopped.est_speedup == round(5 / cost, 3)
+
+
 def test_categories_weigh_their_prompts_by_answer_positions():
     betas = [[1.0, 0.0], [1.0], [0.0, 0.0, 0.0, 1.0]]
     assert category_betas(["writing", "writing", "math"], betas) == {"writing": round(2 / 3, 4), "math": 0.25}
@@ -89,7 +139,8 @@ def test_categories_weigh_their_prompts_by_answer_positions():
 
 @pytest.mark.parametrize("argv, flag", [(["--k", "0"], "--k"), (["--draft-quantize", "int4"], "--draft-quantize"),
                                         (["--datasets", "nope"], "--datasets"), (["--draft", "truncate:x"], "--draft"),
-                                        (["--proposal-top-k", "-1"], "--proposal-top-k")])
+                                        (["--proposal-top-k", "-1"], "--proposal-top-k"),
+                                        (["--draft-confidence", "1.5"], "--draft-confidence")])
 def test_bad_flags_name_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
         main(argv)
