@@ -43,7 +43,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from benchmarks.flags import csv_of, draft_confidence, draft_spec, integer_at_least, one_of, positive, sampling_temperature, window_k
+from benchmarks.flags import (csv_of, draft_confidence, draft_spec, integer_at_least, one_of, positive,
+                              sampling_temperature, window_k)
 from benchmarks.metrics import expected_tokens_per_window
 from benchmarks.prompts import DATASETS, load_prompts
 from benchmarks.run import DEFAULT_OUT, load_draft

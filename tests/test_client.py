@@ -17,4 +17,5 @@ def test_the_clients_are_importable_from_the_package():
 
 def test_the_in_process_api_imports_no_grpc():
     code = "import sys, mirrorspec; mirrorspec.generate; print('grpc' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
