@@ -160,6 +160,7 @@ def summarize(dataset: str, draft: str, temperature: float, betas: list[list[flo
     threshold (``confidences``: the draft's own, per answer and position)."""
     flat = [b for answer in betas for b in answer]
     beta = sum(flat) / max(len(flat), 1)
+    agrees = [[b > 0.5 for b in answer] for answer in betas]  # greedy: beta is 1 where the argmaxes agree
     rows = []
     for k in ks:
         estimate = Row(dataset, draft, temperature, k, len(flat), round(beta, 4),
@@ -168,8 +169,8 @@ def summarize(dataset: str, draft: str, temperature: float, betas: list[list[flo
             rows.append(estimate)
             continue
         for threshold in thresholds:
-            replays = [replay_greedy([b > 0.5 for b in answer], k, None if confidences is None else confidences[i],
-                                     threshold) for i, answer in enumerate(betas)]
+            replays = [replay_greedy(answer, k, None if confidences is None else confidences[i], threshold)
+                       for i, answer in enumerate(agrees)]
             rows.append(_greedy_row(estimate, replays, threshold, draft_cost))
     return rows
 
@@ -177,7 +178,8 @@ def summarize(dataset: str, draft: str, temperature: float, betas: list[list[flo
 def _greedy_row(estimate: Row, replays: Sequence[Replay], threshold: float, draft_cost: float) -> Row:
     windows, drafted, accepted, tests = (sum(getattr(r, f) for r in replays)
                                          for f in ("windows", "drafted", "accepted", "tests"))
-    cost = sum(window_cost(d, AdaptiveKConfig(), draft_cost) for r in replays for d in r.drafts_per_window)
+    costs = AdaptiveKConfig()
+    cost = sum(window_cost(d, costs, draft_cost) for r in replays for d in r.drafts_per_window)
     return replace(estimate, tokens_per_pass=round(estimate.positions / max(windows, 1), 3),
                    acceptance_rate=round(accepted / max(drafted, 1), 4), alpha=round(accepted / max(tests, 1), 4),
                    draft_confidence=threshold, drafts_per_pass=round(drafted / max(windows, 1), 3),
@@ -288,7 +290,8 @@ class Replayed:
 
 def replay_prompts(target: LoadedModel, drafters: dict[str, DraftModelDrafter], prompts: dict[str, list],
                    max_tokens: int, temperatures: Sequence[float], progress: bool) -> Replayed:
-    """Every draft's betas along the target's greedy answer to every prompt; and the answers."""
+    """Every draft's betas and greedy confidences along the target's greedy answer to every
+    prompt; and the answers."""
     replayed = Replayed()
     params = SamplingParams(max_new_tokens=max_tokens, stop_token_ids=target.stop_token_ids())
     total = sum(len(p) for p in prompts.values())
