@@ -1,7 +1,7 @@
 """What an early-exit hint costs the verify, and how often its branches hit, by hint vocabulary.
 
     python -m benchmarks.hints [--hint-layer 27] [--datasets humaneval,mtbench] [--num-prompts 3]
-                               [--max-tokens 64] [--k 4] [--max-branches 4] [--alternatives 2]
+                               [--max-tokens 64] [--k 4] [--max-branches 4] [--alternatives 7]
                                [--prompt-lookup 2] [--draft-confidence 0.3] [--reps 60]
 
 Part 1 times the very call a hinted verify makes (``KVSession.logits_for`` over K + 1 positions

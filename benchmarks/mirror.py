@@ -3,7 +3,7 @@ their own processes, one torch thread each (each side has its own core on a 2-co
 
     mirrorspec bench mirror [--datasets humaneval,mtbench] [--num-prompts 3] [--max-tokens 64]
                                 [--k 4] [--hint-layer 27 [--hint-vocab draft|full]]
-                                [--max-branches 4] [--alternatives 2]
+                                [--max-branches 4] [--alternatives 7]
                                 [--target demo-target --draft demo-draft]
                                 [--out benchmarks/results]
 

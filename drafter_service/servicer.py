@@ -9,11 +9,12 @@ from functools import partial
 
 from mirrorspec.config import (DEFAULT_DRAFT_QUANTIZE, InvalidRequest, OutOfRange, ReplicaConfig, check_draft_confidence,
                                check_prompt_lookup, check_quantization)
-from mirrorspec.drafting import Drafter, NgramDrafter
+from mirrorspec.drafting import Drafter, NgramDrafter, RankedTokens
 from mirrorspec.drafting.draft_model import draft_model_step_cost
 from mirrorspec.engine import make_drafter, validate_prompt
 from mirrorspec.models import LoadedModel, load_causal_lm
-from mirrorspec.serving.convert import check_token_ids, describe_model, params_from_proto, proposal_to_proto
+from mirrorspec.serving.convert import (check_token_ids, describe_model, params_from_proto, proposal_to_proto,
+                                        ranked_to_proto)
 from mirrorspec.serving.server import ComputeLane, Service, start_grpc_server
 from mirrorspec.serving.sessions import SequenceState, SessionStore
 from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
@@ -123,9 +124,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             seq = session.sequence
             started = time.perf_counter()
             ranked = await self.lane.run(session.drafter.alternatives_for, list(seq.context[:-k]),
-                                         list(seq.context[-k:])) if k else ()
+                                         list(seq.context[-k:])) if k else RankedTokens()
         response = drafter_pb2.DraftResponse(draft_time_s=time.perf_counter() - started)
-        response.alternatives.extend(drafter_pb2.TokenAlternatives(ids=a) for a in ranked)
+        response.alternatives.extend(ranked_to_proto(ranked))
         return response
 
     def _commit(self, session: DraftSession, request) -> int:
@@ -186,7 +187,7 @@ def _draft_response(proposal) -> drafter_pb2.DraftResponse:
     response = drafter_pb2.DraftResponse(tokens=proposal.tokens)
     if proposal.tokens:
         response.q.CopyFrom(proposal_to_proto(proposal.q))
-        response.alternatives.extend(drafter_pb2.TokenAlternatives(ids=a) for a in proposal.alternatives)
+        response.alternatives.extend(ranked_to_proto(proposal.ranked()))
     return response
 
 

@@ -114,7 +114,7 @@ class MirrorConfig:
     """
 
     max_branches: int = 4
-    alternatives: int = 2  # runner-up tokens guessed per rejection point
+    alternatives: int = 7  # runner-up tokens guessed per rejection point (ranked by the drafter's probabilities)
     stop_at_verdict: bool = True
     use_hints: bool = True  # steer branches by the target's early-exit hints, where it sends them
     probe_every: int = 8  # serving: the N-th window after a change of choice tries the other one (branch or not)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import grpc
 
 from mirrorspec.config import InvalidRequest, SamplingParams
-from mirrorspec.drafting import Drafter, NgramDrafter, Proposal
+from mirrorspec.drafting import Drafter, NgramDrafter, Proposal, RankedTokens
 from mirrorspec.drafting.base import fork_points_or_end
 from mirrorspec.models import common_prefix_length
 from mirrorspec.models.early_exit import EarlyExitHint
@@ -30,6 +30,7 @@ from mirrorspec.serving.convert import (
     params_to_proto,
     proposal_from_proto,
     proposal_to_proto,
+    ranked_from_proto,
 )
 from mirrorspec.v1 import common_pb2, drafter_pb2, target_pb2
 from orchestrator.pool import NoReplicaAvailable, Replica, ReplicaPool
@@ -276,27 +277,27 @@ class RemoteDrafter(Drafter):
     def paused_windows(self) -> int:
         return self.gate.refused
 
-    def alternatives_for(self, context: Sequence[int], tokens: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    def alternatives_for(self, context: Sequence[int], tokens: Sequence[int]) -> RankedTokens:
         """RankTokens on the replica (which commits ``tokens`` there, as a branch head would be).
         A replica that predates RankTokens answers UNIMPLEMENTED, and a model-free one answers
         none: then no more asking for the rest of the request, and the drafter goes on drafting."""
         if not tokens or self.failure is not None or not self._ranks:
-            return ()
+            return RankedTokens()
 
-        def rank() -> tuple[tuple[int, ...], ...]:
+        def rank() -> RankedTokens:
             try:
                 response = self._call("RankTokens", [*context, *tokens], len(tokens))
             except grpc.RpcError as err:
                 if err.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise
                 self._ranks = False
-                return ()
-            ranked = tuple(tuple(a.ids) for a in response.alternatives)
+                return RankedTokens()
+            ranked = ranked_from_proto(response.alternatives)
             if not ranked:  # a model-free strategy (n-gram): it will have no opinion next time either
                 self._ranks = False
-            return ranked if len(ranked) == len(tokens) else ()
+            return ranked if len(ranked) == len(tokens) else RankedTokens()
 
-        return self._guard(rank) or ()
+        return self._guard(rank) or RankedTokens()
 
     def _draft(self, context: Sequence[int], k: int, branch_tokens: list[int] | None = None,
                fork_points: list[int] | None = None) -> tuple[list[Proposal], bool]:

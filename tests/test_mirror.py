@@ -3,10 +3,11 @@
 from dataclasses import replace
 
 import pytest
+import torch
 
 from mirrorspec import SamplingParams, generate
 from mirrorspec.config import InvalidRequest, MirrorConfig
-from mirrorspec.drafting import DraftModelDrafter, NgramDrafter, Proposal
+from mirrorspec.drafting import DraftModelDrafter, NgramDrafter, Proposal, RankedTokens
 from mirrorspec.config import SpeculationConfig
 from mirrorspec.engine import GenerationStats, TargetVerifier, decode_windows
 from mirrorspec.mirror import Branch, MirrorPipeline, Prefetch, guesses, hint_guesses, with_runners_up
@@ -26,6 +27,25 @@ def test_guesses_rank_by_the_chance_of_each_verdict():
     assert ranked == sorted(ranked, key=lambda g: -g[0])
     high = guesses(proposal, alpha=0.95, alternatives=2)
     assert high[0][1:] == (2, None)  # all accepted: the bonus guess comes first
+
+
+def test_guesses_weigh_runner_ups_by_the_drafters_probabilities():
+    """A likely runner-up at a later position beats an unlikely one at an earlier position, which
+    ranking by order alone cannot see; a draft the drafter was sure of is guessed to pass."""
+    tokens, tops = (5, 6), ((5, 1, 2), (6, 3, 4))
+    probs = ((0.5, 0.45, 0.05), (0.4, 0.55, 0.05))
+    by_rank = Proposal(tokens=tokens, q=ProposalRows.one_hot([5, 6]), alternatives=tops)
+    weighed = replace(by_rank, alternative_probs=probs)
+    assert [g[1:] for g in guesses(by_rank, alpha=0.5, alternatives=2)][:3] == [(0, 1), (2, None), (0, 2)]
+    ranked = guesses(weighed, alpha=0.5, alternatives=2)
+    assert [g[1:] for g in ranked][:3] == [(0, 1), (1, 3), (2, None)]  # (0, 2) at 0.05 falls behind
+    # the scores estimate P(verdict = (j, c)): position 0 fails with 1 - (0.5 + 0.5) / 2 = 0.5, and
+    # its rejection lands on 1 with 0.45 / (0.45 + 0.05)
+    assert ranked[0][0] == pytest.approx(0.5 * 0.9)
+    assert sum(g[0] for g in ranked) == pytest.approx(1.0)  # every verdict these runner-ups allow
+    # a row whose probabilities do not match its ids is ranked by order, as a replica sending none is
+    mismatched = replace(by_rank, alternative_probs=((0.5, 0.45), ()))
+    assert guesses(mismatched, alpha=0.5, alternatives=2) == guesses(by_rank, alpha=0.5, alternatives=2)
 
 
 def test_a_branch_is_taken_by_its_key_alone():
@@ -263,17 +283,25 @@ def test_bad_mirror_config_names_the_field():
 
 
 def test_drafter_alternatives_are_its_top_tokens(tiny_draft):
-    proposal = DraftModelDrafter(tiny_draft).propose([0, 3, 5], 3, SamplingParams(), seed=0)
-    assert len(proposal.alternatives) == 3
-    for token, tops in zip(proposal.tokens, proposal.alternatives):
+    drafter = DraftModelDrafter(tiny_draft, num_alternatives=3, confidence=0.01)
+    proposal = drafter.propose([0, 3, 5], 3, SamplingParams(), seed=0)
+    assert len(proposal.alternatives) == len(proposal.alternative_probs) == 3
+    context = [0, 3, 5]
+    for token, tops, probs in zip(proposal.tokens, proposal.alternatives, proposal.alternative_probs):
         assert tops[0] == token  # greedy: the draft is the drafter's own first choice
+        # its own probabilities at temperature 1, best first: the softmax of its logits
+        logits = tiny_draft(torch.tensor([context])).logits[0, -1].float()
+        expected = logits.softmax(-1).topk(3)
+        assert list(tops) == expected.indices.tolist()
+        assert probs == pytest.approx(expected.values.tolist(), abs=1e-5)
+        context.append(token)
 
 
 class ScoringDrafter(NgramDrafter):
     """Looks up like the n-gram drafter; ranks tokens 7, 8, 9 at every position when asked."""
 
     def alternatives_for(self, context, tokens):
-        return tuple((7, 8, 9) for _ in tokens)
+        return RankedTokens(tuple((7, 8, 9) for _ in tokens))
 
 
 def test_a_window_without_runners_up_takes_the_drafters_alternatives_for_its_guesses():

@@ -27,6 +27,9 @@ class Proposal:
     # the drafter's most likely tokens at each drafted position, best first (may include the
     # drafted token itself): guesses of the target's token where it rejects, for mirror branches
     alternatives: tuple[tuple[int, ...], ...] = ()
+    # the drafter's own probability (temperature 1) of each of them; a row is () where it has none
+    # (a looked-up token), and the whole is () for drafters that send none
+    alternative_probs: tuple[tuple[float, ...], ...] = ()
 
     @staticmethod
     def empty() -> Proposal:
@@ -38,6 +41,28 @@ class Proposal:
     def token_tensor(self, device: torch.device | str | None = None) -> torch.Tensor:
         """# -> [1, k] int64"""
         return torch.tensor([self.tokens], dtype=torch.int64, device=device)
+
+    def ranked(self) -> RankedTokens:
+        return RankedTokens(self.alternatives, self.alternative_probs)
+
+
+@dataclass(frozen=True)
+class RankedTokens:
+    """A drafter's most likely tokens at each position of a window, best first, with its own
+    probability of each (temperature 1; a row of ``probs`` is () where it has none). Mirror weighs
+    its guesses of the target's token by them: a runner-up the drafter gives 0.3 is a far better
+    guess than one it gives 0.01, which rank alone cannot tell."""
+
+    ids: tuple[tuple[int, ...], ...] = ()
+    probs: tuple[tuple[float, ...], ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def probs_at(self, position: int) -> tuple[float, ...] | None:
+        """The row of probabilities at ``position``, None where the drafter gave none for it."""
+        row = self.probs[position] if position < len(self.probs) else ()
+        return row if row and len(row) == len(self.ids[position]) else None
 
 
 def fork_points_or_end(head: Sequence[int], next_tokens: Sequence[int],
@@ -73,12 +98,12 @@ class Drafter(ABC):
         forks = fork_points_or_end(head, next_tokens, fork_points)
         return [self.propose([*head[:f], c], k, params, seed) for f, c in zip(forks, next_tokens)]
 
-    def alternatives_for(self, context: Sequence[int], tokens: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    def alternatives_for(self, context: Sequence[int], tokens: Sequence[int]) -> RankedTokens:
         """The drafter's own most likely tokens, best first, at each position of ``tokens`` continuing
         ``context``: mirror's guesses of the target's token where it rejects, for proposals that came
         without them (looked-up tokens). Called during the verify, off the critical path, so a
-        strategy that has to run its model for them costs the window nothing. () = no opinion."""
-        return ()
+        strategy that has to run its model for them costs the window nothing. Empty = no opinion."""
+        return RankedTokens()
 
     def release(self) -> None:
         """Drop per-sequence state (KV caches) once the request is over."""

@@ -10,7 +10,7 @@ from transformers import AutoConfig
 
 from mirrorspec.config import (DRAFT_MODEL_STEP_COST, INT8_DRAFT_MODEL_STEP_COST, InvalidRequest, SamplingParams,
                                check_draft_confidence)
-from mirrorspec.drafting.base import Drafter, Proposal, fork_points_or_end
+from mirrorspec.drafting.base import Drafter, Proposal, RankedTokens, fork_points_or_end
 from mirrorspec.models.demo_draft import shipped_vocabulary
 from mirrorspec.models.loading import DEMO_DRAFT, locate_model
 from mirrorspec.models.quantize import is_quantized
@@ -58,6 +58,7 @@ class DraftStep(NamedTuple):
     token: int
     q: ProposalRows  # one row
     alternatives: tuple[int, ...]
+    alternative_probs: tuple[float, ...]  # the draft's own probability of each (temperature 1)
     confidence: float  # the draft's own probability of ``token`` (temperature 1)
 
 
@@ -69,7 +70,8 @@ def draft_model_step_cost(model: torch.nn.Module) -> float:
 
 def _proposal(steps: list[DraftStep]) -> Proposal:
     return Proposal(tokens=tuple(s.token for s in steps), q=ProposalRows.stack([s.q for s in steps]),
-                    alternatives=tuple(s.alternatives for s in steps))
+                    alternatives=tuple(s.alternatives for s in steps),
+                    alternative_probs=tuple(s.alternative_probs for s in steps))
 
 
 class DraftModelDrafter(Drafter):
@@ -90,7 +92,7 @@ class DraftModelDrafter(Drafter):
 
     name = "draft-model"
 
-    def __init__(self, model: torch.nn.Module | LogitSession, proposal_top_k: int = 0, num_alternatives: int = 3,
+    def __init__(self, model: torch.nn.Module | LogitSession, proposal_top_k: int = 0, num_alternatives: int = 8,
                  confidence: float = 0.0):
         check_draft_confidence(confidence)
         self.vocab_ids = draft_vocabulary(model) if isinstance(model, torch.nn.Module) else None  # [m] or None
@@ -140,19 +142,21 @@ class DraftModelDrafter(Drafter):
             batch.feed([steps[-1].token for steps in branches])  # stopped rows run on, unread
         return [_proposal(steps) for steps in branches]
 
-    def alternatives_for(self, context: Sequence[int], tokens: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    def alternatives_for(self, context: Sequence[int], tokens: Sequence[int]) -> RankedTokens:
         """One forward over ``tokens``: the cache catches up on them now, not in the next draft."""
         if not tokens:
-            return ()
+            return RankedTokens()
         logits = self.session.logits_for([*context, *tokens[:-1]], len(tokens))  # [len(tokens), vocab or m]
-        return tuple(self._top_ids(logits[i:i + 1]) for i in range(len(tokens)))
+        tops = [self._top(logits[i].float().softmax(-1)) for i in range(len(tokens))]
+        return RankedTokens(tuple(ids for ids, _ in tops), tuple(probs for _, probs in tops))
 
     def _draw(self, logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> DraftStep:
         """One drafted position from its logits (# [1, vocab or m]) and its uniform (# [1])."""
         q = proposal_distribution(logits, params, self.proposal_top_k)  # over logits' columns
         column = int(sample_proposal(q, u).item())
-        confidence = float(logits[0].float().softmax(-1)[column]) if self.confidence > 0 else 1.0
-        return DraftStep(self._id_of(column), self._in_vocabulary_ids(q), self._top_ids(logits), confidence)
+        own = logits[0].float().softmax(-1)  # [vocab or m], temperature 1: the draft's own belief
+        ids, probs = self._top(own)
+        return DraftStep(self._id_of(column), self._in_vocabulary_ids(q), ids, probs, float(own[column]))
 
     def _unsure(self, step: DraftStep) -> bool:
         return step.confidence < self.confidence
@@ -160,10 +164,11 @@ class DraftModelDrafter(Drafter):
     def _id_of(self, column: int) -> int:
         return column if self.vocab_ids is None else int(self.vocab_ids[column])
 
-    def _top_ids(self, logits: torch.Tensor) -> tuple[int, ...]:
-        columns = logits[0].topk(min(self.num_alternatives, logits.shape[-1])).indices  # [n]
-        ids = columns if self.vocab_ids is None else self.vocab_ids.to(columns.device)[columns]
-        return tuple(ids.tolist())
+    def _top(self, probs: torch.Tensor) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """The ``num_alternatives`` likeliest ids in ``probs`` (# [vocab or m]) and their probabilities."""
+        top = probs.topk(min(self.num_alternatives, probs.shape[-1]))  # [n]
+        ids = top.indices if self.vocab_ids is None else self.vocab_ids.to(top.indices.device)[top.indices]
+        return tuple(ids.tolist()), tuple(top.values.tolist())
 
     def _in_vocabulary_ids(self, q: ProposalRows) -> ProposalRows:
         """q over sub-vocabulary columns, re-addressed to vocabulary ids."""

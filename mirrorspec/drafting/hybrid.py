@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mirrorspec.config import SamplingParams
-from mirrorspec.drafting.base import Drafter, Proposal, fork_points_or_end
+from mirrorspec.drafting.base import Drafter, Proposal, RankedTokens, fork_points_or_end
 from mirrorspec.drafting.ngram import NgramDrafter
 from mirrorspec.sampling import ProposalRows
 
@@ -37,7 +37,7 @@ class HybridDrafter(Drafter):
         if not looked_up:
             return self.model.propose(context, k, params, seed)
         found = Proposal(tokens=tuple(looked_up), q=ProposalRows.one_hot(looked_up),
-                         alternatives=tuple((t,) for t in looked_up))
+                         alternatives=tuple((t,) for t in looked_up), alternative_probs=tuple(() for _ in looked_up))
         if len(looked_up) == k:
             return found
         # the match ran into the end of the context: the model drafts on from the looked-up tokens
@@ -57,7 +57,7 @@ class HybridDrafter(Drafter):
         return [self.propose(context, k, params, seed) if repeat else next(batch)
                 for context, repeat in zip(contexts, repeats)]
 
-    def alternatives_for(self, context: Sequence[int], tokens: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    def alternatives_for(self, context: Sequence[int], tokens: Sequence[int]) -> RankedTokens:
         """The model's view of looked-up tokens: where the target rejects one, its token is likelier
         among the model's top choices than anywhere else the drafter can look."""
         return self.model.alternatives_for(context, tokens)
@@ -81,4 +81,11 @@ def _join(first: Proposal, then: Proposal) -> Proposal:
     if not then.tokens:
         return first
     return Proposal(tokens=first.tokens + then.tokens, q=ProposalRows.stack([first.q, then.q]),
-                    alternatives=first.alternatives + then.alternatives)
+                    alternatives=first.alternatives + then.alternatives,
+                    alternative_probs=_probs_rows(first) + _probs_rows(then))
+
+
+def _probs_rows(proposal: Proposal) -> tuple[tuple[float, ...], ...]:
+    """One row per token, () where the proposal has none, so joined rows stay aligned."""
+    rows = proposal.alternative_probs
+    return tuple(rows[i] if i < len(rows) else () for i in range(len(proposal)))

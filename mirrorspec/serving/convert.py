@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from mirrorspec.codec import decode_proposal, encode_proposal
 from mirrorspec.config import InvalidRequest, SamplingParams
-from mirrorspec.drafting import Proposal
+from mirrorspec.drafting import Proposal, RankedTokens
 from mirrorspec.models import LoadedModel
 from mirrorspec.models.early_exit import EarlyExitHint
 from mirrorspec.sampling import ProposalRows, TokenKind
-from mirrorspec.v1 import common_pb2, target_pb2
+from mirrorspec.v1 import common_pb2, drafter_pb2, target_pb2
 
 
 def params_from_proto(msg: common_pb2.SamplingParams, *, default_max_new_tokens: int = 128) -> SamplingParams:
@@ -38,6 +38,7 @@ def proposal_to_proto(rows: ProposalRows) -> common_pb2.ProposalDistribution:
 def proposal_from_proto(tokens, q: common_pb2.ProposalDistribution, vocab_size: int,
                         alternatives=()) -> Proposal:
     """``alternatives``: repeated ``TokenAlternatives`` (a drafter's runner-ups), if sent."""
+    ranked = ranked_from_proto(alternatives)
     tokens = tuple(int(t) for t in tokens)
     if not tokens:
         return Proposal.empty()
@@ -46,7 +47,20 @@ def proposal_from_proto(tokens, q: common_pb2.ProposalDistribution, vocab_size: 
                              field="q")
     rows = decode_proposal(q.probs.frame, q.ids.frame or None, num_tokens=len(tokens), vocab_size=vocab_size,
                            draft_tokens=list(tokens))
-    return Proposal(tokens=tokens, q=rows, alternatives=tuple(tuple(int(t) for t in a.ids) for a in alternatives))
+    return Proposal(tokens=tokens, q=rows, alternatives=ranked.ids, alternative_probs=ranked.probs)
+
+
+def ranked_to_proto(ranked: RankedTokens) -> list[drafter_pb2.TokenAlternatives]:
+    return [drafter_pb2.TokenAlternatives(ids=ids, probs=ranked.probs_at(j) or ())
+            for j, ids in enumerate(ranked.ids)]
+
+
+def ranked_from_proto(alternatives) -> RankedTokens:
+    """From repeated ``TokenAlternatives``; a row's probabilities are dropped unless there is one
+    per id (a replica that sends none, or a malformed row, leaves guesses ranked by order alone)."""
+    ids = tuple(tuple(int(t) for t in a.ids) for a in alternatives)
+    probs = tuple(tuple(float(p) for p in a.probs) if len(a.probs) == len(a.ids) else () for a in alternatives)
+    return RankedTokens(ids, probs)
 
 
 def hint_to_proto(hint: EarlyExitHint) -> target_pb2.EarlyExitHint:

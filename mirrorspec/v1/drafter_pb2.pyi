@@ -44,10 +44,12 @@ class DraftRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., commit_tokens: _Optional[_Iterable[int]] = ..., context_length: _Optional[int] = ..., k: _Optional[int] = ..., keep: _Optional[int] = ..., branch_tokens: _Optional[_Iterable[int]] = ..., branch_forks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenAlternatives(_message.Message):
-    __slots__ = ("ids",)
+    __slots__ = ("ids", "probs")
     IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("tokens", "q", "draft_time_s", "alternatives")

@@ -52,6 +52,11 @@ def drafters(tiny_dir):
 def assert_same_draft(got, want):
     assert got.tokens == want.tokens
     assert torch.allclose(got.q.dense(16), want.q.dense(16), atol=1e-5)
+    # the drafter's runner-ups and its probabilities of them cross the wire too (mirror ranks by them)
+    assert got.alternatives == want.alternatives
+    assert len(got.alternative_probs) == len(want.alternative_probs) == len(want.tokens)
+    for row, expected in zip(got.alternative_probs, want.alternative_probs):
+        assert row == pytest.approx(expected, abs=1e-5)
 
 
 def test_branches_at_every_fork_point_come_from_one_call(drafters, tiny_dir):
@@ -67,7 +72,7 @@ def test_branches_at_every_fork_point_come_from_one_call(drafters, tiny_dir):
     local = DraftModelDrafter(load(tiny_dir["draft16"]), proposal_top_k=TOP_K)
     sampled = SamplingParams(temperature=1.0, max_new_tokens=8)
     for fork, token, draft in zip(forks, tokens, response.drafts):
-        assert_same_draft(proposal_from_proto(draft.tokens, draft.q, 16),
+        assert_same_draft(proposal_from_proto(draft.tokens, draft.q, 16, draft.alternatives),
                           local.propose([*head[:fork], token], 3, sampled, seed=5))
     bad = {"2 fork points for 4": [5, 2], "branch_forks[3]=6 is outside": [5, 2, 3, 6],
            "branch_forks[0]=0 is outside": [0, 2, 3, 4]}

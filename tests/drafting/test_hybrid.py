@@ -54,6 +54,9 @@ def test_a_short_match_is_topped_up_by_the_model_with_each_rows_own_q(tiny_draft
     assert q[:2].tolist() == torch.eye(8)[[3, 5]].tolist()
     assert torch.allclose(q[2:], rest.q.dense(8))
     assert len(proposal.alternatives) == len(proposal.tokens)
+    # probabilities stay aligned with their rows: none for the looked-up tokens, the model's for the rest
+    assert proposal.alternative_probs == ((), (), *rest.alternative_probs)
+    assert proposal.ranked().probs_at(0) is None and proposal.ranked().probs_at(2) == rest.alternative_probs[0]
 
 
 def test_branches_are_the_proposals_made_one_by_one(tiny_draft):
@@ -123,5 +126,6 @@ def test_looked_up_tokens_get_the_models_alternatives_for_mirror_guesses(tiny_dr
     model = DraftModelDrafter(tiny_draft)
     for i, token in enumerate(looked_up.tokens):
         alone = model.propose([*context, *looked_up.tokens[:i]], 1, SamplingParams(), seed=0)
-        assert tops[i] == alone.alternatives[0]
-    assert NgramDrafter().alternatives_for(context, looked_up.tokens) == ()  # no model: no opinion
+        assert tops.ids[i] == alone.alternatives[0]
+        assert tops.probs[i] == pytest.approx(alone.alternative_probs[0], abs=1e-6)
+    assert not NgramDrafter().alternatives_for(context, looked_up.tokens)  # no model: no opinion
