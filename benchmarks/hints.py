@@ -5,8 +5,9 @@
                                [--prompt-lookup 2] [--draft-confidence 0.3] [--reps 60]
 
 Part 1 times the very call a hinted verify makes (``KVSession.logits_for`` over K + 1 positions
-inside ``EarlyExitProbe.watching``) with no hint, a hint over the whole vocabulary, and one over
-the draft's declared sub-vocabulary, interleaved so a slow stretch of a shared machine hits all
+inside ``EarlyExitProbe.watching``) with no hint, a hint over the whole vocabulary, one over
+the draft's declared sub-vocabulary, and one over the sub-vocabulary read through the target's
+tuned lens (``mirrorspec.models.lens``, what the servers run by default), interleaved so a slow stretch of a shared machine hits all
 three alike; one torch thread, as a target replica runs.
 
 Part 2 decodes the same prompts greedily in process with mirror always branching (up to
@@ -43,6 +44,7 @@ from mirrorspec.engine import GenerationStats, TargetVerifier, decode_windows, m
 from mirrorspec.mirror import MirrorPipeline
 from mirrorspec.models import KVSession, LoadedModel, encode_prompt, load_causal_lm
 from mirrorspec.models.early_exit import EarlyExitProbe
+from mirrorspec.models.lens import LensRecipe, tuned_lens
 
 NO_HINT = "none"
 
@@ -125,8 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     vocab = declared_vocabulary(args.draft)
     if vocab is None:
         parser.error(f"--draft: {args.draft} declares no sub-vocabulary to compare with the full one")
+    lens = tuned_lens(target, LensRecipe(layer=args.hint_layer))
     probes = {NO_HINT: None, "full": EarlyExitProbe(target.model, args.hint_layer),
-              "sub-vocabulary": EarlyExitProbe(target.model, args.hint_layer, vocab_ids=vocab)}
+              "sub-vocabulary": EarlyExitProbe(target.model, args.hint_layer, vocab_ids=vocab),
+              "tuned sub-vocabulary": EarlyExitProbe(target.model, args.hint_layer, vocab_ids=vocab, lens=lens)}
     prompts = {d: [encode_prompt(target.tokenizer, p.text) for p in load_prompts(d, args.num_prompts)]
                for d in datasets}
     cost = verify_cost(target.model, prompts[datasets[0]][0], probes, args.k, args.reps)
@@ -141,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, probe in probes.items():
             hit, windows = branch_hits(target, draft, prompts[d], probe, args)
             hits[d][name] = {"hits": hit, "windows": windows, "hit_rate": hit / max(windows, 1)}
-            print(f"  {d:10s} {'own guesses' if probe is None else name + ' hints':22s} "
+            print(f"  {d:10s} {'own guesses' if probe is None else name + ' hints':28s} "
                   f"{hit:4d}/{windows:<4d} = {hit / max(windows, 1):.2f}")
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"hints-{time.strftime('%Y%m%d-%H%M%S')}.json"

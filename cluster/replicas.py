@@ -85,7 +85,8 @@ class TargetReplica(_ServerActor):
 
         spec = self.spec
         config = TargetConfig(model=spec.target, dtype=spec.dtype, device=spec.device, host=self.host, port=0,
-                              max_sessions=spec.max_sessions, hint_layer=spec.hint_layer, hint_vocab=spec.hint_vocab)
+                              max_sessions=spec.max_sessions, hint_layer=spec.hint_layer, hint_vocab=spec.hint_vocab,
+                              hint_lens=spec.hint_lens)
         if spec.tp == 1:
             self.server = BackgroundServer(lambda: serve(config), "target").start(timeout=600)
         else:

@@ -43,6 +43,7 @@ class StackSpec:
     mirror: MirrorConfig | None = None  # the front door's default for requests that do not say
     hint_layer: int | None = None  # targets send early-exit hints read off this layer (tp=1 only)
     hint_vocab: str | None = None  # hints scored over the sub-vocabulary this draft declares; None = all
+    hint_lens: str = "tuned"  # hints read through a tuned lens fitted to the target, or "logit"
     speculation_off_above: int | None = None  # the front door stops drafting past this many requests
     proposal_top_k: int = 32
     prompt_lookup: int = 0  # draft-model replicas: prompt lookup drafts first on matches this long

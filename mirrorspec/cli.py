@@ -21,6 +21,7 @@ from mirrorspec.config import (
     DEFAULT_K,
     DEFAULT_K_CONFIDENT,
     DEFAULT_PROMPT_LOOKUP,
+    HINT_LENSES,
     AdaptiveKConfig,
     DEFAULT_DRAFT_QUANTIZE,
     QUANTIZATIONS,
@@ -80,6 +81,7 @@ FLAG_FOR_FIELD = {
     "server": "--server",
     "hint_layer": "--hint-layer",
     "hint_vocab": "--hint-vocab",
+    "hint_lens": "--hint-lens",
     "speculation_off_above": "--speculation-off-above",
     "address": "--address",
     "name": "--name",
@@ -171,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--hint-vocab", default="auto", metavar="auto|full|DRAFT",
                      help="with --hint-layer: score hints over a draft's declared sub-vocabulary (auto: the served "
                           "draft's, if it declares one; full: the whole vocabulary)")
+    srv.add_argument("--hint-lens", choices=HINT_LENSES, default="tuned",
+                     help="with --hint-layer: read hints through a tuned lens fitted to the target (default; fitted once, about a minute on CPU for the demo target, then cached) or as the final norm and head see the layer (logit)")
     srv.add_argument("--proposal-top-k", type=int, default=32, help="sparse q width for draft models (0 = dense)")
     srv.add_argument("--prompt-lookup", type=int, default=DEFAULT_PROMPT_LOOKUP, metavar="N", help=PROMPT_LOOKUP_HELP)
     srv.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE, metavar="P",
@@ -298,7 +302,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     result = generate(target.model, draft, ids, params, num_speculative_tokens=0 if draft is None else args.k,
                       seed=args.seed, proposal_top_k=args.proposal_top_k, prompt_lookup=args.prompt_lookup,
                       draft_confidence=args.draft_confidence, adaptive=args.adaptive,
-                      mirror=args.mirror, hint_layer=args.hint_layer, on_tokens=printer.push if printer else None)
+                      mirror=args.mirror, hint_layer=args.hint_layer, hint_lens=_hint_lens(target, args.hint_layer),
+                      on_tokens=printer.push if printer else None)
     text = target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     if args.json:
         print(json.dumps({
@@ -445,12 +450,21 @@ def _stack_spec(args: argparse.Namespace, target_gpus: float):
                      threads=args.threads or 1, dtype=args.dtype, device=args.device,
                      num_speculative_tokens=args.k, adaptive=AdaptiveKConfig() if args.adaptive else None,
                      mirror=MirrorConfig() if args.mirror else None, hint_layer=args.hint_layer,
-                     hint_vocab=args.hint_vocab,
+                     hint_vocab=args.hint_vocab, hint_lens=args.hint_lens,
                      speculation_off_above=args.speculation_off_above,
                      proposal_top_k=args.proposal_top_k, prompt_lookup=args.prompt_lookup,
                      draft_confidence=args.draft_confidence, draft_quantize=args.draft_quantize,
                      max_sessions=args.max_sessions, host=args.host, port=args.port, name=args.name,
                      metrics_port=args.metrics_port)
+
+
+def _hint_lens(target, hint_layer: int | None):
+    """The tuned lens in-process hints read through (fitted once per target and layer, cached)."""
+    if hint_layer is None:
+        return None
+    from mirrorspec.models.lens import LensRecipe, tuned_lens
+
+    return tuned_lens(target, LensRecipe(layer=hint_layer), log=lambda line: print(line, file=sys.stderr))
 
 
 def _hint_vocab(choice: str, hint_layer: int | None, draft: str) -> str | None:
@@ -519,7 +533,7 @@ def _serve_in_process(args: argparse.Namespace) -> int:
                                           quantize=args.draft_quantize)
     stack = start_local_stack(TargetConfig(model=target.source, max_sessions=args.max_sessions,
                                            hint_layer=args.hint_layer,
-                                           hint_vocab=args.hint_vocab),
+                                           hint_vocab=args.hint_vocab, hint_lens=args.hint_lens),
                               drafter,
                               target_model=target, host=args.host, port=args.port, num_speculative_tokens=args.k,
                               metrics_port=args.metrics_port, adaptive=AdaptiveKConfig() if args.adaptive else None,

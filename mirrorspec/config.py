@@ -171,6 +171,7 @@ class SpeculationConfig:
 MAX_PROMPT_LOOKUP = 8
 # What the serving entry points use with a draft model: the best of 1-3 measured on the demo pair
 # (benchmark modes mirrorspec-hybrid / -draft / -ngram, side by side)
+HINT_LENSES = ("tuned", "logit")  # how a hint reads its layer: a lens fitted to the target, or as it is
 DEFAULT_PROMPT_LOOKUP = 2
 
 

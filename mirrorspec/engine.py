@@ -28,6 +28,7 @@ from mirrorspec.config import (
 )
 from mirrorspec.drafting import DraftModelDrafter, Drafter, HybridDrafter, NgramDrafter, Proposal
 from mirrorspec.models.early_exit import EarlyExitHint, EarlyExitProbe
+from mirrorspec.models.lens import TunedLens
 from mirrorspec.models.session import KVSession, LogitSession
 from mirrorspec.sampling import (
     Stream,
@@ -342,6 +343,7 @@ def generate(
     adaptive: AdaptiveKConfig | bool | None = None,
     mirror: MirrorConfig | bool | None = None,
     hint_layer: int | None = None,
+    hint_lens: TunedLens | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
 ) -> GenerationResult:
     """Generate with speculative decoding, exactly as the target alone would.
@@ -368,6 +370,8 @@ def generate(
         hint_layer: with mirror and an HF target, the target sends early-exit hints read off this
             decoder layer (1-based) part-way through each verify, steering which branches get drafted;
             scored over the draft's sub-vocabulary where it declares one (a cheaper hint).
+        hint_lens: read those hints through this tuned lens (``mirrorspec.models.lens.tuned_lens``)
+            rather than the final norm alone: far likelier to name the target's token.
         on_tokens: called with each window's committed tokens as soon as they are known.
 
     Greedy output is token-identical to target-only greedy decoding; sampled output has exactly
@@ -391,7 +395,7 @@ def generate(
     if hint_layer is not None and not isinstance(target, torch.nn.Module):
         raise InvalidRequest("hint_layer needs an HF model as the target (hints are read off its layers)",
                              field="hint_layer")
-    probe = (EarlyExitProbe(target, hint_layer, vocab_ids=drafter.vocab_ids if drafter else None)
+    probe = (EarlyExitProbe(target, hint_layer, vocab_ids=drafter.vocab_ids if drafter else None, lens=hint_lens)
              if hint_layer is not None and pipeline is not None else None)
     started = time.perf_counter()
     try:

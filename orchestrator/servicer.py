@@ -24,6 +24,7 @@ from mirrorspec.drafting import Drafter, Proposal
 from mirrorspec.engine import GenerationStats, decode_windows, first_window_k, validate_prompt
 from mirrorspec.mirror import MirrorPipeline
 from mirrorspec.models import encode_chat, encode_prompt
+from mirrorspec.models.loading import try_load_tokenizer
 from mirrorspec.models.detokenize import IncrementalDetokenizer
 from mirrorspec.sampling import fresh_seed
 from mirrorspec.serving.convert import params_from_proto
@@ -395,18 +396,6 @@ def _eos_ids(tokenizer) -> list[int]:
     return [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
 
 
-def _load_tokenizer(source: str | None):
-    """The tokenizer, if the model source has one (tiny test models have none)."""
-    if not source:
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError, TypeError):
-        return None
-
-
 async def serve(config: OrchestratorConfig):
     """Connect to the backends, then start the front door."""
     targets = parse_addresses(config.target)
@@ -421,7 +410,7 @@ async def serve(config: OrchestratorConfig):
         drafter_stub = drafter_pb2_grpc.DrafterServiceStub(_channel(parse_addresses(config.drafter)[0]))
         drafter_info = await asyncio.to_thread(drafter_stub.Info, common_pb2.InfoRequest(), timeout=60,
                                                wait_for_ready=True)
-    tokenizer = await asyncio.to_thread(_load_tokenizer, config.tokenizer or target_info.model.source)
+    tokenizer = await asyncio.to_thread(try_load_tokenizer, config.tokenizer or target_info.model.source)
     metrics = SpecDecodeMetrics()
     if config.metrics_port is not None:
         metrics.serve(config.host, config.metrics_port)

@@ -2,6 +2,7 @@
 
 import argparse
 
+from mirrorspec.config import HINT_LENSES
 from mirrorspec.serving.placement import add_placement_args, apply_placement
 from mirrorspec.serving.server import run_until_terminated
 from target_service.servicer import TargetConfig, serve
@@ -17,9 +18,12 @@ parser.add_argument("--hint-layer", type=int, default=None,
                     help="send early-exit hints read off this decoder layer (1-based) during each verify: mirror requests steer their branches with them")
 parser.add_argument("--hint-vocab", default=None, metavar="DRAFT",
                     help="score hints over the sub-vocabulary this draft declares (e.g. demo-draft): cheaper verifies")
+parser.add_argument("--hint-lens", choices=HINT_LENSES, default="tuned",
+                    help="read hints through a tuned lens fitted to the target (once, cached) or as the layer is (logit)")
 add_placement_args(parser)
 args = parser.parse_args()
 apply_placement(parser, args)
 config = TargetConfig(model=args.model, host=args.host, port=args.port, dtype=args.dtype, device=args.device,
-                      max_sessions=args.max_sessions, hint_layer=args.hint_layer, hint_vocab=args.hint_vocab)
+                      max_sessions=args.max_sessions, hint_layer=args.hint_layer, hint_vocab=args.hint_vocab,
+                      hint_lens=args.hint_lens)
 run_until_terminated(lambda: serve(config), "target_service")

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
-from mirrorspec.config import InvalidRequest, OutOfRange, ReplicaConfig
+from mirrorspec.config import HINT_LENSES, InvalidRequest, OutOfRange, ReplicaConfig
 from mirrorspec.drafting import Proposal
 from mirrorspec.drafting.draft_model import hint_vocabulary
 from mirrorspec.engine import TargetVerifier, validate_prompt
 from mirrorspec.models import KVSession, LoadedModel, LogitSession, load_causal_lm
 from mirrorspec.models.early_exit import EarlyExitProbe
+from mirrorspec.models.lens import LensRecipe, TunedLens, tuned_lens
+from mirrorspec.models.loading import try_load_tokenizer
 from mirrorspec.sampling import WindowVerdict
 from mirrorspec.serving.convert import (
     TOKEN_KIND_TO_PROTO,
@@ -28,6 +31,8 @@ from mirrorspec.serving.server import ComputeLane, Service, start_grpc_server
 from mirrorspec.serving.sessions import SequenceState, SessionStore
 from mirrorspec.v1 import common_pb2, target_pb2, target_pb2_grpc
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class TargetConfig(ReplicaConfig):
@@ -37,6 +42,14 @@ class TargetConfig(ReplicaConfig):
     # score hints over the sub-vocabulary this draft declares (e.g. "demo-draft"): a fraction of
     # the full head's cost on the verify's critical path; None = the whole vocabulary
     hint_vocab: str | None = None
+    # "tuned": read hints through a tuned lens fitted to this target (once, cached; see
+    # mirrorspec.models.lens); "logit": the final norm and head on the layer as it is
+    hint_lens: str = "tuned"
+
+    def __post_init__(self) -> None:
+        if self.hint_lens not in HINT_LENSES:
+            raise InvalidRequest(f"hint_lens must be one of {', '.join(HINT_LENSES)}, got {self.hint_lens!r}",
+                                 field="hint_lens")
 
 
 @dataclass
@@ -51,7 +64,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     tensor-parallel one whose every step the other ranks replay."""
 
     def __init__(self, loaded: LoadedModel, config: TargetConfig,
-                 new_session: Callable[[], LogitSession] | None = None, lane: ComputeLane | None = None):
+                 new_session: Callable[[], LogitSession] | None = None, lane: ComputeLane | None = None,
+                 lens: TunedLens | None = None):
         self.loaded = loaded
         self.config = config
         self.vocab_size = int(loaded.model.config.vocab_size)
@@ -61,7 +75,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.probe = None
         if config.hint_layer is not None:
             vocab_ids = hint_vocabulary(config.hint_vocab) if config.hint_vocab is not None else None
-            self.probe = EarlyExitProbe(loaded.model, config.hint_layer, config.hint_top_k, vocab_ids)
+            self.probe = EarlyExitProbe(loaded.model, config.hint_layer, config.hint_top_k, vocab_ids, lens)
         self.new_session = new_session or (lambda: KVSession(loaded.model))
         self.sessions: SessionStore[TargetSession] = SessionStore(
             config.max_sessions, config.session_ttl_s, on_evict=lambda s: s.verifier.session.close())
@@ -161,6 +175,17 @@ async def _until_done(queue: asyncio.Queue, task: asyncio.Future) -> AsyncIterat
         yield queue.get_nowait()
 
 
+def hint_lens(loaded: LoadedModel, config: TargetConfig) -> TunedLens | None:
+    """The tuned lens the config's hints read through (fitted on first use, then cached), or None
+    for plain early exits. The fit wants the target's tokenizer, to have it answer chat prompts; a
+    target without one answers random token prompts."""
+    if config.hint_layer is None or config.hint_lens != "tuned":
+        return None
+    if loaded.tokenizer is None:
+        loaded = replace(loaded, tokenizer=try_load_tokenizer(config.model))
+    return tuned_lens(loaded, LensRecipe(layer=config.hint_layer), log=logger.info)
+
+
 async def serve(config: TargetConfig, loaded: LoadedModel | None = None,
                 new_session: Callable[[], LogitSession] | None = None):
     """Load the target (unless given) and start its gRPC server."""
@@ -168,7 +193,8 @@ async def serve(config: TargetConfig, loaded: LoadedModel | None = None,
     if loaded is None:
         loaded = await lane.run(partial(load_causal_lm, config.model, dtype=config.dtype, device=config.device,
                                         tokenizer=False))
-    servicer = TargetServicer(loaded, config, new_session, lane)
+    lens = await lane.run(hint_lens, loaded, config) if new_session is None else None
+    servicer = TargetServicer(loaded, config, new_session, lane, lens)
     service = Service(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer,
                       target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name)
     return await start_grpc_server([service], config.host, config.port)

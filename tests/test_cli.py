@@ -44,6 +44,7 @@ from mirrorspec.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_K, DEFAULT_K_CON
     (["generate", "hi", "--draft-quantize", "int8"], "--draft-quantize"),  # a server setting without --local
     (["generate", "hi", "--local", "--draft-quantize", "int4"], "argument --draft-quantize"),
     (["serve", "--draft-quantize", "fp8"], "argument --draft-quantize"),
+    (["serve", "--hint-layer", "27", "--hint-lens", "exact"], "argument --hint-lens"),
     (["demo", "--k", "99"], "--k"),
     (["demo", "--rebuild", "--epochs", "0"], "--epochs"),
 ])

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from mirrorspec.config import InvalidRequest
+from mirrorspec.models.lens import TunedLens, hinted_decoder
 from mirrorspec.models.session import sub_vocabulary_head
 
 
@@ -52,25 +53,22 @@ class EarlyExitProbe:
     renormalised over the sub-vocabulary; they only rank guesses, so that is harmless.
     """
 
-    def __init__(self, model: torch.nn.Module, layer: int, top_k: int = 4, vocab_ids: torch.Tensor | None = None):
-        decoder = model.get_decoder()
-        layers = getattr(decoder, "layers", None)
-        norm = getattr(decoder, "norm", None)
-        if layers is None or norm is None:
-            raise InvalidRequest(f"early-exit hints need a decoder with .layers and .norm; "
-                                 f"{type(model).__name__} has none", field="hint_layer")
-        if not 1 <= layer < len(layers):
-            raise InvalidRequest(f"hint_layer must be in [1, {len(layers) - 1}] for this {len(layers)}-layer "
-                                 f"target, got {layer}", field="hint_layer")
+    def __init__(self, model: torch.nn.Module, layer: int, top_k: int = 4, vocab_ids: torch.Tensor | None = None,
+                 lens: TunedLens | None = None):
+        layers, norm = hinted_decoder(model, layer)
         if top_k < 1:
             raise InvalidRequest(f"hint_top_k must be >= 1, got {top_k}", field="hint_top_k")
         self.layer = layer
         self.top_k = top_k
         self._block = layers[layer - 1]
-        self._norm = norm
         full_head = model.get_output_embeddings()
         self._vocab_ids = None if vocab_ids is None else vocab_ids.to(full_head.weight.device)  # [m]
         self._head = full_head if vocab_ids is None else sub_vocabulary_head(model, vocab_ids)
+        if lens is not None and lens.layer != layer:
+            raise InvalidRequest(f"a tuned lens fitted for layer {lens.layer} cannot read layer {layer}",
+                                 field="hint_layer")
+        # layer -> what the head takes: a tuned lens fitted to this target, or the final norm as is
+        self._to_head = lens if lens is not None else norm
 
     @contextmanager
     def watching(self, num_positions: int, on_hint: Callable[[EarlyExitHint], None]) -> Iterator[None]:
@@ -79,7 +77,7 @@ class EarlyExitProbe:
 
         def hook(module, args, output):
             hidden = output[0] if isinstance(output, tuple) else output  # [1, n, hidden]
-            normed = self._norm(hidden[0, -num_positions:])  # [num_positions, hidden]
+            normed = self._to_head(hidden[0, -num_positions:])  # [num_positions, hidden]
             logits = self._head(normed).float()  # [num_positions, vocab or m]
             top = logits.softmax(dim=-1).topk(min(self.top_k, logits.shape[-1]), dim=-1)  # [num_positions, κ]
             ids = top.indices if self._vocab_ids is None else self._vocab_ids[top.indices]

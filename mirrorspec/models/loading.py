@@ -100,6 +100,17 @@ def load_causal_lm(source: str, *, dtype: str = "auto", device: str = "auto", to
     return LoadedModel(model=model, tokenizer=tok, source=source)
 
 
+def try_load_tokenizer(source: str | None) -> PreTrainedTokenizerBase | None:
+    """The tokenizer of a model source, if it has one (tiny test models have none)."""
+    if not source:
+        return None
+    try:
+        location, gguf = locate_model(source)
+        return AutoTokenizer.from_pretrained(location, **gguf)
+    except (OSError, ValueError, TypeError, InvalidRequest):
+        return None
+
+
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, *, chat: bool = True,
                   system: str | None = None) -> list[int]:
     """Token ids for a user prompt; instruct models get their chat template and the assistant cue."""
