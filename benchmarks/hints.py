@@ -7,8 +7,8 @@
 Part 1 times the very call a hinted verify makes (``KVSession.logits_for`` over K + 1 positions
 inside ``EarlyExitProbe.watching``) with no hint, a hint over the whole vocabulary, one over
 the draft's declared sub-vocabulary, and one over the sub-vocabulary read through the target's
-tuned lens (``mirrorspec.models.lens``, what the servers run by default), interleaved so a slow stretch of a shared machine hits all
-three alike; one torch thread, as a target replica runs.
+tuned lens (``mirrorspec.models.lens``, what the servers run by default), interleaved so a slow
+stretch of a shared machine hits all four alike; one torch thread, as a target replica runs.
 
 Part 2 decodes the same prompts greedily in process with mirror always branching (up to
 ``--max-branches`` per window) and counts how many windows' verdicts a branch held, with the

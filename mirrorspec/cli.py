@@ -174,7 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --hint-layer: score hints over a draft's declared sub-vocabulary (auto: the served "
                           "draft's, if it declares one; full: the whole vocabulary)")
     srv.add_argument("--hint-lens", choices=HINT_LENSES, default="tuned",
-                     help="with --hint-layer: read hints through a tuned lens fitted to the target (default; fitted once, about a minute on CPU for the demo target, then cached) or as the final norm and head see the layer (logit)")
+                     help="with --hint-layer: read hints through a tuned lens fitted to the target (default; "
+                          "fitted once, about a minute on CPU for the demo target, then cached) or as the final "
+                          "norm and head see the layer (logit)")
     srv.add_argument("--proposal-top-k", type=int, default=32, help="sparse q width for draft models (0 = dense)")
     srv.add_argument("--prompt-lookup", type=int, default=DEFAULT_PROMPT_LOOKUP, metavar="N", help=PROMPT_LOOKUP_HELP)
     srv.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE, metavar="P",

@@ -23,8 +23,10 @@ looked up rather than drafted, the drafter ranks the looked-up tokens with its m
 verify, ``Drafter.alternatives_for``); for "all accepted", the drafter's greedy next token after
 its last draft. Ranked by their chance of being the verdict: where the rejection falls, from the
 running acceptance estimate and the drafter's own probability of each draft; which token the
-target says there, from the drafter's probabilities of its runner-ups (``guesses``). A verifier that gives early-exit hints (``mirrorspec.models.early_exit``)
-sends the target's own leaning part-way through the verify: the pipeline drafts its best own
+target says there, from the drafter's probabilities of its runner-ups (``guesses``). A verifier
+that gives early-exit hints (``mirrorspec.models.early_exit``, read through a tuned lens,
+``mirrorspec.models.lens``) sends the target's own leaning part-way through the verify: the
+pipeline drafts its best own
 guesses (half the branches at most), waits for the hint (or the verdict), then ranks the hint's
 guesses with the rest.
 """
@@ -84,8 +86,9 @@ def guesses(proposal: Proposal, alpha: float | Sequence[float],
     a chance halfway between alpha and the drafter's own probability of it, and a rejection there
     lands on a runner-up in proportion to the drafter's probability of it: one the drafter gives 0.3
     is a far better guess than one it gives 0.01 at another position, which rank alone cannot tell
-    (on greedy windows of the demo pair, this raises the share of verdicts 4 branches hold from
-    0.32 to 0.36 on HumanEval and 0.24 to 0.27 on MT-Bench; 8 branches: 0.39 to 0.44, 0.25 to 0.35).
+    (``benchmarks.hints``, greedy, the demo pair, 20 prompts: the share of verdicts 4 branches hold
+    went from 0.30 to 0.34 on HumanEval and 0.23 to 0.26 on MT-Bench; 8 branches: 0.38 to 0.42, 0.25
+    to 0.38).
     Without them (looked-up tokens, older replicas), runner-ups score by rank: 1, 1/2, 1/3, ..."""
     rates = per_position(alpha, len(proposal))
     ranked = proposal.ranked()
@@ -93,12 +96,15 @@ def guesses(proposal: Proposal, alpha: float | Sequence[float],
     reach = 1.0  # P(the window gets to position j)
     for j, (draft, tops) in enumerate(zip(proposal.tokens, proposal.alternatives)):
         probs = ranked.probs_at(j)
-        passes = rates[j] if probs is None else 0.5 * (rates[j] + dict(zip(tops, probs)).get(draft, 0.0))
-        runners_up = [(t, p) for t, p in zip(tops, probs or [1.0] * len(tops)) if t != draft][:alternatives]
-        mass = sum(p for _, p in runners_up) if probs is not None else 1.0
-        p_reject_here = reach * (1 - passes)
-        out += [(p_reject_here * (p / mass if probs is not None and mass > 0 else 1 / (rank + 1)), j, c)
-                for rank, (c, p) in enumerate(runners_up)]
+        if probs is None:  # ranked by order alone
+            passes = rates[j]
+            shares = [(c, 1 / (rank + 1)) for rank, c in enumerate(t for t in tops if t != draft)][:alternatives]
+        else:
+            passes = 0.5 * (rates[j] + dict(zip(tops, probs)).get(draft, 0.0))
+            runners_up = [(c, p) for c, p in zip(tops, probs) if c != draft][:alternatives]
+            mass = sum(p for _, p in runners_up) or 1.0
+            shares = [(c, p / mass) for c, p in runners_up]  # where the rejection lands, given one here
+        out += [(reach * (1 - passes) * share, j, c) for c, share in shares]
         reach *= passes
     out.insert(0, (reach, len(proposal), None))  # first among equals, as it always was
     return sorted(out, key=lambda g: -g[0])

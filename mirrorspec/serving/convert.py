@@ -38,7 +38,6 @@ def proposal_to_proto(rows: ProposalRows) -> common_pb2.ProposalDistribution:
 def proposal_from_proto(tokens, q: common_pb2.ProposalDistribution, vocab_size: int,
                         alternatives=()) -> Proposal:
     """``alternatives``: repeated ``TokenAlternatives`` (a drafter's runner-ups), if sent."""
-    ranked = ranked_from_proto(alternatives)
     tokens = tuple(int(t) for t in tokens)
     if not tokens:
         return Proposal.empty()
@@ -47,6 +46,7 @@ def proposal_from_proto(tokens, q: common_pb2.ProposalDistribution, vocab_size: 
                              field="q")
     rows = decode_proposal(q.probs.frame, q.ids.frame or None, num_tokens=len(tokens), vocab_size=vocab_size,
                            draft_tokens=list(tokens))
+    ranked = ranked_from_proto(alternatives)
     return Proposal(tokens=tokens, q=rows, alternatives=ranked.ids, alternative_probs=ranked.probs)
 
 
