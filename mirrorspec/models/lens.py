@@ -115,7 +115,7 @@ def _recording(model: torch.nn.Module, layer: int) -> Iterator[dict[str, torch.T
 
 @torch.no_grad()
 def fit_tuned_lens(model: torch.nn.Module, layer: int, sequences: Sequence[Sequence[int]],
-                   ridge: float = 1.0, on_sequence: Callable[[], None] | None = None) -> TunedLens:
+                   ridge: float = 1.0) -> TunedLens:
     """Ridge regression from layer ``layer`` to the final normed state over every position of
     ``sequences``, accumulated in float64 (two small matrices, whatever the number of positions).
     Measured on the demo target, fitted on 10k positions of training prompts and their greedy
@@ -134,8 +134,6 @@ def fit_tuned_lens(model: torch.nn.Module, layer: int, sequences: Sequence[Seque
             x = torch.cat([x, torch.ones(len(x), 1, dtype=torch.float64)], 1)  # [n, hidden + 1]
             xtx += x.T @ x
             xty += x.T @ seen["final"][0].double().cpu()
-            if on_sequence is not None:
-                on_sequence()
     regulariser = ridge * torch.eye(hidden_size + 1, dtype=torch.float64)
     regulariser[-1, -1] = 0.0  # the bias is not shrunk
     return TunedLens(layer, torch.linalg.solve(xtx + regulariser, xty).float())
