@@ -182,21 +182,53 @@ def code_prompts() -> tuple[TrainingPrompt, ...]:
     return tuple(prompts)
 
 
-def training_prompts(seed: int = 0, num_chat: int = 6000, *, prompt_set: int) -> list[TrainingPrompt]:
+def training_prompts(seed: int = 0, num_chat: int = 6000, *, prompt_set: int,
+                     count: int | None = None) -> list[TrainingPrompt]:
     """Every training prompt, in a seeded order; take the first N for a budgeted run.
 
     ``prompt_set`` (no default: `DistillRecipe.prompt_set` is the one place that picks it) 1 asks
     chat from the templates above; 2 from ``broad_chat``'s wider family.
     The code and documentation prompts are the same in both.
+
+    The shuffled pool holds ~10.6k prompts. A ``count`` beyond it appends chat prompts drawn after
+    it (``more_chat_prompts``), so a bigger teacher budget keeps every prompt, in place, of a
+    smaller one and so reuses its cached teacher shards.
     """
     if prompt_set not in (1, 2):
         raise ValueError(f"prompt_set must be 1 or 2, got {prompt_set}")
     rng = random.Random(seed)
     prompts = list(code_prompts())
-    if prompt_set == 1:
-        prompts += chat_prompts(rng, num_chat)
-    else:
-        prompts += [TrainingPrompt("chat", text) for text in broad_chat_prompts(rng, num_chat)]
+    prompts += _chat(rng, num_chat, prompt_set)
     prompts += doc_prompts(rng)
     rng.shuffle(prompts)
+    if count is not None and count > len(prompts):
+        prompts += more_chat_prompts(seed, count - len(prompts), prompt_set=prompt_set,
+                                     exclude={p.text for p in prompts})
     return prompts
+
+
+def _chat(rng: random.Random, n: int, prompt_set: int) -> list[TrainingPrompt]:
+    if prompt_set == 1:
+        return chat_prompts(rng, n)
+    return [TrainingPrompt("chat", text) for text in broad_chat_prompts(rng, n)]
+
+
+def more_chat_prompts(seed: int, n: int, *, prompt_set: int, exclude: set[str],
+                      max_rounds: int = 64) -> list[TrainingPrompt]:
+    """``n`` chat prompts past the pool, none in ``exclude``, from their own seeded generator.
+
+    Chat only: the code prompts are a fixed list over the standard library, all already in the
+    pool, and chat is where the draft agrees least with the target (MT-Bench).
+    """
+    rng = random.Random(f"more-chat-{seed}")
+    seen = set(exclude)
+    out: list[TrainingPrompt] = []
+    for _ in range(max_rounds):
+        for prompt in _chat(rng, n - len(out), prompt_set):
+            if prompt.text not in seen:
+                seen.add(prompt.text)
+                out.append(prompt)
+        if len(out) == n:
+            return out
+    raise ValueError(f"prompt set {prompt_set} ran out of distinct chat prompts after {len(out)} more; "
+                     f"lower the teacher budget")

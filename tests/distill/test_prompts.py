@@ -57,3 +57,24 @@ def test_unknown_prompt_set_is_refused():
 
 def test_teacher_cache_is_keyed_by_prompt_set():
     assert teacher_dir(DistillRecipe(prompt_set=1)) != teacher_dir(DistillRecipe(prompt_set=2))
+
+
+def test_a_bigger_budget_keeps_the_pool_in_place_and_adds_distinct_chat(both_sets):
+    pool = both_sets[1]
+    bigger = training_prompts(0, prompt_set=2, count=len(pool) + 500)
+    assert bigger[:len(pool)] == pool  # so the teacher shards of a smaller run stay valid
+    extra = bigger[len(pool):]
+    assert len(extra) == 500 and {p.kind for p in extra} == {"chat"}
+    assert not {p.text for p in extra} & {p.text for p in pool}
+    assert len({p.text for p in extra}) == 500
+    assert training_prompts(0, prompt_set=2, count=len(pool) + 500) == bigger  # seeded
+    benchmark = {p.text.strip() for p in load_mtbench(80) + load_humaneval(164)}
+    assert not {p.text.strip() for p in extra} & benchmark
+
+
+def test_a_chat_family_that_runs_dry_is_refused():
+    from mirrorspec.distill.prompts import more_chat_prompts
+
+    exclude = set(broad_chat_prompts(random.Random(0), 50))
+    with pytest.raises(ValueError, match="ran out of distinct chat prompts"):
+        more_chat_prompts(0, 10, prompt_set=2, exclude=exclude | {"x"}, max_rounds=0)
