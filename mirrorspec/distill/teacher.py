@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from mirrorspec.models.demo_target import write_atomically
 from mirrorspec.models.session import cache_argument
 
 
@@ -137,9 +138,7 @@ def write_teacher_data(model: torch.nn.Module, encoded: Sequence[Sequence[int]],
         merged = TeacherShard(tokens=[t for p in parts for t in p.tokens], starts=[s for p in parts for s in p.starts],
                               top_ids=torch.cat([p.top_ids for p in parts]),
                               top_logp=torch.cat([p.top_logp for p in parts]))
-        tmp = path.with_suffix(".tmp")
-        merged.save(tmp)
-        tmp.replace(path)
+        write_atomically(path, merged.save)
     return shards
 
 

@@ -68,6 +68,23 @@ def build_once(out: Path, marker: str, build: Callable[[Path], None], message: s
     return out
 
 
+def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)`` into a temporary file of this process's own, then move it to ``path``.
+
+    A half-written file is never found under ``path``, and two processes writing the same cache
+    entry at once each rename a whole file of their own (the last one stays).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def ensure_demo_target() -> Path:
     """Path of the cached plain checkpoint, converting from GGUF the first time."""
     return build_once(cache_root() / CHECKPOINT_NAME, "CONVERTED_OK",

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from mirrorspec.config import InvalidRequest
-from mirrorspec.models.demo_target import cache_root
+from mirrorspec.models.demo_target import cache_root, write_atomically
 from mirrorspec.models.loading import LoadedModel, encode_prompt
 
 RMS_EPS = 1e-6
@@ -61,11 +61,9 @@ class TunedLens:
     def save(self, path: Path, recipe: LensRecipe, source: str) -> None:
         from safetensors.torch import save_file
 
-        path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"recipe": json.dumps(asdict(recipe)), "source": source}
-        tmp = path.with_suffix(".tmp")
-        save_file({"weight": self.weight.float().contiguous()}, str(tmp), metadata=meta)
-        tmp.replace(path)  # a half-written lens is never found
+        write_atomically(path, lambda tmp: save_file({"weight": self.weight.float().contiguous()}, str(tmp),
+                                                     metadata=meta))
 
     @staticmethod
     def load(path: Path, layer: int) -> TunedLens:

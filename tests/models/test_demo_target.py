@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mirrorspec.models import encode_prompt, load_causal_lm
-from mirrorspec.models.demo_target import CHECKPOINT_NAME, cache_root, locate_demo_gguf
+from mirrorspec.models.demo_target import CHECKPOINT_NAME, cache_root, locate_demo_gguf, write_atomically
 
 
 def test_gguf_ships_in_the_wheel():
@@ -35,3 +35,43 @@ def test_chat_template_is_applied(demo_target):
     text = demo_target.tokenizer.decode(ids)
     assert "<|im_start|>user" in text and text.rstrip().endswith("<|im_start|>assistant")
     assert demo_target.stop_token_ids() == (2,)
+
+
+def test_cache_writers_never_share_a_temporary_file(tmp_path):
+    """Two processes fitting the same lens (or writing the same shard) at once each write a temp
+    file of their own: the entry ends up whole, from one of them, with no temp file left."""
+    import threading
+
+    path = tmp_path / "entry.bin"
+    started = threading.Barrier(2)
+    temps = []
+
+    def writer(payload: bytes):
+        def write(tmp):
+            temps.append(tmp)
+            started.wait()  # both hold their temp files at once
+            tmp.write_bytes(payload)
+        write_atomically(path, write)
+
+    threads = [threading.Thread(target=writer, args=(bytes([n]) * 100_000,)) for n in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(temps)) == 2
+    assert path.read_bytes() in (bytes([1]) * 100_000, bytes([2]) * 100_000)
+    assert [p.name for p in tmp_path.iterdir()] == ["entry.bin"]
+
+
+def test_a_failed_cache_write_leaves_the_old_entry_and_no_temp_file(tmp_path):
+    path = tmp_path / "entry.bin"
+    path.write_bytes(b"old")
+
+    def fail(tmp):
+        tmp.write_bytes(b"half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        write_atomically(path, fail)
+    assert path.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["entry.bin"]
