@@ -1,6 +1,6 @@
 """Draft quality without a clock: how often the target would accept the draft, computed exactly.
 
-    python -m benchmarks.acceptance [--draft demo-draft] [--draft-quantize int8,none]
+    python -m benchmarks.acceptance [--draft demo-draft[,OTHER]] [--draft-quantize int8,none]
         [--datasets humaneval,mtbench] [--num-prompts 8] [--max-tokens 64] [--k 2,4,8]
         [--temperatures 0,0.7]          (also: mirrorspec bench acceptance ...)
 
@@ -229,9 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="greedy: thresholds to replay windows with, each a row; 0 = no confidence stop "
                         f"(default 0,{DEFAULT_DRAFT_CONFIDENCE})")
     p.add_argument("--target", default="demo-target", help="hub id, local path, .gguf, or demo-target (default)")
-    p.add_argument("--draft", type=draft_spec, default="demo-draft",
-                   help="a draft model: demo-draft (default), a path / hub id sharing the target's tokenizer, "
-                        "or truncate:N (see python -m benchmarks --help)")
+    p.add_argument("--draft", type=csv_of(draft_spec), default=["demo-draft"],
+                   help="draft models, comma-separated, each replayed along the same target answers: demo-draft "
+                        "(default), demo-draft weights (a .safetensors from mirrorspec demo --rebuild --out), a "
+                        "path / hub id sharing the target's tokenizer, or truncate:N (see python -m benchmarks --help)")
     p.add_argument("--draft-quantize", type=csv_of(one_of(QUANTIZATIONS, "quantization")),
                    default=[DEFAULT_DRAFT_QUANTIZE], help=f"one row per value, e.g. int8,none "
                                                           f"(default {DEFAULT_DRAFT_QUANTIZE})")
@@ -246,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load(args: argparse.Namespace,
           parser: argparse.ArgumentParser) -> tuple[LoadedModel, dict[str, DraftModelDrafter]]:
-    if args.draft == "none":
+    if "none" in args.draft:
         parser.error("--draft: 'none' leaves nothing to measure; name a draft model")
     try:
         target = load_causal_lm(args.target)
@@ -254,13 +255,16 @@ def _load(args: argparse.Namespace,
         parser.error(f"--target: {err}")
     if target.tokenizer is None:
         parser.error("--target: the target has no tokenizer; prompts cannot be encoded")
-    try:
-        drafts = load_draft(args.draft, target, args.draft_quantize)
-    except (InvalidRequest, OSError, ValueError) as err:
-        parser.error(f"--draft: {err}")
-    models = {args.draft_quantize[0]: drafts.model, **drafts.others}
-    return target, {f"{args.draft}@{q}": DraftModelDrafter(model, proposal_top_k=args.proposal_top_k)
-                    for q, model in models.items()}
+    drafters = {}
+    for spec in args.draft:
+        try:
+            drafts = load_draft(spec, target, args.draft_quantize)
+        except (InvalidRequest, OSError, ValueError) as err:
+            parser.error(f"--draft {spec}: {err}")
+        models = {args.draft_quantize[0]: drafts.model, **drafts.others}
+        drafters |= {f"{spec}@{q}": DraftModelDrafter(model, proposal_top_k=args.proposal_top_k)
+                     for q, model in models.items()}
+    return target, drafters
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -139,6 +139,7 @@ def test_categories_weigh_their_prompts_by_answer_positions():
 
 @pytest.mark.parametrize("argv, flag", [(["--k", "0"], "--k"), (["--draft-quantize", "int4"], "--draft-quantize"),
                                         (["--datasets", "nope"], "--datasets"), (["--draft", "truncate:x"], "--draft"),
+                                        (["--draft", "demo-draft,truncate:0"], "--draft"),
                                         (["--proposal-top-k", "-1"], "--proposal-top-k"),
                                         (["--draft-confidence", "1.5"], "--draft-confidence")])
 def test_bad_flags_name_the_flag(argv, flag, capsys):
@@ -153,17 +154,17 @@ def test_the_target_as_its_own_draft_is_always_accepted(tmp_path, capsys):
     off, or p and q over different vocabularies, would fall far below); truncate:2 must not be."""
     common = ["--datasets", "humaneval", "--num-prompts", "1", "--max-tokens", "12", "--k", "4",
               "--temperatures", "0,0.7", "--draft-quantize", "none", "--threads", "1", "--no-progress"]
-    for draft in ("demo-target", "truncate:2"):
-        assert main([*common, "--draft", draft, "--out", str(tmp_path / draft)]) == 0
-    stored = {draft: json.loads(next((tmp_path / draft).glob("*.json")).read_text())
-              for draft in ("demo-target", "truncate:2")}
-    rows = {draft: {r["temperature"]: r for r in run["rows"]} for draft, run in stored.items()}
+    # both drafts in one run, along the same target answers
+    assert main([*common, "--draft", "demo-target,truncate:2", "--out", str(tmp_path)]) == 0
+    stored = json.loads(next(tmp_path.glob("*.json")).read_text())
+    rows = {draft: {r["temperature"]: r for r in stored["rows"] if r["draft"] == f"{draft}@none"}
+            for draft in ("demo-target", "truncate:2")}
     whole, cut = rows["demo-target"], rows["truncate:2"]
     assert whole[0.0]["acceptance_rate"] == 1.0 and whole[0.0]["beta"] == 1.0
     assert whole[0.7]["beta"] > 0.999
     assert cut[0.0]["beta"] < 0.9 and cut[0.7]["beta"] < 0.9
     assert "tok/pass" in capsys.readouterr().out
-    assert stored["truncate:2"]["beta_by_category"]["humaneval truncate:2@none T=0"]["completion"] == cut[0.0]["beta"]
+    assert stored["beta_by_category"]["humaneval truncate:2@none T=0"]["completion"] == cut[0.0]["beta"]
 
 
 def test_mirrorspec_bench_acceptance_is_the_same_command(capsys):

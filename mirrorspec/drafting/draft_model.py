@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -12,7 +13,7 @@ from mirrorspec.config import (DRAFT_MODEL_STEP_COST, INT8_DRAFT_MODEL_STEP_COST
                                check_draft_confidence)
 from mirrorspec.drafting.base import Drafter, Proposal, RankedTokens, fork_points_or_end
 from mirrorspec.models.demo_draft import shipped_vocabulary
-from mirrorspec.models.loading import DEMO_DRAFT, locate_model
+from mirrorspec.models.loading import DEMO_DRAFT, is_draft_weights, locate_model
 from mirrorspec.models.quantize import is_quantized
 from mirrorspec.models.session import KVSession, LogitSession
 from mirrorspec.sampling import ProposalRows, Stream, proposal_distribution, sample_proposal, uniforms
@@ -36,6 +37,8 @@ def declared_vocabulary(source: str) -> torch.Tensor | None:
     """The sub-vocabulary the model at ``source`` declares, read from its config alone."""
     if source == DEMO_DRAFT:
         return shipped_vocabulary()
+    if is_draft_weights(source):
+        return shipped_vocabulary(Path(source).expanduser())
     location, gguf = locate_model(source)
     return _config_vocabulary(AutoConfig.from_pretrained(location, **gguf))
 

@@ -30,15 +30,14 @@ def shipped_vocabulary(weights: Path = SHIPPED_WEIGHTS) -> torch.Tensor:
     (which would load the target), so a head node can learn it cheaply."""
     from safetensors import safe_open
 
+    _check_draft_weights(weights)
     with safe_open(str(weights), "pt") as f:
         return f.get_tensor(VOCAB_TENSOR).long()  # [m]
 
 
 def ensure_demo_draft(weights: Path = SHIPPED_WEIGHTS) -> Path:
     """Path of the assembled draft checkpoint for ``weights``, assembling it the first time."""
-    if not weights.is_file():
-        raise InvalidRequest(f"demo draft weights {weights} are missing; run `mirrorspec demo --rebuild` "
-                             "or pass another --draft", field="draft")
+    _check_draft_weights(weights)
     digest = weights_digest(weights)
 
     def assemble(tmp: Path) -> None:
@@ -52,3 +51,20 @@ def ensure_demo_draft(weights: Path = SHIPPED_WEIGHTS) -> Path:
 
     return build_once(cache_root() / f"demo-draft-{digest[:12]}", "ASSEMBLED_OK", assemble,
                       "assembling the demo draft from the target and its shipped weights")
+
+
+def _check_draft_weights(weights: Path) -> None:
+    from safetensors import SafetensorError, safe_open
+
+    if not weights.is_file():
+        raise InvalidRequest(f"demo draft weights {weights} are missing; run `mirrorspec demo --rebuild` "
+                             "or pass another --draft", field="draft")
+    try:
+        with safe_open(str(weights), "pt") as f:
+            names = set(f.keys())
+    except (SafetensorError, OSError) as err:
+        raise InvalidRequest(f"{weights} is not a readable safetensors file ({err})", field="draft") from None
+    if VOCAB_TENSOR not in names:
+        raise InvalidRequest(f"{weights} holds no {VOCAB_TENSOR!r} tensor, so it is not demo-draft weights (what "
+                             "`mirrorspec demo --rebuild --out` writes); name a model directory instead",
+                             field="draft")

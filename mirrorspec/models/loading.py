@@ -56,17 +56,25 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         raise InvalidRequest(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}", field="dtype") from None
 
 
+def is_draft_weights(source: str) -> bool:
+    """A ``.safetensors`` file names demo-draft weights (what ``mirrorspec demo --rebuild --out``
+    writes), assembled with the demo target like the shipped ones: so a rebuilt draft is named by
+    its path wherever a draft is."""
+    return source.endswith(".safetensors")
+
+
 def locate_model(source: str) -> tuple[str, dict]:
     """Where ``from_pretrained`` finds ``source`` (a hub id, a local path, a ``.gguf`` file,
-    ``demo-target`` or ``demo-draft``), and the ``gguf_file`` argument it needs if any."""
+    ``demo-target``, ``demo-draft`` or a demo-draft weights file), and the ``gguf_file`` argument
+    it needs if any."""
     if source == DEMO_TARGET:
         from mirrorspec.models.demo_target import ensure_demo_target
 
         source = str(ensure_demo_target())
-    elif source == DEMO_DRAFT:
-        from mirrorspec.models.demo_draft import ensure_demo_draft
+    elif source == DEMO_DRAFT or is_draft_weights(source):
+        from mirrorspec.models.demo_draft import SHIPPED_WEIGHTS, ensure_demo_draft
 
-        source = str(ensure_demo_draft())
+        source = str(ensure_demo_draft(SHIPPED_WEIGHTS if source == DEMO_DRAFT else Path(source).expanduser()))
     path = Path(source)
     if source.endswith(".gguf"):
         if not path.is_file():

@@ -63,3 +63,37 @@ def test_demo_draft_is_exact_and_accepted(demo_target, prompt):
     # an untrained or mis-assembled 2-layer draft is accepted ~never (tokens/pass 1.0, measured on
     # a one-step draft); the shipped one measured 1.30 on the chat prompt and over 1.5 on the code one
     assert spec.stats.mean_accepted_length > 1.2, spec.stats.to_dict()
+
+
+def test_a_weights_file_names_a_draft_by_its_path():
+    """What `mirrorspec demo --rebuild --out` writes loads wherever a draft is named."""
+    from mirrorspec.drafting.draft_model import declared_vocabulary
+
+    assert torch.equal(declared_vocabulary(str(SHIPPED_WEIGHTS)), declared_vocabulary("demo-draft"))
+
+
+@pytest.mark.slow
+def test_a_weights_file_assembles_into_the_same_checkpoint_as_demo_draft(demo_target):
+    from mirrorspec.models.loading import locate_model
+
+    assert locate_model(str(SHIPPED_WEIGHTS)) == locate_model("demo-draft")
+
+
+def test_a_file_that_is_not_draft_weights_is_refused_with_what_to_pass(tmp_path):
+    from safetensors.torch import save_file
+
+    from mirrorspec.config import InvalidRequest
+    from mirrorspec.drafting.draft_model import declared_vocabulary
+    from mirrorspec.models.loading import locate_model
+
+    other = tmp_path / "model.safetensors"
+    save_file({"weight": torch.zeros(2)}, str(other))
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"not a safetensors file")
+    cases = [(other, "not demo-draft weights"), (garbage, "not a readable safetensors file"),
+             (tmp_path / "absent.safetensors", "missing; run `mirrorspec demo --rebuild`")]
+    for path, message in cases:
+        for read in (locate_model, declared_vocabulary):
+            with pytest.raises(InvalidRequest, match=message) as err:
+                read(str(path))
+            assert err.value.field == "draft"
