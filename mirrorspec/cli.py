@@ -672,6 +672,9 @@ def _rebuild_demo_draft(args: argparse.Namespace) -> int:
     same = weights_digest(out) == weights_digest(SHIPPED_WEIGHTS)
     print(f"wrote {out}: held-out top-1 agreement {provenance['held_out_top1_agreement']['after']:.3f}; "
           f"{'bit-identical to' if same else 'differs from'} the shipped {SHIPPED_WEIGHTS.name}")
+    if not same:
+        print(f"use it with --draft {out}; compare it with the shipped draft, with no timing noise:\n"
+              f"  mirrorspec bench acceptance --draft demo-draft,{out} --num-prompts 80")
     return 0
 
 
