@@ -13,6 +13,7 @@ import importlib.metadata
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -75,9 +76,7 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
     entry at once each rename a whole file of their own (the last one stays).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(name)
+    tmp = path.parent / f".{path.name}-{uuid.uuid4().hex}.tmp"  # not mkstemp: keep the umask's permissions
     try:
         write(tmp)
         os.replace(tmp, path)
