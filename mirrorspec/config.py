@@ -264,7 +264,7 @@ class DistillRecipe:
 
     seed: int = 0
     prompt_set: int = 2  # which chat prompts the target answers (mirrorspec.distill.prompts.training_prompts)
-    teacher_prompts: int = 10240
+    teacher_prompts: int = 20480
     teacher_batch_size: int = 128
     shard_batches: int = 4
     max_prompt_tokens: int = 512
@@ -273,7 +273,7 @@ class DistillRecipe:
     teacher_dtype: str = "bfloat16"
     student_layers: int = 2
     draft_vocab_size: int = 8192
-    epochs: float = 4.0
+    epochs: float = 3.0
     batch_sequences: int = 16
     learning_rate: float = 1e-3
     train_dtype: str = "bfloat16"  # autocast; ~2x faster than float32 on AVX-512-BF16 CPUs
