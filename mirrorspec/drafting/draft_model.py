@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -13,7 +12,7 @@ from mirrorspec.config import (DRAFT_MODEL_STEP_COST, INT8_DRAFT_MODEL_STEP_COST
                                check_draft_confidence)
 from mirrorspec.drafting.base import Drafter, Proposal, RankedTokens, fork_points_or_end
 from mirrorspec.models.demo_draft import shipped_vocabulary
-from mirrorspec.models.loading import DEMO_DRAFT, is_draft_weights, locate_model
+from mirrorspec.models.loading import draft_weights, locate_model
 from mirrorspec.models.quantize import is_quantized
 from mirrorspec.models.session import KVSession, LogitSession
 from mirrorspec.sampling import ProposalRows, Stream, proposal_distribution, sample_proposal, uniforms
@@ -35,10 +34,9 @@ def draft_vocabulary(model: torch.nn.Module) -> torch.Tensor | None:
 
 def declared_vocabulary(source: str) -> torch.Tensor | None:
     """The sub-vocabulary the model at ``source`` declares, read from its config alone."""
-    if source == DEMO_DRAFT:
-        return shipped_vocabulary()
-    if is_draft_weights(source):
-        return shipped_vocabulary(Path(source).expanduser())
+    weights = draft_weights(source)
+    if weights is not None:
+        return shipped_vocabulary(weights)
     location, gguf = locate_model(source)
     return _config_vocabulary(AutoConfig.from_pretrained(location, **gguf))
 

@@ -56,11 +56,15 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         raise InvalidRequest(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}", field="dtype") from None
 
 
-def is_draft_weights(source: str) -> bool:
-    """A ``.safetensors`` file names demo-draft weights (what ``mirrorspec demo --rebuild --out``
-    writes), assembled with the demo target like the shipped ones: so a rebuilt draft is named by
-    its path wherever a draft is."""
-    return source.endswith(".safetensors")
+def draft_weights(source: str) -> Path | None:
+    """The demo-draft weights ``source`` names, if any: the shipped ones for ``demo-draft``, and a
+    ``.safetensors`` file (what ``mirrorspec demo --rebuild --out`` writes) by its path, so a
+    rebuilt draft is named wherever a draft is; both are assembled with the demo target."""
+    if source == DEMO_DRAFT:
+        from mirrorspec.models.demo_draft import SHIPPED_WEIGHTS
+
+        return SHIPPED_WEIGHTS
+    return Path(source).expanduser() if source.endswith(".safetensors") else None
 
 
 def locate_model(source: str) -> tuple[str, dict]:
@@ -71,10 +75,10 @@ def locate_model(source: str) -> tuple[str, dict]:
         from mirrorspec.models.demo_target import ensure_demo_target
 
         source = str(ensure_demo_target())
-    elif source == DEMO_DRAFT or is_draft_weights(source):
-        from mirrorspec.models.demo_draft import SHIPPED_WEIGHTS, ensure_demo_draft
+    elif (weights := draft_weights(source)) is not None:
+        from mirrorspec.models.demo_draft import ensure_demo_draft
 
-        source = str(ensure_demo_draft(SHIPPED_WEIGHTS if source == DEMO_DRAFT else Path(source).expanduser()))
+        source = str(ensure_demo_draft(weights))
     path = Path(source)
     if source.endswith(".gguf"):
         if not path.is_file():
