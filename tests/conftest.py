@@ -10,6 +10,28 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 torch.set_num_threads(1)
 
 import support  # noqa: E402
+from mirrorspec.models.demo_target import CHECKPOINT_NAME, cache_root  # noqa: E402
+
+# Finished builds in the user's cache that tests may share: keyed by content, never rewritten.
+_SHAREABLE = {CHECKPOINT_NAME: "CONVERTED_OK", "demo-draft-": "ASSEMBLED_OK"}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory):
+    """Tests build into a cache of their own (``MIRRORSPEC_CACHE``, inherited by the servers,
+    CLIs and Ray workers they start), so tuned lenses fitted to temporary tiny models, toy
+    teacher shards and rebuilt drafts do not pile up in the user's ``~/.cache/mirrorspec``.
+    Finished demo-target and demo-draft builds found there are linked in, not redone: converting
+    the target from GGUF costs every run tens of seconds."""
+    user_cache = cache_root()
+    cache = tmp_path_factory.mktemp("mirrorspec-cache")
+    for entry in user_cache.iterdir() if user_cache.is_dir() else ():
+        marker = next((m for prefix, m in _SHAREABLE.items() if entry.name.startswith(prefix)), None)
+        if marker and (entry / marker).is_file():
+            (cache / entry.name).symlink_to(entry)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MIRRORSPEC_CACHE", str(cache))
+        yield cache
 
 
 @pytest.fixture(scope="session")
