@@ -20,13 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from mirrorspec.config import DistillRecipe
 from mirrorspec.distill.teacher import TeacherShard
 from mirrorspec.drafting.draft_model import DRAFT_VOCAB_KEY
 from mirrorspec.models.demo_draft import VOCAB_TENSOR
+from mirrorspec.models.demo_target import save_tensors_atomically
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,7 @@ def save_draft_weights(student: PreTrainedModel, vocab: list[int], path: Path) -
     """The shippable part: trained weights (bfloat16) and the sub-vocabulary, in one safetensors file."""
     tensors = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in trained_state(student).items()}
     tensors[VOCAB_TENSOR] = torch.tensor(vocab, dtype=torch.int32)
-    save_file(tensors, str(path), metadata={"layers": str(student.config.num_hidden_layers)})
+    save_tensors_atomically(path, tensors, {"layers": str(student.config.num_hidden_layers)})
 
 
 def assemble_draft(target: PreTrainedModel, weights: Path, out_dir: Path) -> None:

@@ -84,6 +84,14 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def save_tensors_atomically(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """A safetensors file written through ``write_atomically``, with the umask's permissions
+    (safetensors' own ``save_file`` creates files owner-only, 0600)."""
+    from safetensors.torch import save
+
+    write_atomically(path, lambda tmp: tmp.write_bytes(save(tensors, metadata=metadata)))
+
+
 def ensure_demo_target() -> Path:
     """Path of the cached plain checkpoint, converting from GGUF the first time."""
     return build_once(cache_root() / CHECKPOINT_NAME, "CONVERTED_OK",

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from mirrorspec.config import InvalidRequest
-from mirrorspec.models.demo_target import cache_root, write_atomically
+from mirrorspec.models.demo_target import cache_root, save_tensors_atomically
 from mirrorspec.models.loading import LoadedModel, encode_prompt
 
 RMS_EPS = 1e-6
@@ -59,11 +59,8 @@ class TunedLens:
         return _features(hidden) @ weight[:-1] + weight[-1]
 
     def save(self, path: Path, recipe: LensRecipe, source: str) -> None:
-        from safetensors.torch import save_file
-
         meta = {"recipe": json.dumps(asdict(recipe)), "source": source}
-        write_atomically(path, lambda tmp: save_file({"weight": self.weight.float().contiguous()}, str(tmp),
-                                                     metadata=meta))
+        save_tensors_atomically(path, {"weight": self.weight.float().contiguous()}, meta)
 
     @staticmethod
     def load(path: Path, layer: int) -> TunedLens:

