@@ -44,9 +44,9 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.flags import (csv_of, draft_confidence, draft_spec, integer_at_least, one_of, positive,
-                              sampling_temperature, window_k)
+                              sampling_temperature, torch_threads, window_k)
 from benchmarks.metrics import expected_tokens_per_window
-from benchmarks.prompts import DATASETS, load_prompts
+from benchmarks.prompts import add_replay_flags, load_prompts
 from benchmarks.run import DEFAULT_OUT, load_draft
 from mirrorspec.adaptive import window_cost
 from mirrorspec.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, QUANTIZATIONS, AdaptiveKConfig,
@@ -218,10 +218,7 @@ LEGEND = ("beta = mean sum_x min(p, q) per answer position; greedy: accept = acc
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.acceptance", description=__doc__.split("\n")[0])
-    p.add_argument("--datasets", type=csv_of(one_of(list(DATASETS), "dataset")), default=["humaneval", "mtbench"],
-                   help="comma-separated (default humaneval,mtbench)")
-    p.add_argument("--num-prompts", type=positive, default=8, help="first N prompts per dataset (default 8)")
-    p.add_argument("--max-tokens", type=positive, default=64, help="answer length per prompt (default 64)")
+    add_replay_flags(p)
     p.add_argument("--k", type=csv_of(window_k), default=[2, 4, 8], help="window sizes to replay (default 2,4,8)")
     p.add_argument("--temperatures", type=csv_of(sampling_temperature), default=[0.0, 0.7],
                    help="comma-separated; 0 = greedy (default 0,0.7)")
@@ -270,13 +267,8 @@ def _load(args: argparse.Namespace,
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
-        with torch.inference_mode():
-            return _run(args, parser)
-    finally:
-        torch.set_num_threads(previous_threads)
+    with torch_threads(args.threads), torch.inference_mode():
+        return _run(args, parser)
 
 
 Betas = dict[tuple[str, str, float], list[list[float]]]  # (dataset, draft, T) -> per answer, per position

@@ -4,11 +4,26 @@ names the flag (``argument --k: K must be in [1, 8], got 0``) before any model i
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
 
 from mirrorspec.config import InvalidRequest, SamplingParams, SpeculationConfig, check_draft_confidence
 
 TRUNCATE_PREFIX = "truncate:"
+
+
+@contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """``--threads``: set deliberately before any model work, and restored on exit, so a command
+    run from a test or the CLI leaves its caller's thread count as it found it."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def csv_of(item: Callable[[str], object]) -> Callable[[str], list]:

@@ -26,8 +26,11 @@ from mirrorspec.models import KVSession, encode_prompt, load_causal_lm
 from mirrorspec.models.prepack import prepack_linears
 
 
-def measure(model: torch.nn.Module, context: list[int], max_k: int, reps: int) -> dict[int, float]:
-    session = KVSession(model)
+def measure(model: torch.nn.Module, context: list[int], max_k: int, reps: int,
+            vocab_ids: torch.Tensor | None = None) -> dict[int, float]:
+    """Median seconds of a pass over k + 1 tokens, for k = 0..max_k (``vocab_ids``: a draft's
+    sub-vocabulary head, as it drafts)."""
+    session = KVSession(model, vocab_ids)
     session.logits_for(context, 1)  # prefill once
     times: dict[int, list[float]] = {k: [] for k in range(max_k + 1)}
     drafts = [context[i % len(context)] for i in range(max_k)]

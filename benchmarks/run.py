@@ -21,7 +21,8 @@ from mirrorspec.models.loading import LoadedModel, load_causal_lm
 from mirrorspec.models.prepack import is_prepacked, prepack_linears
 from mirrorspec.models.quantize import apply_quantization
 
-from benchmarks.flags import TRUNCATE_PREFIX, csv_of, draft_spec, one_of, positive, sampling_temperature, window_k
+from benchmarks.flags import (TRUNCATE_PREFIX, csv_of, draft_spec, one_of, positive, sampling_temperature,
+                              torch_threads, window_k)
 from benchmarks.harness import MODES, BenchPlan, Drafts, RunRecord, run_benchmark, select_modes
 from benchmarks.metrics import summarize
 from benchmarks.prompts import DATASETS, load_prompts
@@ -157,14 +158,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.reprint is not None:
         return reprint(args.reprint, parser)
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)  # deliberately, before any model work; restored on exit
     try:
-        return _run(args, parser)
+        with torch_threads(args.threads):
+            return _run(args, parser)
     except KeyboardInterrupt:
         return 130
-    finally:
-        torch.set_num_threads(previous_threads)
 
 
 def reprint(path: Path, parser: argparse.ArgumentParser) -> int:

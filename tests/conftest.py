@@ -57,6 +57,18 @@ def tiny_draft(tiny_dir):
 
 
 @pytest.fixture(scope="session")
+def near_draft(tiny_dir):
+    """The tiny target with seeded noise on every weight: it agrees with the target at about a third
+    of greedy positions (the tiny random draft agrees at none, which would test nothing)."""
+    draft = support.load(tiny_dir["target"])
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for weight in draft.parameters():
+            weight.add_(torch.randn(weight.shape, generator=generator) * 0.5 * weight.std())
+    return draft
+
+
+@pytest.fixture(scope="session")
 def demo_target():
     """The real SmolLM2-135M-Instruct demo target (converted from GGUF once, then cached)."""
     from mirrorspec.models import load_causal_lm

@@ -150,3 +150,13 @@ def record_rpc(monkeypatch, servicer: type, method: str, note=lambda request: re
 
     monkeypatch.setattr(servicer, method, recorded)
     return seen
+
+
+def assert_flag_refused(main, argv: Sequence[str], flag: str, capsys) -> None:
+    """``main(argv)`` exits as argparse does on a bad value (status 2), naming ``flag``, before any
+    model is loaded."""
+    import pytest
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and f"argument {flag}" in capsys.readouterr().err

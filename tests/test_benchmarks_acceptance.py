@@ -12,7 +12,7 @@ from mirrorspec.adaptive import window_cost
 from mirrorspec.config import AdaptiveKConfig
 from mirrorspec import SamplingParams, generate
 from mirrorspec.drafting.draft_model import DraftModelDrafter
-from support import load
+from support import assert_flag_refused
 
 
 def test_replay_accepts_up_to_the_first_miss_then_adds_one_target_token():
@@ -49,18 +49,6 @@ def test_acceptance_probability_is_the_overlap_of_p_and_q():
     p = torch.tensor([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])
     q = torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.2, 0.8]])
     assert acceptance_probability(p, q).tolist() == pytest.approx([1.0, 0.0])
-
-
-@pytest.fixture(scope="module")
-def near_draft(tiny_dir):
-    """The tiny target with seeded noise on every weight: it agrees with the target at about a third
-    of greedy positions (the tiny random draft agrees at none, which would test nothing)."""
-    draft = load(tiny_dir["target"])
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for weight in draft.parameters():
-            weight.add_(torch.randn(weight.shape, generator=generator) * 0.5 * weight.std())
-    return draft
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
@@ -143,9 +131,7 @@ def test_categories_weigh_their_prompts_by_answer_positions():
                                         (["--proposal-top-k", "-1"], "--proposal-top-k"),
                                         (["--draft-confidence", "1.5"], "--draft-confidence")])
 def test_bad_flags_name_the_flag(argv, flag, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+    assert_flag_refused(main, argv, flag, capsys)
 
 
 @pytest.mark.slow
