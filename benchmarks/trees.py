@@ -180,26 +180,40 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def stored_answers(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, dict[str, list[int]]]:
+    """``--answers``: {dataset: {prompt id: answer ids}} from a benchmarks.acceptance JSON, checked
+    against this run's flags before any model loads; empty without the flag."""
+    if args.answers is None:
+        return {}
+    try:
+        run = json.loads(args.answers.read_text())
+        stored, made_with = run["answers"], run["config"]
+        kept = {d: {r["prompt_id"]: r["answer_ids"] for r in records} for d, records in stored.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        parser.error(f"argument --answers: {args.answers} is not a benchmarks.acceptance JSON ({err!r})")
+    for flag, key in (("--max-tokens", "max_tokens"), ("--target", "target")):
+        if made_with.get(key) != getattr(args, key):
+            parser.error(f"argument --answers: {args.answers} holds answers made with {flag} {made_with.get(key)}, "
+                         f"not {getattr(args, key)}; pass the same {flag} or drop --answers")
+    for dataset in args.datasets:
+        if any(p.prompt_id not in kept.get(dataset, {}) for p in load_prompts(dataset, args.num_prompts)):
+            parser.error(f"argument --answers: {args.answers} lacks some of the first {args.num_prompts} "
+                         f"{dataset} prompts; pass fewer --num-prompts or drop --answers")
+    return kept
+
+
 def target_answers(target: LoadedModel, args: argparse.Namespace,
-                   parser: argparse.ArgumentParser) -> dict[str, list[tuple[list[int], list[int]]]]:
-    """(prompt ids, greedy answer ids) per dataset: generated, or read from ``--answers``."""
-    stored = {}
-    if args.answers is not None:
-        try:
-            stored = json.loads(args.answers.read_text())["answers"]
-        except (OSError, ValueError, KeyError) as err:
-            parser.error(f"--answers: {args.answers} is not a benchmarks.acceptance JSON ({err})")
+                   stored: dict[str, dict[str, list[int]]]) -> dict[str, list[tuple[list[int], list[int]]]]:
+    """(prompt ids, greedy answer ids) per dataset: from ``stored`` where given, else generated."""
     params = SamplingParams(max_new_tokens=args.max_tokens, stop_token_ids=target.stop_token_ids())
     out: dict[str, list[tuple[list[int], list[int]]]] = {}
     for dataset in args.datasets:
-        prompts = load_prompts(dataset, args.num_prompts)
-        kept = {r["prompt_id"]: r["answer_ids"] for r in stored.get(dataset, [])}
-        if stored and any(p.prompt_id not in kept for p in prompts):
-            parser.error(f"--answers: {args.answers} lacks some of the first {args.num_prompts} {dataset} prompts")
         pairs = []
-        for prompt in tqdm(prompts, desc=f"target answers, {dataset}", disable=args.no_progress):
+        for prompt in tqdm(load_prompts(dataset, args.num_prompts), desc=f"target answers, {dataset}",
+                           disable=args.no_progress):
             ids = encode_prompt(target.tokenizer, prompt.text)
-            answer = kept[prompt.prompt_id] if stored else list(generate(target.model, None, ids, params).token_ids)
+            answer = (stored[dataset][prompt.prompt_id] if stored
+                      else list(generate(target.model, None, ids, params).token_ids))
             pairs.append((ids, answer))
         out[dataset] = pairs
     return out
@@ -222,6 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    stored = stored_answers(args, parser)
     try:
         target = load_causal_lm(args.target)
         draft = load_draft(args.draft, target, [DEFAULT_DRAFT_QUANTIZE]).model
@@ -229,7 +244,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--target/--draft: {err}")
     if draft is None:
         parser.error("--draft: name a draft model; a tree is drafted by one")
-    answers = target_answers(target, args, parser)
+    answers = target_answers(target, args, stored)
     ranks = {d: [answer_ranks(draft, ids, answer) for ids, answer in pairs] for d, pairs in answers.items()}
     fitted_on = [r for per in ranks.values() for r in per[0::2]]
     trees = {f"tree N={n}": fit_tree(fitted_on, n, args.depth) for n in args.nodes}

@@ -67,6 +67,16 @@ def test_bad_flags_name_the_flag(argv, flag, capsys):
     assert_flag_refused(main, argv, flag, capsys)
 
 
+def test_answers_made_with_other_flags_are_refused(tmp_path, capsys):
+    made = tmp_path / "acceptance.json"
+    made.write_text(json.dumps({"config": {"max_tokens": 32, "target": "demo-target"}, "answers": {}}))
+    assert_flag_refused(main, ["--answers", str(made), "--max-tokens", "64"], "--answers", capsys)
+    made.write_text(json.dumps({"config": {"max_tokens": 64, "target": "demo-target"}, "answers": {}}))
+    assert_flag_refused(main, ["--answers", str(made)], "--answers", capsys)  # lacks the prompts
+    made.write_text("not json")
+    assert_flag_refused(main, ["--answers", str(made)], "--answers", capsys)
+
+
 @pytest.mark.slow
 def test_trees_replay_on_the_demo_pair(tmp_path, capsys):
     assert main(["--datasets", "humaneval", "--num-prompts", "2", "--max-tokens", "12", "--nodes", "2,6",
