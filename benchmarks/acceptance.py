@@ -126,15 +126,27 @@ def answer_betas(target: torch.nn.Module, drafter: DraftModelDrafter, prompt: li
     return betas
 
 
+def teacher_forced_logits(drafter: DraftModelDrafter, prompt: list[int], answer: list[int]) -> torch.Tensor:
+    """The draft's logits at every answer position, teacher-forced on the answer, addressed by
+    vocabulary id: -inf outside its sub-vocabulary, which it never proposes.
+
+    # -> [len(answer), vocab] float32, row i scores answer[i]
+    """
+    logits = drafter.session.logits_for((prompt + answer)[:-1], len(answer)).float()  # [n, vocab or m]
+    drafter.release()
+    if drafter.vocab_ids is None:
+        return logits
+    full = logits.new_full((len(answer), drafter.session.vocab_size), float("-inf"))  # [n, vocab]
+    full[:, drafter.vocab_ids.to(full.device)] = logits
+    return full
+
+
 def answer_confidences(drafter: DraftModelDrafter, prompt: list[int], answer: list[int]) -> list[float]:
     """The draft's own probability (temperature 1) of its greedy token at every answer position,
     teacher-forced: what ``DraftModelDrafter`` compares with its confidence threshold."""
     if not answer:
         return []
-    logits = drafter.session.logits_for((prompt + answer)[:-1], len(answer))  # [m, vocab or sub-vocab]
-    confidences = logits.float().softmax(-1).amax(-1).tolist()  # [m]
-    drafter.release()
-    return confidences
+    return teacher_forced_logits(drafter, prompt, answer).softmax(-1).amax(-1).tolist()  # [n]
 
 
 @dataclass

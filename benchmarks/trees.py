@@ -41,38 +41,29 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from benchmarks.acceptance import replay_greedy
+from benchmarks.acceptance import replay_greedy, teacher_forced_logits
 from benchmarks.flags import csv_of, draft_spec, positive, torch_threads, window_k
 from benchmarks.pass_cost import measure
 from benchmarks.prompts import add_replay_flags, load_prompts
 from benchmarks.run import DEFAULT_OUT, load_draft
 from mirrorspec.config import DEFAULT_DRAFT_QUANTIZE, InvalidRequest, SamplingParams
-from mirrorspec.drafting.draft_model import draft_vocabulary
+from mirrorspec.drafting.draft_model import DraftModelDrafter
 from mirrorspec.engine import generate
-from mirrorspec.models import KVSession, LoadedModel, encode_prompt, load_causal_lm
+from mirrorspec.models import LoadedModel, encode_prompt, load_causal_lm
 
 OUTSIDE = 1 << 30  # the rank of a token outside the draft's sub-vocabulary: in no tree
 RankPath = tuple[int, ...]
 
 
-def answer_ranks(draft: torch.nn.Module, prompt: list[int], answer: list[int]) -> list[int]:
+def answer_ranks(drafter: DraftModelDrafter, prompt: list[int], answer: list[int]) -> list[int]:
     """The rank of each answer token among the draft's logits there, teacher-forced (0: the
-    draft's own greedy choice)."""
+    draft's own greedy choice; ``OUTSIDE``: a token outside its sub-vocabulary)."""
     if not answer:
         return []
-    vocab_ids = draft_vocabulary(draft)  # [m] or None
-    logits = KVSession(draft, vocab_ids).logits_for((prompt + answer)[:-1], len(answer)).float()  # [n, m]
-    targets = torch.tensor(answer)  # [n]
-    if vocab_ids is None:
-        columns = targets
-        inside = torch.ones_like(targets, dtype=torch.bool)
-    else:
-        where = {int(t): c for c, t in enumerate(vocab_ids.tolist())}
-        columns = torch.tensor([where.get(int(t), 0) for t in answer])
-        inside = torch.tensor([int(t) in where for t in answer])
-    chosen = logits.gather(1, columns[:, None])  # [n, 1]
+    logits = teacher_forced_logits(drafter, prompt, answer)  # [n, vocab]
+    chosen = logits.gather(1, torch.tensor(answer, device=logits.device)[:, None])  # [n, 1]
     ranks = (logits > chosen).sum(-1)  # [n]
-    return torch.where(inside, ranks, torch.full_like(ranks, OUTSIDE)).tolist()
+    return torch.where(chosen[:, 0] == float("-inf"), OUTSIDE, ranks).tolist()
 
 
 def chain(k: int) -> frozenset[RankPath]:
@@ -245,14 +236,15 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if draft is None:
         parser.error("--draft: name a draft model; a tree is drafted by one")
     answers = target_answers(target, args, stored)
-    ranks = {d: [answer_ranks(draft, ids, answer) for ids, answer in pairs] for d, pairs in answers.items()}
+    drafter = DraftModelDrafter(draft)
+    ranks = {d: [answer_ranks(drafter, ids, answer) for ids, answer in pairs] for d, pairs in answers.items()}
     fitted_on = [r for per in ranks.values() for r in per[0::2]]
     trees = {f"tree N={n}": fit_tree(fitted_on, n, args.depth) for n in args.nodes}
     shapes = {f"chain K={k}": chain(k) for k in args.k} | trees
     largest = max(len(t) for t in shapes.values())
     context = next(iter(answers.values()))[0][0]
     target_steps = measure(target.model, context, largest, args.reps)  # {n drafts: seconds}
-    draft_steps = measure(draft, context, largest, args.reps, draft_vocabulary(draft))  # as the drafter runs it
+    draft_steps = measure(draft, context, largest, args.reps, drafter.vocab_ids)  # as the drafter runs it
     target_cost = {n: target_steps[n] / target_steps[0] for n in target_steps}
     draft_cost = {w: draft_steps[w - 1] / target_steps[0] for w in range(1, largest + 1)}
     rows = [rows_for(dataset, name, tree, per[1::2], target_cost, draft_cost)

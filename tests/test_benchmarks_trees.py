@@ -7,12 +7,12 @@ import random
 
 import pytest
 
-from benchmarks.acceptance import answer_betas, replay_greedy
+from benchmarks.acceptance import answer_betas, replay_greedy, teacher_forced_logits
 from benchmarks.trees import (OUTSIDE, TreeReplay, answer_ranks, chain, fit_tree, main, replay_tree,
                               widths)
 from mirrorspec import SamplingParams, generate
-from mirrorspec.drafting.draft_model import DraftModelDrafter
-from support import assert_flag_refused
+from mirrorspec.drafting.draft_model import DRAFT_VOCAB_KEY, DraftModelDrafter
+from support import assert_flag_refused, load
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
@@ -52,13 +52,29 @@ def test_a_fitted_tree_holds_the_likeliest_nodes_each_with_its_parent():
 def test_ranks_are_zero_exactly_where_the_draft_agrees(tiny_target, near_draft):
     prompt, params = [0, 3, 5], SamplingParams(max_new_tokens=24)
     answer = list(generate(tiny_target, None, prompt, params).token_ids)
-    ranks = answer_ranks(near_draft, prompt, answer)
+    ranks = answer_ranks(DraftModelDrafter(near_draft), prompt, answer)
     [betas] = answer_betas(tiny_target, DraftModelDrafter(near_draft), prompt, answer, [0.0]).values()
     assert [r == 0 for r in ranks] == [b > 0.5 for b in betas]
     assert 0 < ranks.count(0) < len(ranks) and max(ranks) < 8  # vocab 8, no sub-vocabulary
     # along its own greedy answer the draft ranks every token first
     own = list(generate(near_draft, None, prompt, params).token_ids)
-    assert answer_ranks(near_draft, prompt, own) == [0] * len(own)
+    assert answer_ranks(DraftModelDrafter(near_draft), prompt, own) == [0] * len(own)
+
+
+def test_a_sub_vocabulary_draft_ranks_among_its_own_ids_and_never_outside_them(tiny_dir, tiny_target):
+    sub_vocabulary = [6, 1, 4, 3]  # any order: a column is not an id
+    whole, sub = load(tiny_dir["draft"]), load(tiny_dir["draft"])
+    setattr(sub.config, DRAFT_VOCAB_KEY, sub_vocabulary)
+    prompt = [0, 3, 5]
+    answer = list(generate(tiny_target, None, prompt, SamplingParams(max_new_tokens=24)).token_ids)
+    ranks = answer_ranks(DraftModelDrafter(sub), prompt, answer)
+    kept = teacher_forced_logits(DraftModelDrafter(whole), prompt, answer)[:, sub_vocabulary]  # [n, 4], by hand
+    for i, token in enumerate(answer):
+        if token in sub_vocabulary:
+            assert ranks[i] == int((kept[i] > kept[i, sub_vocabulary.index(token)]).sum())
+        else:
+            assert ranks[i] == OUTSIDE
+    assert OUTSIDE in ranks and any(r != OUTSIDE for r in ranks)
 
 
 @pytest.mark.parametrize("argv, flag", [(["--nodes", "0"], "--nodes"), (["--k", "0"], "--k"),
