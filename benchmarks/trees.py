@@ -6,8 +6,9 @@
 Greedy speculation verifies a chain: K drafts, each the draft's top token after the one before.
 A tree (SpecInfer, Medusa, Sequoia, EAGLE-2) spends the pass on several continuations at once:
 the target scores every node in one forward under a tree attention mask, and the window keeps
-the longest root path the target agrees with. On this CPU a pass over 16 tokens costs little
-more than one over 5, so a wider tree might pay where the chain's acceptance is low (MT-Bench).
+the longest root path the target agrees with. Where a pass over tens of tokens costs about one
+over a few (a GPU), a wide tree pays where the chain's acceptance is low (MT-Bench); on a CPU the
+pass cost grows with its tokens, and the measured costs below say how wide a tree still pays.
 Nothing in mirrorspec verifies trees yet; this replay says what one would buy before it is built.
 
 Along the target's own greedy answer (teacher-forced, as ``benchmarks.acceptance`` replays), the
@@ -178,13 +179,13 @@ def stored_answers(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         return {}
     try:
         run = json.loads(args.answers.read_text())
-        stored, made_with = run["answers"], run["config"]
-        kept = {d: {r["prompt_id"]: r["answer_ids"] for r in records} for d, records in stored.items()}
+        made_with = {key: run["config"].get(key) for key in ("max_tokens", "target")}
+        kept = {d: {r["prompt_id"]: r["answer_ids"] for r in records} for d, records in run["answers"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         parser.error(f"argument --answers: {args.answers} is not a benchmarks.acceptance JSON ({err!r})")
     for flag, key in (("--max-tokens", "max_tokens"), ("--target", "target")):
-        if made_with.get(key) != getattr(args, key):
-            parser.error(f"argument --answers: {args.answers} holds answers made with {flag} {made_with.get(key)}, "
+        if made_with[key] != getattr(args, key):
+            parser.error(f"argument --answers: {args.answers} holds answers made with {flag} {made_with[key]}, "
                          f"not {getattr(args, key)}; pass the same {flag} or drop --answers")
     for dataset in args.datasets:
         if any(p.prompt_id not in kept.get(dataset, {}) for p in load_prompts(dataset, args.num_prompts)):

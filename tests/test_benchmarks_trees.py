@@ -89,8 +89,9 @@ def test_answers_made_with_other_flags_are_refused(tmp_path, capsys):
     assert_flag_refused(main, ["--answers", str(made), "--max-tokens", "64"], "--answers", capsys)
     made.write_text(json.dumps({"config": {"max_tokens": 64, "target": "demo-target"}, "answers": {}}))
     assert_flag_refused(main, ["--answers", str(made)], "--answers", capsys)  # lacks the prompts
-    made.write_text("not json")
-    assert_flag_refused(main, ["--answers", str(made)], "--answers", capsys)
+    for broken in ("not json", json.dumps({"config": [], "answers": {}}), json.dumps({"config": {}, "answers": []})):
+        made.write_text(broken)
+        assert_flag_refused(main, ["--answers", str(made)], "--answers", capsys)
 
 
 @pytest.mark.slow
