@@ -147,9 +147,10 @@ def rows_for(dataset: str, shape: str, tree: frozenset[RankPath], held_out: Sequ
              target_cost: dict[int, float], draft_cost: dict[int, float]) -> Row:
     replays = [replay_tree(r, tree) for r in held_out]
     per_pass = sum(r.tokens for r in replays) / max(sum(r.passes for r in replays), 1)
-    drafting = sum(draft_cost[w] for w in widths(tree))
+    per_depth = widths(tree)
+    drafting = sum(draft_cost[w] for w in per_depth)
     verify = target_cost[len(tree)]
-    return Row(dataset, shape, len(tree), len(widths(tree)), widths(tree), round(per_pass, 3), round(verify, 3),
+    return Row(dataset, shape, len(tree), len(per_depth), per_depth, round(per_pass, 3), round(verify, 3),
                round(drafting, 3), round(per_pass / (verify + drafting), 3))
 
 
