@@ -175,7 +175,7 @@ class DraftModelDrafter(Drafter):
         """q over sub-vocabulary columns, re-addressed to vocabulary ids."""
         if self.vocab_ids is None:
             return q
-        columns = q.ids if q.ids is not None else torch.arange(q.probs.shape[-1]).expand_as(q.probs)
+        columns = q.ids if q.ids is not None else torch.arange(q.probs.shape[-1], device=q.probs.device).expand_as(q.probs)
         return ProposalRows(probs=q.probs, ids=self.vocab_ids.to(columns.device)[columns])
 
     def release(self) -> None:

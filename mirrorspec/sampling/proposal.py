@@ -45,16 +45,19 @@ class ProposalRows:
 
     @staticmethod
     def stack(rows: list[ProposalRows]) -> ProposalRows:
-        """Rows drafted one position at a time, joined into one [k, ...] proposal."""
+        """Rows drafted one position at a time, joined into one [k, ...] proposal.
+
+        Rows may sit on different devices: a lookup's one-hot rows are built on the CPU, a draft
+        model's on its GPU. The joined rows go where the first model row is (the verifier moves
+        them to the target's device anyway)."""
+        device = next((r.probs.device for r in rows if r.probs.device.type != "cpu"), rows[0].probs.device)
         dense = [r for r in rows if r.ids is None]
         if dense:  # mixed rows (a one-hot lookup row beside a dense model row): all dense
             vocab_size = dense[0].probs.shape[-1]
-            return ProposalRows(probs=torch.cat([r.dense(vocab_size, dense[0].probs.device) for r in rows]))
+            return ProposalRows(probs=torch.cat([r.dense(vocab_size, device) for r in rows]))
         width = max(r.ids.shape[-1] for r in rows)
-        if all(r.ids.shape[-1] == width for r in rows):
-            return ProposalRows(probs=torch.cat([r.probs for r in rows]), ids=torch.cat([r.ids for r in rows]))
-        ids = torch.cat([_pad(r.ids, width, 0) for r in rows])
-        return ProposalRows(probs=torch.cat([_pad(r.probs, width, 0.0) for r in rows]), ids=ids)
+        probs = torch.cat([_pad(r.probs.to(device), width, 0.0) for r in rows])
+        return ProposalRows(probs=probs, ids=torch.cat([_pad(r.ids.to(device), width, 0) for r in rows]))
 
     @staticmethod
     def one_hot(token_ids: list[int]) -> ProposalRows:
