@@ -5,6 +5,7 @@ import argparse
 from drafter_service.servicer import DrafterConfig, serve
 from mirrorspec.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DEFAULT_PROMPT_LOOKUP, QUANTIZATIONS,
                                InvalidRequest)
+from mirrorspec.models.loading import device_flag
 from mirrorspec.serving.placement import add_placement_args, apply_placement
 from mirrorspec.serving.server import run_until_terminated
 
@@ -14,7 +15,7 @@ parser.add_argument("--model", default=None, help="draft model path or hub id (s
 parser.add_argument("--host", default="127.0.0.1")
 parser.add_argument("--port", type=int, default=0)
 parser.add_argument("--dtype", default="auto")
-parser.add_argument("--device", default="auto")
+parser.add_argument("--device", default="auto", type=device_flag)
 parser.add_argument("--max-sessions", type=int, default=64)
 parser.add_argument("--proposal-top-k", type=int, default=32)
 parser.add_argument("--prompt-lookup", type=int, default=DEFAULT_PROMPT_LOOKUP, metavar="N",

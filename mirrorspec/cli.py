@@ -73,6 +73,7 @@ FLAG_FOR_FIELD = {
     "target": "--target",
     "draft": "--draft",
     "dtype": "--dtype",
+    "device": "--device",
     "ngram": "--draft",
     "threads": "--threads",
     "local": "--local",
@@ -425,6 +426,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if value is not None and value < 0:
             raise InvalidRequest(f"must be >= 0, got {value}", field=flag)
     spec = _stack_spec(args, target_gpus=0.0)  # validates counts before Ray starts
+    from mirrorspec.models.loading import parse_device, resolve_device
+
+    parse_device(args.device)
+    if args.address is None:  # the local Ray this command starts: its replicas see this machine's devices
+        resolve_device(args.device)
     from cluster.deploy import connect, deploy, teardown
 
     connect(args.address, num_cpus=_local_cpus(args, spec))

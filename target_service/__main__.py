@@ -3,6 +3,7 @@
 import argparse
 
 from mirrorspec.config import HINT_LENSES
+from mirrorspec.models.loading import device_flag
 from mirrorspec.serving.placement import add_placement_args, apply_placement
 from mirrorspec.serving.server import run_until_terminated
 from target_service.servicer import TargetConfig, serve
@@ -12,7 +13,7 @@ parser.add_argument("--model", default="demo-target")
 parser.add_argument("--host", default="127.0.0.1")
 parser.add_argument("--port", type=int, default=0)
 parser.add_argument("--dtype", default="auto")
-parser.add_argument("--device", default="auto")
+parser.add_argument("--device", default="auto", type=device_flag)
 parser.add_argument("--max-sessions", type=int, default=64)
 parser.add_argument("--hint-layer", type=int, default=None,
                     help="send early-exit hints read off this decoder layer (1-based) during each verify: mirror requests steer their branches with them")

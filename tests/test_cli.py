@@ -47,12 +47,25 @@ from mirrorspec.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_K, DEFAULT_K_CON
     (["serve", "--hint-layer", "27", "--hint-lens", "exact"], "argument --hint-lens"),
     (["demo", "--k", "99"], "--k"),
     (["demo", "--rebuild", "--epochs", "0"], "--epochs"),
+    (["generate", "hi", "--local", "--device", "gpu0"], "--device"),
+    (["serve", "--device", "tpu"], "--device"),  # refused before a Ray starts
 ])
 def test_bad_flags_are_named(argv, flag, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
     assert f"error: {flag}" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("argv", [["generate", "hi", "--local", "--device", "cuda"], ["serve", "--device", "cuda"]])
+def test_asking_for_a_gpu_this_machine_lacks_is_a_flag_error(argv, capsys):
+    """Not a traceback from deep inside torch at load (nor, for serve, a local Ray whose replicas
+    fail one after another until the start times out)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert "error: --device: device 'cuda' asked for, but this torch sees no CUDA GPU" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("draft_model,confidence,k", [

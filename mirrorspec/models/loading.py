@@ -41,9 +41,40 @@ class LoadedModel:
 
 
 def resolve_device(device: str = "auto") -> torch.device:
+    """``auto`` (CUDA where present), or a device this process can actually use: a typo or a GPU
+    this machine lacks is a clear InvalidRequest naming ``device``, not a traceback at load."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    dev = parse_device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequest(f"device {device!r} asked for, but this torch sees no CUDA GPU "
+                             f"(torch {torch.__version__}); use cpu or auto", field="device")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise InvalidRequest(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)",
+                             field="device")
+    return dev
+
+
+def device_flag(text: str) -> str:
+    """An argparse ``type`` for --device flags: a bad or absent device is the flag's error."""
+    import argparse
+
+    try:
+        resolve_device(text)
+    except InvalidRequest as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def parse_device(device: str) -> torch.device:
+    """The device a name means, checked for syntax only (a Ray head may validate for GPU workers)."""
+    try:
+        dev = torch.device(device) if device != "auto" else torch.device("cpu")
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise InvalidRequest(f"device must be auto, cpu, cuda or cuda:N, got {device!r}", field="device")
+    return dev
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
