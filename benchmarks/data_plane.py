@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import tempfile
@@ -65,7 +66,7 @@ def start_in_process(target_dir: Path, draft_dir: Path, proposal_top_k: int):
 
 def start_processes(target_dir: Path | str, draft_dir: Path | str | None, proposal_top_k: int,
                     target_args: tuple = (), threads: int = 1, pin: bool = True, prompt_lookup: int = 0,
-                    draft_confidence: float = 0.0, quantize: str = DEFAULT_DRAFT_QUANTIZE):
+                    draft_confidence: float = 0.0, quantize: str = DEFAULT_DRAFT_QUANTIZE, drafter_args: tuple = ()):
     """Each server in its own process with ``threads`` torch threads (an n-gram drafter where
     ``draft_dir`` is None; a draft model with ``prompt_lookup``, ``draft_confidence`` and ``quantize`` otherwise): (target address,
     drafter address, stop). With ``pin``, and cores enough, the target and the drafter get
@@ -80,10 +81,10 @@ def start_processes(target_dir: Path | str, draft_dir: Path | str | None, propos
                 "--prompt-lookup", str(prompt_lookup), "--draft-confidence", str(draft_confidence),
                 "--quantize", quantize])
     commands = [[sys.executable, "-m", "target_service", "--model", str(target_dir), *target_args],
-                [sys.executable, "-m", "drafter_service", *drafter]]
+                [sys.executable, "-m", "drafter_service", *drafter, *drafter_args]]
     cores = disjoint_cores(threads) if pin else None
     placements = [["--cpus", cpu_list(c)] for c in cores] if cores else [[], []]
-    logs = [tempfile.TemporaryFile(mode="w+") for _ in commands]  # stderr, for the reason a server did not start
+    logs = [_server_log(c[2]) for c in commands]  # stderr, for the reason a server did not start
     procs = [subprocess.Popen([*c, "--threads", str(threads), *where], stdout=subprocess.PIPE, stderr=log, text=True)
              for c, where, log in zip(commands, placements, logs)]
 
@@ -100,6 +101,16 @@ def start_processes(target_dir: Path | str, draft_dir: Path | str | None, propos
         stop()
         raise
     return f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}", stop
+
+
+def _server_log(module: str):
+    """A server's stderr: a temporary file, or a kept one in ``$MIRRORSPEC_SERVER_LOGS`` (for
+    runs nobody watches, such as a timed GPU lease, where a hang must leave its trace)."""
+    keep = os.environ.get("MIRRORSPEC_SERVER_LOGS")
+    if not keep:
+        return tempfile.TemporaryFile(mode="w+")
+    Path(keep).mkdir(parents=True, exist_ok=True)
+    return open(Path(keep) / f"{module}-{time.strftime('%H%M%S')}-{os.getpid()}-{time.monotonic_ns()}.log", "w+")
 
 
 def _listening_port(proc, log) -> int:

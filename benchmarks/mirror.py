@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -47,6 +48,7 @@ from mirrorspec.config import (
     check_draft_confidence,
     check_prompt_lookup,
 )
+from mirrorspec.models.loading import device_flag
 from mirrorspec.serving.server import BackgroundServer
 from orchestrator.servicer import OrchestratorConfig, serve
 
@@ -165,11 +167,16 @@ def main(argv=None) -> int:
                         help="branches drafted per window at most (default %(default)s)")
     parser.add_argument("--alternatives", type=int, default=MirrorConfig.alternatives,
                         help="the drafter's runner-up tokens guessed per rejection point (default %(default)s)")
+    parser.add_argument("--target-device", default="auto", type=device_flag,
+                        help="where the target server runs: auto (CUDA if present), cpu, cuda, cuda:1 ...")
+    parser.add_argument("--drafter-device", default="auto", type=device_flag,
+                        help="where the drafter server runs, e.g. cpu beside a target on cuda (its own compute)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per server process (default 1)")
     parser.add_argument("--no-pin", action="store_true",
                         help="let the scheduler place drafter and target (default: one core each, apart)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
-    datasets = checked_datasets(parser, args, positive=("num_prompts", "max_tokens", "k"))
+    datasets = checked_datasets(parser, args, positive=("num_prompts", "max_tokens", "k", "threads"))
     try:
         check_prompt_lookup(args.prompt_lookup)
         check_draft_confidence(args.draft_confidence)
@@ -180,13 +187,16 @@ def main(argv=None) -> int:
     except InvalidRequest as err:
         parser.error(f"--max-branches / --alternatives: {err}")
 
-    target_args = ()
+    target_args = ("--device", args.target_device)
     if args.hint_layer:
-        target_args = ("--hint-layer", str(args.hint_layer),
-                       *(("--hint-vocab", args.draft) if args.hint_vocab == "draft" else ()))
+        target_args += ("--hint-layer", str(args.hint_layer),
+                        *(("--hint-vocab", args.draft) if args.hint_vocab == "draft" else ()))
+    print(f"starting the target ({args.target_device}) and drafter ({args.drafter_device}) servers", file=sys.stderr,
+          flush=True)
     target, drafter, stop = start_processes(args.target, args.draft, args.proposal_top_k, target_args,
-                                            pin=not args.no_pin, prompt_lookup=args.prompt_lookup,
-                                            draft_confidence=args.draft_confidence, quantize=args.draft_quantize)
+                                            threads=args.threads, pin=not args.no_pin,
+                                            prompt_lookup=args.prompt_lookup, draft_confidence=args.draft_confidence,
+                                            quantize=args.draft_quantize, drafter_args=("--device", args.drafter_device))
     doors = {"plain": front_door(target, drafter, replace(mirror, use_hints=False), args.k)}
     if args.hint_layer:
         doors["hinted"] = front_door(target, drafter, mirror, args.k)
@@ -200,12 +210,14 @@ def main(argv=None) -> int:
         for dataset in datasets:
             prompts = [p.text for p in load_prompts(dataset, args.num_prompts)]
             totals = {mode: ModeTotals() for mode in modes}
+            print(f"{dataset}: warm-up", file=sys.stderr, flush=True)
             for mode in modes:  # warm-up: connections, allocators, the first KV caches
                 door, options = request[mode]
                 clients[door].generate(prompts[0], max_tokens=8, **options)
             for i, prompt in enumerate(prompts):
                 for mode in modes:
                     door, options = request[mode]
+                    print(f"{dataset} prompt {i + 1}/{len(prompts)}: {mode}", file=sys.stderr, flush=True)
                     started = time.perf_counter()
                     done = clients[door].generate(prompt, max_tokens=args.max_tokens, timeline=True, **options)
                     totals[mode].add(done.token_ids, time.perf_counter() - started, done.stats)
@@ -243,12 +255,12 @@ def main(argv=None) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = args.out / f"mirror-{stamp}.json"
     out.write_text(json.dumps({"config": vars(args) | {"out": str(args.out)}, "others_cpu_busy": busy,
-                               "drafter_threads": 1, "target_threads": 1, "results": results,
+                               "drafter_threads": args.threads, "target_threads": args.threads, "results": results,
                                "timeline_modes": {m: [asdict_span(s) for s in spans] for m, spans in timelines.items()}},
                               indent=2))
     png = args.out / f"mirror-{stamp}-timeline.png"
-    plot_timeline(png, timelines, f"one request's windows ({datasets[0]}, K={args.k}, drafter and target "
-                                  f"in their own processes, one thread each)")
+    plot_timeline(png, timelines, f"one request's windows ({datasets[0]}, K={args.k}, drafter ({args.drafter_device}) "
+                                  f"and target ({args.target_device}) in their own processes, {args.threads} thread(s) each)")
     print(f"wrote {out} and {png}")
     return 0
 

@@ -1,6 +1,7 @@
 """What a target pass over K drafts costs, in one-token steps: the table adaptive K plans with.
 
     python -m benchmarks.pass_cost [--target demo-target] [--threads 2] [--max-k 8] [--reps 30]
+                                   [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16]
 
 For each K it times the very call verification makes (``KVSession.logits_for`` over the last
 K + 1 positions of a cached context, then the roll-back), interleaving K values so a slow stretch
@@ -9,7 +10,8 @@ to put in ``AdaptiveKConfig.pass_costs``. On CPU it measures the model twice in 
 ``from_pretrained`` leaves it (``nn.Linear``) and with its linears prepacked for oneDNN (what
 ``load_causal_lm`` serves with, see ``mirrorspec.models.prepack``), and prints their ratio.
 Unpacked, the table is far from linear: kernels change with the shape, so a 2-token pass can
-cost as much as a 5-token one.
+cost as much as a 5-token one. On CUDA each timed call ends with a device synchronisation (kernels
+run asynchronously, so the clock would otherwise stop at the last launch, not the last result).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 import torch
 
 from mirrorspec.models import KVSession, encode_prompt, load_causal_lm
+from mirrorspec.models.loading import device_flag
 from mirrorspec.models.prepack import prepack_linears
 
 
@@ -34,11 +37,14 @@ def measure(model: torch.nn.Module, context: list[int], max_k: int, reps: int,
     session.logits_for(context, 1)  # prefill once
     times: dict[int, list[float]] = {k: [] for k in range(max_k + 1)}
     drafts = [context[i % len(context)] for i in range(max_k)]
+    sync = torch.cuda.synchronize if session.device.type == "cuda" else (lambda: None)
     for _ in range(reps):
         for k in range(max_k + 1):
             window = context + drafts[:k]
+            sync()
             started = time.perf_counter()
             session.logits_for(window, k + 1)
+            sync()
             times[k].append(time.perf_counter() - started)
             session.rollback(len(context) - 1)  # the next call re-feeds the last context token too
     return {k: statistics.median(v) for k, v in times.items()}
@@ -54,10 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-k", type=int, default=8)
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--device", default="auto", type=device_flag, help="auto, cpu, cuda, cuda:1 ...")
+    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    target = load_causal_lm(args.target, prepack=False)
+    target = load_causal_lm(args.target, prepack=False, device=args.device, dtype=args.dtype)
     context = encode_prompt(target.tokenizer, "Write a Python function that merges two sorted lists.")
     runs = {"plain": measure(target.model, context, args.max_k, args.reps)}
     if prepack_linears(target.model):
@@ -71,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: AdaptiveKConfig(pass_costs={t})")
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"pass-cost-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps({"target": args.target, "threads": args.threads,
+    out.write_text(json.dumps({"target": args.target, "threads": args.threads, "device": str(target.model.device),
+                               "dtype": str(target.model.dtype),
                                "runs": {name: {"step_s": m[0], "median_s": m, "pass_costs": tables[name]}
                                         for name, m in runs.items()}}, indent=2))
     print(f"wrote {out}")

@@ -64,7 +64,7 @@ def near_draft(tiny_dir):
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for weight in draft.parameters():
-            weight.add_(torch.randn(weight.shape, generator=generator) * 0.5 * weight.std())
+            weight.add_(torch.randn(weight.shape, generator=generator).to(weight.device) * 0.5 * weight.std())
     return draft
 
 

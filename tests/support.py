@@ -7,6 +7,7 @@ The reference distribution code here is written independently of ``mirrorspec.sa
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -37,8 +38,14 @@ def save_tiny_llama(path: Path, seed: int, vocab: int = 8, hidden: int = 16, lay
     return path
 
 
+def test_device() -> torch.device:
+    """Where the tiny models run: CPU unless ``MIRRORSPEC_TEST_DEVICE`` names another device
+    (``cuda`` on a GPU machine, to run the statistical tests through the CUDA sampling path)."""
+    return torch.device(os.environ.get("MIRRORSPEC_TEST_DEVICE", "cpu"))
+
+
 def load(path: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(test_device()).eval()
 
 
 class MemoSession:
@@ -57,7 +64,7 @@ class MemoSession:
         key = tuple(context)
         if key not in self._memo:
             with torch.inference_mode():
-                self._memo[key] = self.model(torch.tensor([key])).logits[0, -1].float()
+                self._memo[key] = self.model(torch.tensor([key], device=self.model.device)).logits[0, -1].float()
         return self._memo[key]
 
     def logits_for(self, context: Sequence[int], num_positions: int) -> torch.Tensor:
@@ -99,7 +106,7 @@ def exact_joint(session: MemoSession, prompt: Sequence[int], depth: int, tempera
     for seq in itertools.product(range(vocab), repeat=depth):
         prob = 1.0
         for i in range(depth):
-            prob *= reference_probs(session.next_logits(list(prompt) + list(seq[:i])).numpy(),
+            prob *= reference_probs(session.next_logits(list(prompt) + list(seq[:i])).cpu().numpy(),
                                     temperature, top_k, top_p)[seq[i]]
             if prob == 0.0:
                 break

@@ -16,6 +16,9 @@ from mirrorspec.cli import main
     (["--max-tokens", "0"], "--max-tokens"),
     (["--prompt-lookup", "9"], "--prompt-lookup"),
     (["--draft-confidence", "1"], "--draft-confidence"),
+    (["--threads", "0"], "--threads"),
+    (["--target-device", "nope"], "argument --target-device"),
+    (["--drafter-device", "cuda:x"], "argument --drafter-device"),
 ])
 def test_bad_flags_name_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
