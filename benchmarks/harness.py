@@ -104,10 +104,11 @@ def register_mode(name: str, *, uses_k: bool, needs_draft_model: bool = False,
 
 def _mirrorspec(target: LoadedModel, draft: Any, ids: list[int], params: SamplingParams,
                 k: int, seed: int, adaptive: bool = False, mirror: bool = False, prompt_lookup: int = 0,
-                draft_confidence: float = 0.0) -> RunOutput:
+                draft_confidence: float = 0.0, runner_up: bool = False) -> RunOutput:
     started = time.perf_counter()
     result = generate(target.model, draft, ids, params, num_speculative_tokens=k, seed=seed, adaptive=adaptive,
-                      mirror=mirror, prompt_lookup=prompt_lookup, draft_confidence=draft_confidence)
+                      mirror=mirror, prompt_lookup=prompt_lookup, draft_confidence=draft_confidence,
+                      runner_up=runner_up)
     return RunOutput(result.token_ids, time.perf_counter() - started, result.finish_reason, result.stats)
 
 
@@ -160,6 +161,15 @@ def mirrorspec_hybrid_confident(target: LoadedModel, drafts: Drafts, ids: list[i
     """mirrorspec-hybrid with the draft model's windows ending after its first unsure token."""
     return _mirrorspec(target, drafts.model, ids, params, k, seed, prompt_lookup=DEFAULT_PROMPT_LOOKUP,
                        draft_confidence=DEFAULT_DRAFT_CONFIDENCE)
+
+
+@register_mode("mirrorspec-hybrid-confident-runner-up", uses_k=True, needs_draft_model=True)
+def mirrorspec_hybrid_confident_runner_up(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
+                                          k: int, seed: int) -> RunOutput:
+    """mirrorspec-hybrid-confident whose greedy windows also offer the draft's runner-up for their
+    first draft, in the same target pass (``generate(runner_up=True)``)."""
+    return _mirrorspec(target, drafts.model, ids, params, k, seed, prompt_lookup=DEFAULT_PROMPT_LOOKUP,
+                       draft_confidence=DEFAULT_DRAFT_CONFIDENCE, runner_up=True)
 
 
 @register_mode("mirrorspec-hybrid-adaptive", uses_k=True, needs_draft_model=True)
@@ -218,7 +228,8 @@ def _served(client, ids: list[int], params: SamplingParams, k: int, seed: int) -
     wall = time.perf_counter() - started
     s = done.stats
     stats = GenerationStats(windows=s.windows, drafted=s.drafted, accepted=s.accepted, rejected=s.rejected,
-                            draft_time_s=s.draft_time_s, verify_time_s=s.verify_time_s)
+                            draft_time_s=s.draft_time_s, verify_time_s=s.verify_time_s,
+                            runner_up_hits=s.runner_up_hits)
     return RunOutput(list(done.token_ids), wall, done.finish_reason, stats)
 
 
@@ -252,6 +263,16 @@ def served_hybrid_confident(target: LoadedModel, drafts: Drafts, ids: list[int],
     ``mirrorspec serve`` runs by default."""
     return _served(drafts.services.client(target, drafts.model, drafts.server_source, DEFAULT_PROMPT_LOOKUP,
                                           draft_confidence=DEFAULT_DRAFT_CONFIDENCE), ids, params, k, seed)
+
+
+@register_mode("served-hybrid-confident-runner-up", uses_k=True, needs_draft_model=True, in_process=False)
+def served_hybrid_confident_runner_up(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
+                                      k: int, seed: int) -> RunOutput:
+    """served-hybrid-confident with greedy windows offering the draft's runner-up too
+    (``mirrorspec serve --runner-up``)."""
+    return _served(drafts.services.client(target, drafts.model, drafts.server_source, DEFAULT_PROMPT_LOOKUP,
+                                          draft_confidence=DEFAULT_DRAFT_CONFIDENCE, runner_up=True),
+                   ids, params, k, seed)
 
 
 @register_mode("served-hybrid-adaptive-confident", uses_k=True, needs_draft_model=True, in_process=False)

@@ -52,6 +52,7 @@ class Summary:
     pass_cost: float | None = None  # verify time per window / target-only's time per target step
     per_position_acceptance: list[float] | None = None
     branch_hit_rate: float | None = None  # mirror modes: windows whose draft was ready at the verdict
+    runner_up_hit_rate: float | None = None  # runner-up modes: windows whose first slot went to the runner-up
     identical: bool | None = None  # greedy only: all prompts token-identical to target-only
 
 
@@ -67,6 +68,9 @@ def _spec_fields(stats: list[dict], k: int) -> dict:
                  "verify_s_per_window": verify_time / windows if windows else None,
                  "branch_hit_rate": (sum(s.get("branch_hits", 0) for s in stats) / mirror_windows
                                      if mirror_windows else None)}
+    runner_up_hits = sum(s.get("runner_up_hits", 0) for s in stats)
+    if runner_up_hits and windows:
+        out["runner_up_hit_rate"] = runner_up_hits / windows
     if k == 0 or drafted == 0:
         return out
     tests = accepted + sum(s.get("rejected", 0) for s in stats)

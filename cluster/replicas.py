@@ -133,7 +133,7 @@ class FrontDoor:
         config = OrchestratorConfig(target=",".join(members["target"]), drafter=",".join(members["drafter"]) or None,
                                     host=spec.host, port=spec.port, num_speculative_tokens=spec.num_speculative_tokens,
                                     adaptive=spec.adaptive, mirror=spec.mirror, metrics_port=spec.metrics_port,
-                                    speculation_off_above=spec.speculation_off_above)
+                                    speculation_off_above=spec.speculation_off_above, runner_up=spec.runner_up)
         self.server = BackgroundServer(lambda: serve(config), "orchestrator").start(timeout=600)
         self.host = spec.host
         self._version = version

@@ -74,6 +74,7 @@ FLAG_FOR_FIELD = {
     "draft": "--draft",
     "dtype": "--dtype",
     "device": "--device",
+    "runner_up": "--no-runner-up",
     "ngram": "--draft",
     "threads": "--threads",
     "local": "--local",
@@ -129,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--mirror", action="store_true",
                      help="draft the next window while the target verifies this one (same output; "
                           "without --local: asks the server for it)")
+    gen.add_argument("--no-runner-up", action="store_true",
+                     help="with --local: verify chains only. By default greedy windows also offer the draft's "
+                          "runner-up for their first draft, in the same target pass (same output; not with --mirror)")
     gen.add_argument("--hint-layer", type=int, default=None,
                      help="with --local --mirror: the target sends early-exit hints read off this layer")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -164,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds to wait for the first replicas (on a fresh cluster: for the autoscaler's nodes)")
     srv.add_argument("--k", type=int, default=None, help="requests' default " + K_HELP)
     srv.add_argument("--adaptive", action="store_true", help="choose K per window in [0, K] from acceptance")
+    srv.add_argument("--no-runner-up", action="store_true",
+                     help="verify chains only. By default greedy windows also offer the targets the draft's "
+                          "runner-up for their first draft, in the same pass (same output; not for mirror requests)")
     srv.add_argument("--mirror", action="store_true",
                      help="by default, draft the next window's likely branches while the target verifies "
                           "(a request's `mirror` field overrides; the output is the same either way)")
@@ -287,6 +294,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.hint_layer is not None and not (args.local and args.mirror):
         raise InvalidRequest("needs --local and --mirror (a server's targets send hints if they were started "
                              "with `mirrorspec serve --hint-layer`)", field="hint_layer")
+    if args.no_runner_up and not args.local:
+        raise InvalidRequest("needs --local (a server's front door is set with `mirrorspec serve --no-runner-up`)",
+                             field="runner_up")
     if not args.local:
         return _generate_remote(args)
     import torch
@@ -306,7 +316,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                       seed=args.seed, proposal_top_k=args.proposal_top_k, prompt_lookup=args.prompt_lookup,
                       draft_confidence=args.draft_confidence, adaptive=args.adaptive,
                       mirror=args.mirror, hint_layer=args.hint_layer, hint_lens=_hint_lens(target, args.hint_layer),
-                      on_tokens=printer.push if printer else None)
+                      on_tokens=printer.push if printer else None, runner_up=not args.no_runner_up)
     text = target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     if args.json:
         print(json.dumps({
@@ -457,7 +467,8 @@ def _stack_spec(args: argparse.Namespace, target_gpus: float):
                      target_resources=PoolResources(cpus=args.replica_cpus, gpus=target_gpus),
                      threads=args.threads or 1, dtype=args.dtype, device=args.device,
                      num_speculative_tokens=args.k, adaptive=AdaptiveKConfig() if args.adaptive else None,
-                     mirror=MirrorConfig() if args.mirror else None, hint_layer=args.hint_layer,
+                     mirror=MirrorConfig() if args.mirror else None, runner_up=not args.no_runner_up,
+                     hint_layer=args.hint_layer,
                      hint_vocab=args.hint_vocab, hint_lens=args.hint_lens,
                      speculation_off_above=args.speculation_off_above,
                      proposal_top_k=args.proposal_top_k, prompt_lookup=args.prompt_lookup,
@@ -546,7 +557,7 @@ def _serve_in_process(args: argparse.Namespace) -> int:
                               target_model=target, host=args.host, port=args.port, num_speculative_tokens=args.k,
                               metrics_port=args.metrics_port, adaptive=AdaptiveKConfig() if args.adaptive else None,
                               mirror=MirrorConfig() if args.mirror else None,
-                              speculation_off_above=args.speculation_off_above)
+                              speculation_off_above=args.speculation_off_above, runner_up=not args.no_runner_up)
     print(f"mirrorspec: serving on {args.host}:{stack.front.port} (in-process; target {args.target}, "
           f"draft {args.draft}, K={args.k}{' mirror' if args.mirror else ''}); Ctrl-C stops", flush=True)
     _wait_for_stop()
@@ -649,17 +660,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     cli_k = default_k(True, DEFAULT_DRAFT_CONFIDENCE)  # what `mirrorspec generate --local` runs
     confident = generate(target.model, draft, ids, params, num_speculative_tokens=cli_k,
                          prompt_lookup=DEFAULT_PROMPT_LOOKUP, draft_confidence=DEFAULT_DRAFT_CONFIDENCE)
+    runner_up = generate(target.model, draft, ids, params, num_speculative_tokens=cli_k, runner_up=True,
+                         prompt_lookup=DEFAULT_PROMPT_LOOKUP, draft_confidence=DEFAULT_DRAFT_CONFIDENCE)
     print(target.tokenizer.decode(spec.token_ids, skip_special_tokens=True))
     print(f"\n{'target alone':<19} {alone.tokens_per_second:6.1f} tok/s")
     for name, run, k in (("with demo draft", spec, args.k), ("+ prompt lookup", lookup, args.k),
-                         ("+ stop when unsure", confident, cli_k)):
+                         ("+ stop when unsure", confident, cli_k), ("+ runner-up", runner_up, cli_k)):
         s = run.stats
         speedup = run.tokens_per_second / alone.tokens_per_second
         print(f"{name:<19} {run.tokens_per_second:6.1f} tok/s  ({speedup:.2f}x), K={k}, "
               f"alpha {s.token_acceptance_rate:.2f}, {s.mean_accepted_length:.2f} tokens/pass")
     print(f"(the last is `mirrorspec generate --local`'s default: windows end after the draft's first token "
-          f"below p={DEFAULT_DRAFT_CONFIDENCE})")
-    identical = spec.token_ids == alone.token_ids == lookup.token_ids == confident.token_ids
+          f"below p={DEFAULT_DRAFT_CONFIDENCE}, and the target also scores the draft's runner-up for the first)")
+    identical = spec.token_ids == alone.token_ids == lookup.token_ids == confident.token_ids == runner_up.token_ids
     print(f"greedy output identical to the target alone: {'yes' if identical else 'NO'}")
     return 0 if identical else 1
 

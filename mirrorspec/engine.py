@@ -58,12 +58,20 @@ class Verifier(Protocol):
 
 class TargetVerifier:
     """Scores a window in one target forward pass and runs exact rejection sampling on it; with
-    a ``probe``, it reads early-exit hints off that same pass."""
+    a ``probe``, it reads early-exit hints off that same pass.
 
-    def __init__(self, session: LogitSession, probe: EarlyExitProbe | None = None):
+    With ``runner_up``, a greedy window also scores the drafter's runner-up for the first draft
+    in the same pass (a two-way tree at the root, one token more). Where the target rejects the
+    first draft and its own token is that runner-up, the window keeps it and the target's token
+    after it: two tokens where a chain gives one. Exact by construction: the target's argmax is
+    followed, only further. Sampled windows verify the chain alone (a sampled tree needs
+    recursive rejection sampling, which is not built)."""
+
+    def __init__(self, session: LogitSession, probe: EarlyExitProbe | None = None, runner_up: bool = False):
         self.session = session
         self.vocab_size = session.vocab_size
         self.probe = probe
+        self.runner_up = runner_up and hasattr(session, "logits_with_runner_up")
 
     @property
     def gives_hints(self) -> bool:
@@ -73,11 +81,20 @@ class TargetVerifier:
                on_hint: Callable[[EarlyExitHint], None] | None = None) -> WindowVerdict:
         k, start = len(proposal), len(context)
         hinting = self.probe.watching(k + 1, on_hint) if on_hint is not None and self.probe else nullcontext()
+        runner_up = self._runner_up(proposal, params) if on_hint is None else None
+        window = [*context, *proposal.tokens]
         with hinting:
-            logits = self.session.logits_for(list(context) + list(proposal.tokens), k + 1)  # [k + 1, vocab]
+            if runner_up is None:
+                logits = self.session.logits_for(window, k + 1)  # [k + 1, vocab]
+            else:
+                logits, runner_up_logits = self.session.logits_with_runner_up(window, k + 1, runner_up).split(k + 1)
         draft_ids = proposal.token_tensor(logits.device)  # [1, k]
         if params.greedy:
             num_accepted, next_token = greedy_verify(draft_ids, logits.argmax(dim=-1, keepdim=True).T)
+            if runner_up is not None and int(num_accepted.item()) == 0 and int(next_token.item()) == runner_up:
+                self.session.rollback(start)  # the runner-up's cache entry sits past the drafts: re-fed next window
+                return WindowVerdict(num_accepted=1, next_token=int(runner_up_logits[0].argmax()),
+                                     next_kind=TokenKind.BONUS, runner_up=runner_up)
         else:
             vocab = logits.shape[-1]
             p = target_probs(logits, params).unsqueeze(0)  # [1, k + 1, vocab]
@@ -88,6 +105,9 @@ class TargetVerifier:
         n = int(num_accepted.item())
         self.session.rollback(start + n)  # drop the rejected drafts from the cache now
         return WindowVerdict(num_accepted=n, next_token=int(next_token.item()), next_kind=next_kind(n, k))
+
+    def _runner_up(self, proposal: Proposal, params: SamplingParams) -> int | None:
+        return proposal.runner_up() if self.runner_up and params.greedy else None
 
 
 @dataclass
@@ -107,6 +127,7 @@ class GenerationStats:
     branches_drafted: int = 0
     branch_hits: int = 0
     draft_time_off_path_s: float = 0.0  # branch drafting that overlapped a verify
+    runner_up_hits: int = 0  # greedy windows whose first slot went to the drafter's runner-up
     # (what, start, end) in perf_counter seconds, what = draft | verify | branches; None = not kept
     timeline: list[tuple[str, float, float]] | None = None
 
@@ -263,7 +284,8 @@ def decode_windows(
             policy.observe(len(proposal), verdict.num_accepted)
         last = (verdict.num_accepted, verdict.next_token)
 
-        tokens = [*proposal.tokens[:verdict.num_accepted], verdict.next_token]
+        tokens = [*verdict.accepted_tokens(proposal.tokens), verdict.next_token]
+        stats.runner_up_hits += verdict.runner_up is not None
         finish = None
         for i, token in enumerate(tokens):
             if token in stop:
@@ -345,6 +367,7 @@ def generate(
     hint_layer: int | None = None,
     hint_lens: TunedLens | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
+    runner_up: bool = False,
 ) -> GenerationResult:
     """Generate with speculative decoding, exactly as the target alone would.
 
@@ -373,6 +396,8 @@ def generate(
         hint_lens: read those hints through this tuned lens (``mirrorspec.models.lens.tuned_lens``)
             rather than the final norm alone: far likelier to name the target's token.
         on_tokens: called with each window's committed tokens as soon as they are known.
+        runner_up: greedy windows also offer the target the drafter's runner-up for their first
+            draft, in the same pass (``TargetVerifier``); the output is the same. Not with mirror.
 
     Greedy output is token-identical to target-only greedy decoding; sampled output has exactly
     the target's distribution for any draft.
@@ -399,7 +424,8 @@ def generate(
              if hint_layer is not None and pipeline is not None else None)
     started = time.perf_counter()
     try:
-        for event in decode_windows(drafter, TargetVerifier(session, probe), prompt, params, spec, seed, stats,
+        verifier = TargetVerifier(session, probe, runner_up=runner_up and pipeline is None)
+        for event in decode_windows(drafter, verifier, prompt, params, spec, seed, stats,
                                     pipeline):
             tokens += event.tokens
             if on_tokens is not None:

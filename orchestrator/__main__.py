@@ -20,6 +20,8 @@ parser.add_argument("--speculation-off-above", type=int, default=None, metavar="
 parser.add_argument("--no-front-door-lookup", action="store_true",
                     help="leave the drafters' prompt lookup to them (default: run it here, on the token log, "
                          "and call a drafter only where lookup finds nothing)")
+parser.add_argument("--runner-up", action="store_true",
+                    help="greedy windows also offer the targets the draft's runner-up for their first draft")
 parser.add_argument("--metrics-port", type=int, default=None)
 args = parser.parse_args()
 config = OrchestratorConfig(target=args.target, drafter=args.drafter, host=args.host, port=args.port,
@@ -27,5 +29,5 @@ config = OrchestratorConfig(target=args.target, drafter=args.drafter, host=args.
                             adaptive=AdaptiveKConfig() if args.adaptive else None,
                             mirror=MirrorConfig() if args.mirror else None,
                             speculation_off_above=args.speculation_off_above,
-                            front_door_lookup=not args.no_front_door_lookup)
+                            front_door_lookup=not args.no_front_door_lookup, runner_up=args.runner_up)
 run_until_terminated(lambda: serve(config), "orchestrator")

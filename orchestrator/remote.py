@@ -368,11 +368,12 @@ class RemoteVerifier(PooledSession):
 
     def __init__(self, pool: ReplicaPool, prompt: Sequence[int], params: SamplingParams, seed: int, vocab_size: int,
                  timeout_s: float | None = None, replacement_wait_s: float = 60.0, gives_hints: bool = False,
-                 defer_prefill: bool = False):
+                 defer_prefill: bool = False, runner_up: bool = False):
         super().__init__(pool, prompt, params, seed, timeout_s, replacement_wait_s)
         self.vocab_size = vocab_size
         self.gives_hints = gives_hints
         self.defer_prefill = defer_prefill
+        self.runner_up = runner_up  # offer the drafter's runner-up for greedy windows' first drafts
         self._unary = True  # windows without hints go by VerifyWindow (until a replica lacks it)
         self.open(prompt)
         self.defer_prefill = False
@@ -388,7 +389,7 @@ class RemoteVerifier(PooledSession):
                 raise RuntimeError(f"verify on a context that forks from the target session at {keep}")
             request = target_pb2.VerifyRequest(session_id=session_id, commit_tokens=commit,
                                                context_length=len(context), draft_tokens=proposal.tokens,
-                                               hints=on_hint is not None)
+                                               hints=on_hint is not None, runner_up=runner_up)
             if proposal.tokens:
                 request.q.CopyFrom(proposal_to_proto(proposal.q))
             if on_hint is None:
@@ -404,12 +405,14 @@ class RemoteVerifier(PooledSession):
                         self._unary = False
             return _verdict_of(replica.stub.Verify(request, timeout=self.timeout_s), on_hint)
 
+        runner_up = proposal.runner_up() if self.runner_up and params.greedy and on_hint is None else None
         started = time.perf_counter()
         verdict = self.call(context, rpc)
         self.times.call_s += time.perf_counter() - started
         self.times.server_s += verdict.verify_time_s
         return WindowVerdict(num_accepted=verdict.num_accepted, next_token=verdict.next_token,
-                             next_kind=TOKEN_KIND_FROM_PROTO[verdict.next_kind])
+                             next_kind=TOKEN_KIND_FROM_PROTO[verdict.next_kind],
+                             runner_up=verdict.runner_up if verdict.HasField("runner_up") else None)
 
 
 def _verdict_of(events, on_hint: Callable[[EarlyExitHint], None] | None) -> target_pb2.Verdict:

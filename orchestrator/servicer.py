@@ -69,6 +69,9 @@ class OrchestratorConfig:
     # looked-up window then makes no drafter call; an n-gram pool, lookup alone, is never called.
     # False leaves lookup to the replicas.
     front_door_lookup: bool = True
+    # greedy windows also offer the targets the drafter's runner-up for their first draft, in the
+    # same pass (TargetVerifier); not for mirror requests, whose branches key on chain verdicts
+    runner_up: bool = False
 
     def __post_init__(self) -> None:
         if self.speculation_off_above is not None and self.speculation_off_above < 0:
@@ -244,7 +247,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             verifier = RemoteVerifier(self.targets, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
                                       timeout_s=timeout,
                                       replacement_wait_s=min(timeout, self.config.replacement_wait_s),
-                                      gives_hints=self.target_info.hint_layer > 0, defer_prefill=defer_prefill)
+                                      gives_hints=self.target_info.hint_layer > 0, defer_prefill=defer_prefill,
+                                      runner_up=self.config.runner_up and prepared.mirror is None)
         except BaseException:
             if (opened := drafting.result()) is not None:
                 opened.remote.release()
@@ -365,6 +369,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             mirror_windows=s.mirror_windows, branches_drafted=s.branches_drafted, branch_hits=s.branch_hits,
             branch_hit_rate=s.branch_hit_rate, draft_time_off_path_s=s.draft_time_off_path_s,
             mean_k=s.drafted / s.windows if s.windows else 0.0, speculation_paused_windows=outcome.paused_windows,
+            runner_up_hits=s.runner_up_hits,
             timeline=[generation_pb2.TimelineSpan(what=what, start_s=start - outcome.started,
                                                   end_s=end - outcome.started) for what, start, end in s.timeline or ()],
             total_time_s=time.perf_counter() - outcome.started)

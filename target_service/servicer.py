@@ -87,7 +87,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         prompt = validate_prompt(request.prompt_ids, self.vocab_size, self.loaded.max_context, params,
                                  field="prompt_ids")
         session = TargetSession(SequenceState(prompt, params, int(request.seed)),
-                                TargetVerifier(self.new_session(), self.probe))
+                                TargetVerifier(self.new_session(), self.probe, runner_up=True))
         session_id = self.sessions.open(session)
         if request.defer_prefill:  # the first Verify scores the prompt with its window, in one pass
             return target_pb2.OpenTargetSessionResponse(session_id=session_id)
@@ -137,6 +137,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                              field="draft_tokens")
         commit = check_token_ids(request.commit_tokens, self.vocab_size, "commit_tokens")
         proposal = proposal_from_proto(request.draft_tokens, request.q, self.vocab_size)
+        if request.HasField("runner_up"):
+            proposal = with_runner_up(proposal, request.runner_up, self.vocab_size)
         async with session.lock:
             seq = session.sequence
             if len(seq.context) + len(commit) + len(proposal) + 1 > self.loaded.max_context:
@@ -156,9 +158,23 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                      hint_layer=self.probe.layer if self.probe else 0)
 
 
+def with_runner_up(proposal: Proposal, runner_up: int, vocab_size: int) -> Proposal:
+    """The proposal as the verifier takes a runner-up: the only alternative at its first draft
+    (the verifier scores it there for greedy requests and ignores it for sampled ones)."""
+    if not proposal.tokens:
+        raise InvalidRequest("runner_up needs at least one draft token: it competes with the first",
+                             field="runner_up")
+    check_token_ids([runner_up], vocab_size, "runner_up")
+    if runner_up == proposal.tokens[0]:
+        raise InvalidRequest(f"runner_up {runner_up} is the first draft token itself; send another candidate "
+                             "or none", field="runner_up")
+    return replace(proposal, alternatives=((runner_up,),), alternative_probs=())
+
+
 def _verdict_to_proto(verdict: WindowVerdict, verify_time_s: float) -> target_pb2.Verdict:
     return target_pb2.Verdict(num_accepted=verdict.num_accepted, next_token=verdict.next_token,
-                              next_kind=TOKEN_KIND_TO_PROTO[verdict.next_kind], verify_time_s=verify_time_s)
+                              next_kind=TOKEN_KIND_TO_PROTO[verdict.next_kind], verify_time_s=verify_time_s,
+                              runner_up=verdict.runner_up)
 
 
 async def _until_done(queue: asyncio.Queue, task: asyncio.Future) -> AsyncIterator:

@@ -49,6 +49,7 @@ from mirrorspec.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_K, DEFAULT_K_CON
     (["demo", "--rebuild", "--epochs", "0"], "--epochs"),
     (["generate", "hi", "--local", "--device", "gpu0"], "--device"),
     (["serve", "--device", "tpu"], "--device"),  # refused before a Ray starts
+    (["generate", "hi", "--no-runner-up"], "--no-runner-up"),  # a server's setting without --local
 ])
 def test_bad_flags_are_named(argv, flag, capsys):
     with pytest.raises(SystemExit) as exit_info:

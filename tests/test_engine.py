@@ -171,5 +171,41 @@ def test_greedy_identity_on_the_real_demo_target(demo_target, quick_draft, promp
     ids = encode_prompt(demo_target.tokenizer, prompt)
     params = SamplingParams(max_new_tokens=48, stop_token_ids=demo_target.stop_token_ids())
     baseline = generate(demo_target.model, None, ids, params).token_ids
-    for draft, k in ((quick_draft, 3), ("ngram", 4), (DraftModelDrafter(quick_draft, proposal_top_k=8), 5)):
-        assert generate(demo_target.model, draft, ids, params, num_speculative_tokens=k).token_ids == baseline
+    for draft, k, runner_up in ((quick_draft, 3, False), ("ngram", 4, False),
+                                (DraftModelDrafter(quick_draft, proposal_top_k=8), 5, False), (quick_draft, 4, True)):
+        out = generate(demo_target.model, draft, ids, params, num_speculative_tokens=k, runner_up=runner_up)
+        assert out.token_ids == baseline
+
+
+def test_greedy_runner_up_windows_are_identical_to_target_only_and_take_runner_ups(tiny_target, near_draft,
+                                                                                   monkeypatch):
+    """The runner-up changes how far a window reaches, never what is generated; and it is used
+    (a runner-up that never won would test nothing). A planted bug that takes the runner-up
+    wherever the first draft is rejected, without the target choosing it, must change the output."""
+    from mirrorspec.engine import TargetVerifier
+
+    params = SamplingParams(max_new_tokens=24, stop_token_ids=(7,))
+    prompts = random_prompts(12, vocab=8, seed=3)
+    baselines = [generate(tiny_target, None, p, params).token_ids for p in prompts]
+    hits = 0
+    for prompt, baseline in zip(prompts, baselines):
+        for k in (1, 3):
+            result = generate(tiny_target, near_draft, prompt, params, num_speculative_tokens=k, runner_up=True)
+            assert result.token_ids == baseline
+            hits += result.stats.runner_up_hits
+    assert hits > 0
+
+    original = TargetVerifier.verify
+
+    def trusting(self, context, proposal, params, seed, on_hint=None):
+        verdict = original(self, context, proposal, params, seed, on_hint)
+        runner_up = self._runner_up(proposal, params)
+        if verdict.num_accepted == 0 and runner_up is not None and verdict.runner_up is None:
+            self.session.rollback(len(context))
+            return type(verdict)(1, verdict.next_token, verdict.next_kind, runner_up)  # unchecked
+        return verdict
+
+    monkeypatch.setattr(TargetVerifier, "verify", trusting)
+    planted = [generate(tiny_target, near_draft, p, params, num_speculative_tokens=3, runner_up=True).token_ids
+               for p in prompts]
+    assert planted != baselines

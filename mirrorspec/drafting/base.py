@@ -45,6 +45,12 @@ class Proposal:
     def ranked(self) -> RankedTokens:
         return RankedTokens(self.alternatives, self.alternative_probs)
 
+    def runner_up(self) -> int | None:
+        """The drafter's likeliest token other than the first draft, at the first position, if any."""
+        if not (self.tokens and self.alternatives):
+            return None
+        return next((t for t in self.alternatives[0] if t != self.tokens[0]), None)
+
 
 @dataclass(frozen=True)
 class RankedTokens:

@@ -95,6 +95,20 @@ def sub_vocabulary_head(model: torch.nn.Module, rows: torch.Tensor) -> torch.nn.
     return heads[key]
 
 
+def runner_up_mask(cached: int, queries: int, first: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive attention mask for ``queries`` new tokens after ``cached`` ones: causal for all
+    but the last, which sees keys before ``first`` and itself only.
+
+    # -> [1, 1, queries, cached + queries]
+    """
+    keys = torch.arange(cached + queries, device=device)
+    visible = keys[None, :] <= torch.arange(cached, cached + queries, device=device)[:, None]  # [queries, keys]
+    visible[-1] = keys < first
+    visible[-1, -1] = True
+    blocked = torch.full(visible.shape, torch.finfo(dtype).min, dtype=dtype, device=device)
+    return blocked.masked_fill(visible, 0.0)[None, None]
+
+
 class KVSession:
     """Holds one DynamicCache and the token ids it covers.
 
@@ -126,6 +140,32 @@ class KVSession:
         if not 1 <= num_positions <= len(context):
             raise ValueError(f"num_positions must be in [1, {len(context)}], got {num_positions}")
         return self._extend(context, num_positions)[0]
+
+    @torch.inference_mode()
+    def logits_with_runner_up(self, context: Sequence[int], num_positions: int, runner_up: int) -> torch.Tensor:
+        """``logits_for(context, num_positions)`` plus one more row from the same forward pass: the
+        next-token logits after ``runner_up`` put in place of the first of the last
+        ``num_positions - 1`` tokens (a second candidate for a window's first draft: a two-way
+        tree at the root).
+
+        The runner-up goes in last, at its rival's position index, under a 4D mask that shows it
+        the context before that position and itself only, so its row is what a forward over
+        ``context[:first] + [runner_up]`` would give. Its cache entry is left at the end: the
+        caller rolls back to at most ``len(context)`` (a verifier always does).
+
+        # -> [num_positions + 1, vocab] float32; the last row follows the runner-up
+        """
+        if not 2 <= num_positions <= len(context):
+            raise ValueError(f"num_positions must be in [2, {len(context)}], got {num_positions}")
+        keep = min(common_prefix_length(self.tokens, context), len(context) - num_positions)
+        self.rollback(keep)
+        first = len(context) - num_positions + 1  # where the runner-up competes with context[first]
+        fed = [*context[keep:], runner_up]
+        mask = runner_up_mask(keep, len(fed), first, next(self.model.parameters()).dtype, self.device)
+        positions = torch.tensor([[*range(keep, len(context)), first]], device=self.device)
+        self.tokens = [*context, runner_up]  # as long as the cache; not a sequence: roll back before reuse
+        new = torch.tensor([fed], dtype=torch.long, device=self.device)
+        return self.forward(new, self._cache, num_positions + 1, attention_mask=mask, position_ids=positions)[0]
 
     def _extend(self, context: Sequence[int], num_positions: int) -> torch.Tensor:
         """Make the cache cover ``context``, recomputing at least its last ``num_positions``.

@@ -14,6 +14,7 @@ inputs give the same verdict on any device, and tests can plant bugs by swapping
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,13 @@ class WindowVerdict:
     num_accepted: int
     next_token: int
     next_kind: TokenKind
+    # greedy runner-up windows: the drafter's runner-up, taken in place of the first draft (then
+    # num_accepted is 1 and next_token is the target's token after it)
+    runner_up: int | None = None
+
+    def accepted_tokens(self, drafts: Sequence[int]) -> list[int]:
+        """The drafts this verdict keeps, in order (the runner-up where it won the first slot)."""
+        return [self.runner_up] if self.runner_up is not None else list(drafts[:self.num_accepted])
 
 
 def rejection_sample(

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from mirrorspec.v1 import common_pb2 as mirrorspec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amirrorspec/v1/target.proto\x12\rmirrorspec.v1\x1a\x1amirrorspec/v1/common.proto\"\x82\x01\n\x18OpenTargetSessionRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12-\n\x06params\x18\x02 \x01(\x0b\x32\x1d.mirrorspec.v1.SamplingParams\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x15\n\rdefer_prefill\x18\x04 \x01(\x08\"G\n\x19OpenTargetSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0eprefill_time_s\x18\x02 \x01(\x01\"\xa7\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommit_tokens\x18\x02 \x03(\r\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x03(\r\x12.\n\x01q\x18\x05 \x01(\x0b\x32#.mirrorspec.v1.ProposalDistribution\x12\r\n\x05hints\x18\x06 \x01(\x08\"w\n\x07Verdict\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\r\x12+\n\tnext_kind\x18\x03 \x01(\x0e\x32\x18.mirrorspec.v1.TokenKind\x12\x15\n\rverify_time_s\x18\x04 \x01(\x01\"%\n\x07HintRow\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"D\n\rEarlyExitHint\x12\r\n\x05layer\x18\x01 \x01(\r\x12$\n\x04rows\x18\x02 \x03(\x0b\x32\x16.mirrorspec.v1.HintRow\"r\n\x0eVerifyResponse\x12)\n\x07verdict\x18\x01 \x01(\x0b\x32\x16.mirrorspec.v1.VerdictH\x00\x12,\n\x04hint\x18\x02 \x01(\x0b\x32\x1c.mirrorspec.v1.EarlyExitHintH\x00\x42\x07\n\x05\x65vent\"\x9d\x01\n\nTargetInfo\x12.\n\x05model\x18\x01 \x01(\x0b\x32\x1f.mirrorspec.v1.ModelDescription\x12\x15\n\ropen_sessions\x18\x02 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x03 \x01(\r\x12\x1e\n\x16max_speculative_tokens\x18\x04 \x01(\r\x12\x12\n\nhint_layer\x18\x05 \x01(\r2\xe3\x03\n\rTargetService\x12`\n\x0bOpenSession\x12\'.mirrorspec.v1.OpenTargetSessionRequest\x1a(.mirrorspec.v1.OpenTargetSessionResponse\x12G\n\x06Verify\x12\x1c.mirrorspec.v1.VerifyRequest\x1a\x1d.mirrorspec.v1.VerifyResponse0\x01\x12\x44\n\x0cVerifyWindow\x12\x1c.mirrorspec.v1.VerifyRequest\x1a\x16.mirrorspec.v1.Verdict\x12I\n\rVerifyWindows\x12\x1c.mirrorspec.v1.VerifyRequest\x1a\x16.mirrorspec.v1.Verdict(\x01\x30\x01\x12W\n\x0c\x43loseSession\x12\".mirrorspec.v1.CloseSessionRequest\x1a#.mirrorspec.v1.CloseSessionResponse\x12=\n\x04Info\x12\x1a.mirrorspec.v1.InfoRequest\x1a\x19.mirrorspec.v1.TargetInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amirrorspec/v1/target.proto\x12\rmirrorspec.v1\x1a\x1amirrorspec/v1/common.proto\"\x82\x01\n\x18OpenTargetSessionRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12-\n\x06params\x18\x02 \x01(\x0b\x32\x1d.mirrorspec.v1.SamplingParams\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x15\n\rdefer_prefill\x18\x04 \x01(\x08\"G\n\x19OpenTargetSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0eprefill_time_s\x18\x02 \x01(\x01\"\xcd\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommit_tokens\x18\x02 \x03(\r\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x03(\r\x12.\n\x01q\x18\x05 \x01(\x0b\x32#.mirrorspec.v1.ProposalDistribution\x12\r\n\x05hints\x18\x06 \x01(\x08\x12\x16\n\trunner_up\x18\x07 \x01(\rH\x00\x88\x01\x01\x42\x0c\n\n_runner_up\"\x9d\x01\n\x07Verdict\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\r\x12+\n\tnext_kind\x18\x03 \x01(\x0e\x32\x18.mirrorspec.v1.TokenKind\x12\x15\n\rverify_time_s\x18\x04 \x01(\x01\x12\x16\n\trunner_up\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x0c\n\n_runner_up\"%\n\x07HintRow\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"D\n\rEarlyExitHint\x12\r\n\x05layer\x18\x01 \x01(\r\x12$\n\x04rows\x18\x02 \x03(\x0b\x32\x16.mirrorspec.v1.HintRow\"r\n\x0eVerifyResponse\x12)\n\x07verdict\x18\x01 \x01(\x0b\x32\x16.mirrorspec.v1.VerdictH\x00\x12,\n\x04hint\x18\x02 \x01(\x0b\x32\x1c.mirrorspec.v1.EarlyExitHintH\x00\x42\x07\n\x05\x65vent\"\x9d\x01\n\nTargetInfo\x12.\n\x05model\x18\x01 \x01(\x0b\x32\x1f.mirrorspec.v1.ModelDescription\x12\x15\n\ropen_sessions\x18\x02 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x03 \x01(\r\x12\x1e\n\x16max_speculative_tokens\x18\x04 \x01(\r\x12\x12\n\nhint_layer\x18\x05 \x01(\r2\xe3\x03\n\rTargetService\x12`\n\x0bOpenSession\x12\'.mirrorspec.v1.OpenTargetSessionRequest\x1a(.mirrorspec.v1.OpenTargetSessionResponse\x12G\n\x06Verify\x12\x1c.mirrorspec.v1.VerifyRequest\x1a\x1d.mirrorspec.v1.VerifyResponse0\x01\x12\x44\n\x0cVerifyWindow\x12\x1c.mirrorspec.v1.VerifyRequest\x1a\x16.mirrorspec.v1.Verdict\x12I\n\rVerifyWindows\x12\x1c.mirrorspec.v1.VerifyRequest\x1a\x16.mirrorspec.v1.Verdict(\x01\x30\x01\x12W\n\x0c\x43loseSession\x12\".mirrorspec.v1.CloseSessionRequest\x1a#.mirrorspec.v1.CloseSessionResponse\x12=\n\x04Info\x12\x1a.mirrorspec.v1.InfoRequest\x1a\x19.mirrorspec.v1.TargetInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,17 +37,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OPENTARGETSESSIONRESPONSE']._serialized_start=206
   _globals['_OPENTARGETSESSIONRESPONSE']._serialized_end=277
   _globals['_VERIFYREQUEST']._serialized_start=280
-  _globals['_VERIFYREQUEST']._serialized_end=447
-  _globals['_VERDICT']._serialized_start=449
-  _globals['_VERDICT']._serialized_end=568
-  _globals['_HINTROW']._serialized_start=570
-  _globals['_HINTROW']._serialized_end=607
-  _globals['_EARLYEXITHINT']._serialized_start=609
-  _globals['_EARLYEXITHINT']._serialized_end=677
-  _globals['_VERIFYRESPONSE']._serialized_start=679
-  _globals['_VERIFYRESPONSE']._serialized_end=793
-  _globals['_TARGETINFO']._serialized_start=796
-  _globals['_TARGETINFO']._serialized_end=953
-  _globals['_TARGETSERVICE']._serialized_start=956
-  _globals['_TARGETSERVICE']._serialized_end=1439
+  _globals['_VERIFYREQUEST']._serialized_end=485
+  _globals['_VERDICT']._serialized_start=488
+  _globals['_VERDICT']._serialized_end=645
+  _globals['_HINTROW']._serialized_start=647
+  _globals['_HINTROW']._serialized_end=684
+  _globals['_EARLYEXITHINT']._serialized_start=686
+  _globals['_EARLYEXITHINT']._serialized_end=754
+  _globals['_VERIFYRESPONSE']._serialized_start=756
+  _globals['_VERIFYRESPONSE']._serialized_end=870
+  _globals['_TARGETINFO']._serialized_start=873
+  _globals['_TARGETINFO']._serialized_end=1030
+  _globals['_TARGETSERVICE']._serialized_start=1033
+  _globals['_TARGETSERVICE']._serialized_end=1516
 # @@protoc_insertion_point(module_scope)

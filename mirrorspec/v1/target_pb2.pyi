@@ -28,32 +28,36 @@ class OpenTargetSessionResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prefill_time_s: _Optional[float] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "commit_tokens", "context_length", "draft_tokens", "q", "hints")
+    __slots__ = ("session_id", "commit_tokens", "context_length", "draft_tokens", "q", "hints", "runner_up")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     HINTS_FIELD_NUMBER: _ClassVar[int]
+    RUNNER_UP_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     commit_tokens: _containers.RepeatedScalarFieldContainer[int]
     context_length: int
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     q: _common_pb2.ProposalDistribution
     hints: bool
-    def __init__(self, session_id: _Optional[str] = ..., commit_tokens: _Optional[_Iterable[int]] = ..., context_length: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[_common_pb2.ProposalDistribution, _Mapping]] = ..., hints: _Optional[bool] = ...) -> None: ...
+    runner_up: int
+    def __init__(self, session_id: _Optional[str] = ..., commit_tokens: _Optional[_Iterable[int]] = ..., context_length: _Optional[int] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[_common_pb2.ProposalDistribution, _Mapping]] = ..., hints: _Optional[bool] = ..., runner_up: _Optional[int] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("num_accepted", "next_token", "next_kind", "verify_time_s")
+    __slots__ = ("num_accepted", "next_token", "next_kind", "verify_time_s", "runner_up")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NEXT_KIND_FIELD_NUMBER: _ClassVar[int]
     VERIFY_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    RUNNER_UP_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token: int
     next_kind: _common_pb2.TokenKind
     verify_time_s: float
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., next_kind: _Optional[_Union[_common_pb2.TokenKind, str]] = ..., verify_time_s: _Optional[float] = ...) -> None: ...
+    runner_up: int
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., next_kind: _Optional[_Union[_common_pb2.TokenKind, str]] = ..., verify_time_s: _Optional[float] = ..., runner_up: _Optional[int] = ...) -> None: ...
 
 class HintRow(_message.Message):
     __slots__ = ("ids", "probs")

@@ -90,3 +90,29 @@ def test_sessions_pass_the_cache_under_the_name_the_installed_transformers_uses(
         session.logits_for([0, 1, 2], 2)
         session.logits_for([0, 1, 2, 3, 4], 3)
         session.fork([0, 1, 2], [3, 4]).step()
+
+
+@pytest.mark.parametrize("cached", [0, 4, 8], ids=lambda c: f"cached{c}")
+@pytest.mark.parametrize("k", [1, 3])
+def test_the_runner_up_row_is_a_forward_over_the_runner_up_in_place_of_the_first_draft(tiny_dir, cached, k):
+    """One pass scores the window's chain and, in a last row under a 4D mask, the runner-up for
+    its first draft; rolled back, the session continues along either branch."""
+    import support
+
+    model = support.load(tiny_dir["target16"])
+    reference = MemoSession(model)
+    context = [1, 5, 3, 9, 2, 7, 4, 11, 6]  # its last k tokens are the window's drafts
+    first = len(context) - k
+    session = KVSession(model)
+    if cached:
+        session.logits_for(context[:cached], 1)
+    rows = session.logits_with_runner_up(context, k + 1, runner_up=13)  # [k + 2, vocab]
+    torch.testing.assert_close(rows[:k + 1], reference.logits_for(context, k + 1), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(rows[k + 1], reference.next_logits(context[:first] + [13]), rtol=1e-4, atol=1e-5)
+    session.rollback(first)  # the runner-up won: its branch is fed afresh
+    branch = context[:first] + [13, 8]
+    torch.testing.assert_close(session.logits_for(branch, 2), reference.logits_for(branch, 2), rtol=1e-4, atol=1e-5)
+    session.logits_with_runner_up(context, k + 1, runner_up=13)
+    session.rollback(len(context) - 1)  # a chain verdict keeps a prefix of the drafts
+    torch.testing.assert_close(session.logits_for(context, 1), reference.logits_for(context, 1), rtol=1e-4, atol=1e-5)
+    assert session.tokens == context

@@ -403,6 +403,23 @@ def test_target_rejects_malformed_q(target_stub, verify, q, code, needle):
         target_stub.CloseSession(common_pb2.CloseSessionRequest(session_id=sid))
 
 
+@pytest.mark.parametrize("fields,needle", [
+    (dict(runner_up=5), "at least one draft token"),
+    (dict(draft_tokens=[3], runner_up=3), "is the first draft token itself"),
+    (dict(draft_tokens=[3], runner_up=99), "outside the vocabulary"),
+])
+def test_target_rejects_a_malformed_runner_up(target_stub, verify, fields, needle):
+    sid = target_stub.OpenSession(target_pb2.OpenTargetSessionRequest(prompt_ids=[0, 1])).session_id
+    try:
+        if "draft_tokens" in fields:
+            fields["q"] = q_frame([[1.0]], [[fields["draft_tokens"][0]]])
+        with pytest.raises(grpc.RpcError) as err:
+            verify(target_stub, session_id=sid, context_length=2, **fields)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in err.value.details()
+    finally:
+        target_stub.CloseSession(common_pb2.CloseSessionRequest(session_id=sid))
+
+
 def test_target_session_errors(target_stub, verify):
     with pytest.raises(grpc.RpcError) as err:
         verify(target_stub, session_id="nope", context_length=2)
@@ -681,3 +698,24 @@ def test_sampled_output_through_the_network_follows_the_exact_distribution(tiny_
         assert chi_square_pvalue(samples, expected) > 1e-4
     finally:
         s.stop()
+
+
+def test_a_runner_up_front_door_keeps_greedy_output_and_takes_runner_ups(tiny_dir):
+    """``serve --runner-up``: greedy windows offer the drafter's runner-up over the wire, and
+    output stays target-only's; mirror and sampled requests verify chains (no runner-up hits)."""
+    model = load(tiny_dir["target16"])
+    stack = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, runner_up=True)
+    hits = 0
+    try:
+        with Client(stack.address) as client:
+            for prompt in prompts(8, seed=11):
+                served = client.generate(prompt, max_tokens=24)
+                assert served.token_ids == target_only(model, prompt, 24)
+                hits += served.stats.runner_up_hits
+            mirrored = client.generate([0, 4, 2], max_tokens=16, mirror=True)
+            sampled = client.generate([0, 4, 2], max_tokens=16, temperature=1.0, seed=3)
+    finally:
+        stack.stop()
+    assert hits > 0
+    assert mirrored.token_ids == target_only(model, [0, 4, 2], 16) and mirrored.stats.runner_up_hits == 0
+    assert sampled.stats.runner_up_hits == 0

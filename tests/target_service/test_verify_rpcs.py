@@ -126,3 +126,30 @@ def test_an_older_target_is_verified_the_way_it_knows(targets, tiny_dir, tempera
     assert len(decoded["current"][0]) == 40
     assert {vintage: ways for vintage, (_, ways) in decoded.items()} == {
         "current": (True, True), "before VerifyWindows": (False, True), "before VerifyWindow": (False, False)}
+
+
+def test_runner_up_windows_over_the_wire_decode_what_the_target_alone_does(targets, tiny_dir):
+    """A front door's RemoteVerifier offering the draft's runner-up (``serve --runner-up``):
+    greedy output equals target-only decoding, and runner-ups do win windows on the wire."""
+    import torch
+
+    from mirrorspec import generate
+
+    target, draft = load(tiny_dir["target16"]), load(tiny_dir["target16"])
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # the target with seeded noise: it agrees at about a third of positions
+        for weight in draft.parameters():
+            weight.add_(torch.randn(weight.shape, generator=generator) * 0.5 * weight.std())
+    pool = ReplicaPool("target", [targets["current"]], target_pb2_grpc.TargetServiceStub)
+    params = SamplingParams(max_new_tokens=30)
+    hits = 0
+    for prompt in ([2, 7, 7], [5, 1], [9, 3, 3, 12], [0, 14, 6]):
+        verifier = RemoteVerifier(pool, prompt, params, 9, 16, timeout_s=30, runner_up=True)
+        stats = GenerationStats()
+        tokens = [t for event in decode_windows(DraftModelDrafter(draft), verifier, prompt, params,
+                                                SpeculationConfig(num_speculative_tokens=3), 9, stats)
+                  for t in event.tokens]
+        verifier.release()
+        assert tokens == generate(target, None, prompt, params).token_ids
+        hits += stats.runner_up_hits
+    assert hits > 0
