@@ -42,9 +42,8 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUT_DIR/
     local override="LIMIT_$(echo "$name" | tr 'a-z-' 'A-Z_')"
     limit=${!override:-$limit}
     echo "=== $name: start $(date +%T), limit ${limit}s"
-    timeout -s ABRT -k 5 "$limit" "$@" >"$OUT_DIR/$name.log" 2>&1
+    timeout -s ABRT -k 5 "$limit" "$@" >"$OUT_DIR/$name.log" 2>&1  # signals the group: the servers go too
     echo "=== $name: exit $? at $(date +%T)"
-    pkill -f -- "-m (target|drafter)_service" 2>/dev/null  # servers a killed benchmark left behind
     grep -v -E '^\s*[0-9]+%\||it/s\]$' "$OUT_DIR/$name.log" | tail -n "${TAIL:-30}"
 }
 
