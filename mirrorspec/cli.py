@@ -438,9 +438,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     spec = _stack_spec(args, target_gpus=0.0)  # validates counts before Ray starts
     from mirrorspec.models.loading import parse_device, resolve_device
 
-    parse_device(args.device)
-    if args.address is None:  # the local Ray this command starts: its replicas see this machine's devices
-        resolve_device(args.device)
+    # a local Ray's replicas see this machine's devices; a cluster's GPU nodes may not be up yet
+    (resolve_device if args.address is None else parse_device)(args.device)
     from cluster.deploy import connect, deploy, teardown
 
     connect(args.address, num_cpus=_local_cpus(args, spec))

@@ -157,26 +157,27 @@ class KVSession:
         """
         if not 2 <= num_positions <= len(context):
             raise ValueError(f"num_positions must be in [2, {len(context)}], got {num_positions}")
-        keep = min(common_prefix_length(self.tokens, context), len(context) - num_positions)
-        self.rollback(keep)
-        first = len(context) - num_positions + 1  # where the runner-up competes with context[first]
-        fed = [*context[keep:], runner_up]
-        mask = runner_up_mask(keep, len(fed), first, next(self.model.parameters()).dtype, self.device)
-        positions = torch.tensor([[*range(keep, len(context)), first]], device=self.device)
-        self.tokens = [*context, runner_up]  # as long as the cache; not a sequence: roll back before reuse
-        new = torch.tensor([fed], dtype=torch.long, device=self.device)
-        return self.forward(new, self._cache, num_positions + 1, attention_mask=mask, position_ids=positions)[0]
+        return self._extend(context, num_positions, runner_up)[0]
 
-    def _extend(self, context: Sequence[int], num_positions: int) -> torch.Tensor:
-        """Make the cache cover ``context``, recomputing at least its last ``num_positions``.
+    def _extend(self, context: Sequence[int], num_positions: int, runner_up: int | None = None) -> torch.Tensor:
+        """Make the cache cover ``context``, recomputing at least its last ``num_positions``
+        (and, with ``runner_up``, score it as ``logits_with_runner_up`` says).
 
-        # -> [1, num_positions, vocab or m]
+        # -> [1, num_positions (+ 1 with a runner-up), vocab or m]
         """
         keep = min(common_prefix_length(self.tokens, context), len(context) - num_positions)
         self.rollback(keep)
-        new = torch.tensor([list(context[keep:])], dtype=torch.long, device=self.device)
-        self.tokens = list(context)
-        return self.forward(new, self._cache, num_positions)
+        fed, masking = list(context[keep:]), {}
+        if runner_up is not None:
+            first = len(context) - num_positions + 1  # where the runner-up competes with context[first]
+            fed.append(runner_up)
+            masking = {"attention_mask": runner_up_mask(keep, len(fed), first, next(self.model.parameters()).dtype,
+                                                        self.device),
+                       "position_ids": torch.tensor([[*range(keep, len(context)), first]], device=self.device)}
+        # with a runner-up, as long as the cache but not a sequence: the caller rolls back before reuse
+        self.tokens = [*context[:keep], *fed]
+        new = torch.tensor([fed], dtype=torch.long, device=self.device)
+        return self.forward(new, self._cache, num_positions + (runner_up is not None), **masking)
 
     def forward(self, input_ids: torch.Tensor, cache: DynamicCache, num_positions: int,
                 **masking: torch.Tensor) -> torch.Tensor:
