@@ -539,13 +539,29 @@ def test_mirror_over_the_network_is_identical_to_target_only_and_to_serial(mirro
     spans = [(span.what, span.start_s, span.end_s) for span in traced.timeline]
     verifies = [s for s in spans if s[0] == "verify"]
     assert len(verifies) == traced.windows and all(0 <= start <= end for _, start, end in spans)
-    # mirror: branch drafting starts before the verdict and overlaps the verify (all but the last
-    # mirrored window, which has no next window to draft, so its branch span may be empty)
-    pairs = list(zip(verifies, [s for s in spans if s[0] == "branches"]))
-    assert all(b_start <= v_end for (_, _, v_end), (_, b_start, _) in pairs)
-    assert all(v_start <= b_end for (_, v_start, _), (_, _, b_end) in pairs[:-1])
+    # mirror: each window's branch drafting lies inside that window, between the submit of its
+    # verify and the next window's start. Whether the two spans overlap is up to the scheduler (a
+    # loaded machine can finish a tiny verify before the drafting thread wakes), so only what
+    # causality fixes is asserted; the overlap itself is what `mirrorspec bench`'s timeline shows.
+    windows = spans_by_window(spans)
+    assert len(windows) == traced.windows
+    assert sum(any(what == "branches" for what, _, _ in w) for w in windows) == traced.mirror_windows
+    for earlier, later in zip(windows, windows[1:]):
+        assert max(end for _, _, end in earlier) <= min(start for _, start, _ in later)
     metrics = mirror_stack.front.servicer.metrics
     assert metrics.branch_hits._value.get() == hits and "mirrorspec_mirror_windows_total" in metrics.text()
+
+
+def spans_by_window(spans: list[tuple[str, float, float]]) -> list[list[tuple[str, float, float]]]:
+    """Timeline spans grouped per window: an optional fresh "draft", its "verify", then its
+    "branches" when it was mirrored (the order the engine records them in)."""
+    windows: list[list[tuple[str, float, float]]] = []
+    for span in spans:
+        opens_window = span[0] == "draft" or (span[0] == "verify" and not (windows and windows[-1][-1][0] == "draft"))
+        if opens_window or not windows:
+            windows.append([])
+        windows[-1].append(span)
+    return windows
 
 
 SUB_VOCABULARY = [0, 1, 2, 3, 5, 8, 13]
