@@ -126,6 +126,13 @@ def mirrorspec_ngram(target: LoadedModel, drafts: Drafts, ids: list[int], params
     return _mirrorspec(target, NgramDrafter(), ids, params, k, seed)
 
 
+@register_mode("mirrorspec-ngram-full-weak-windows", uses_k=True)
+def mirrorspec_ngram_full_weak_windows(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
+                                       k: int, seed: int) -> RunOutput:
+    """mirrorspec-ngram drafting all K after one-token matches too (before weak_match_tokens)."""
+    return _mirrorspec(target, NgramDrafter(weak_match_tokens=max(k, 1)), ids, params, k, seed)
+
+
 @register_mode("mirrorspec-draft", uses_k=True, needs_draft_model=True)
 def mirrorspec_draft(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
                      k: int, seed: int) -> RunOutput:

@@ -33,11 +33,16 @@ from benchmarks.report import (LEGEND, cpu_sample, environment, format_table, ot
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
+def first_paragraph(text: str) -> str:
+    """A docstring's first paragraph on one line (a first line alone can stop mid-sentence)."""
+    return " ".join(text.split("\n\n")[0].split()).rstrip(".")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description="Benchmark mirrorspec's decoding modes side by side on real prompt sets.",
-        epilog="Modes: " + "; ".join(f"{m.name}: {m.description.splitlines()[0].rstrip('.')}" for m in MODES.values()),
+        epilog="Modes: " + "; ".join(f"{m.name}: {first_paragraph(m.description)}" for m in MODES.values()),
     )
     p.add_argument("--datasets", type=csv_of(one_of(list(DATASETS), "dataset")), default=list(DATASETS),
                    help=f"comma-separated, from {','.join(DATASETS)} (default: all)")

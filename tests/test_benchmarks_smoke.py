@@ -61,8 +61,9 @@ def _run(tmp_path: Path, *argv: str) -> dict:
 
 @pytest.mark.slow
 def test_tiny_benchmark_runs_every_mode_and_greedy_is_identical(tmp_path, capsys):
-    modes = ["target-only", "mirrorspec-ngram", "mirrorspec-draft", "mirrorspec-draft-adaptive",
-             "mirrorspec-draft-mirror", "mirrorspec-hybrid-adaptive-confident", "hf-assisted", "served-ngram",
+    modes = ["target-only", "mirrorspec-ngram", "mirrorspec-ngram-full-weak-windows", "mirrorspec-draft",
+             "mirrorspec-draft-adaptive", "mirrorspec-draft-mirror", "mirrorspec-hybrid-adaptive-confident",
+             "hf-assisted", "served-ngram",
              "served-draft", "served-hybrid-confident", "served-hybrid-adaptive-confident"]
     out = _run(tmp_path, "--datasets", "mtbench,humaneval,code-edit", "--num-prompts", "1", "--max-tokens", "8",
                "--k", "2", "--temperatures", "0", "--modes", ",".join(modes), "--draft", "truncate:2")

@@ -40,7 +40,8 @@ class HybridDrafter(Drafter):
                          alternatives=tuple((t,) for t in looked_up), alternative_probs=tuple(() for _ in looked_up))
         if len(looked_up) == k:
             return found
-        # the match ran into the end of the context: the model drafts on from the looked-up tokens
+        # the match ran out (into the end of the context, or a one-token match's short window):
+        # the model drafts on from the looked-up tokens
         return _join(found, self.model.propose([*context, *looked_up], k - len(looked_up), params, seed))
 
     def propose_branches(self, head: Sequence[int], next_tokens: Sequence[int], k: int, params: SamplingParams,

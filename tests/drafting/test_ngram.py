@@ -1,4 +1,7 @@
+import pytest
+
 from mirrorspec import SamplingParams
+from mirrorspec.config import InvalidRequest
 from mirrorspec.drafting import NgramDrafter
 
 
@@ -19,3 +22,18 @@ def test_q_is_one_hot_on_the_proposed_tokens():
     dense = proposal.q.dense(8)
     assert dense.sum(-1).tolist() == [1.0, 1.0, 1.0]
     assert dense.argmax(-1).tolist() == [6, 7, 5]
+
+
+def test_a_one_token_match_drafts_at_most_weak_match_tokens():
+    """One-token matches are found almost anywhere and predict little: their windows are short.
+    Longer matches draft all k."""
+    drafter = NgramDrafter(max_ngram=3, weak_match_tokens=2)
+    assert drafter.lookup([4, 1, 2, 3, 5, 6, 4], 5) == [1, 2]  # only [4] matches
+    assert drafter.lookup([9, 4, 1, 2, 3, 5, 6, 9, 4], 5) == [1, 2, 3, 5, 6]  # [9, 4] matches
+    assert NgramDrafter(max_ngram=1, weak_match_tokens=4).lookup([5, 6, 7, 8, 9, 5], 8) == [6, 7, 8, 9]
+
+
+def test_weak_match_tokens_must_be_positive():
+    with pytest.raises(InvalidRequest, match="weak_match_tokens"):
+        NgramDrafter(weak_match_tokens=0)
+
