@@ -173,7 +173,7 @@ def mirrorspec_hybrid_confident(target: LoadedModel, drafts: Drafts, ids: list[i
 @register_mode("mirrorspec-hybrid-confident-runner-up", uses_k=True, needs_draft_model=True)
 def mirrorspec_hybrid_confident_runner_up(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
                                           k: int, seed: int) -> RunOutput:
-    """mirrorspec-hybrid-confident whose greedy windows also offer the draft's runner-up for their
+    """mirrorspec-hybrid-confident whose windows also offer the draft's runner-up for their
     first draft, in the same target pass (``generate(runner_up=True)``)."""
     return _mirrorspec(target, drafts.model, ids, params, k, seed, prompt_lookup=DEFAULT_PROMPT_LOOKUP,
                        draft_confidence=DEFAULT_DRAFT_CONFIDENCE, runner_up=True)
@@ -275,7 +275,7 @@ def served_hybrid_confident(target: LoadedModel, drafts: Drafts, ids: list[int],
 @register_mode("served-hybrid-confident-runner-up", uses_k=True, needs_draft_model=True, in_process=False)
 def served_hybrid_confident_runner_up(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
                                       k: int, seed: int) -> RunOutput:
-    """served-hybrid-confident with greedy windows offering the draft's runner-up too
+    """served-hybrid-confident with windows offering the draft's runner-up too
     (``mirrorspec serve --runner-up``)."""
     return _served(drafts.services.client(target, drafts.model, drafts.server_source, DEFAULT_PROMPT_LOOKUP,
                                           draft_confidence=DEFAULT_DRAFT_CONFIDENCE, runner_up=True),

@@ -131,8 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="draft the next window while the target verifies this one (same output; "
                           "without --local: asks the server for it)")
     gen.add_argument("--no-runner-up", action="store_true",
-                     help="with --local: verify chains only. By default greedy windows also offer the draft's "
-                          "runner-up for their first draft, in the same target pass (same output; not with --mirror)")
+                     help="with --local: verify chains only. By default windows also offer the draft's runner-up "
+                          "for their first draft, in the same target pass (same output distribution; not with "
+                          "--mirror)")
     gen.add_argument("--hint-layer", type=int, default=None,
                      help="with --local --mirror: the target sends early-exit hints read off this layer")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -169,8 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--k", type=int, default=None, help="requests' default " + K_HELP)
     srv.add_argument("--adaptive", action="store_true", help="choose K per window in [0, K] from acceptance")
     srv.add_argument("--no-runner-up", action="store_true",
-                     help="verify chains only. By default greedy windows also offer the targets the draft's "
-                          "runner-up for their first draft, in the same pass (same output; not for mirror requests)")
+                     help="verify chains only. By default windows also offer the targets the draft's runner-up "
+                          "for their first draft, in the same pass (same output distribution; not for mirror "
+                          "requests)")
     srv.add_argument("--mirror", action="store_true",
                      help="by default, draft the next window's likely branches while the target verifies "
                           "(a request's `mirror` field overrides; the output is the same either way)")

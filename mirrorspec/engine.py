@@ -38,6 +38,8 @@ from mirrorspec.sampling import (
     greedy_verify,
     next_kind,
     rejection_sample,
+    runner_up_sample,
+    sample_categorical,
     target_probs,
     uniforms,
 )
@@ -60,12 +62,12 @@ class TargetVerifier:
     """Scores a window in one target forward pass and runs exact rejection sampling on it; with
     a ``probe``, it reads early-exit hints off that same pass.
 
-    With ``runner_up``, a greedy window also scores the drafter's runner-up for the first draft
-    in the same pass (a two-way tree at the root, one token more). Where the target rejects the
-    first draft and its own token is that runner-up, the window keeps it and the target's token
-    after it: two tokens where a chain gives one. Exact by construction: the target's argmax is
-    followed, only further. Sampled windows verify the chain alone (a sampled tree needs
-    recursive rejection sampling, which is not built)."""
+    With ``runner_up``, a window also scores the drafter's runner-up for its first draft in the
+    same pass (a two-way tree at the root, one token more). Where the target rejects the first
+    draft, the runner-up gets a second chance at that slot: greedy, if it is the target's argmax;
+    sampled, by a second round of rejection sampling (``runner_up_sample``). Where it wins, the
+    window keeps it and the target's token after it: two tokens where a chain gives one. The
+    first slot's token still follows the target exactly; the runner-up only reaches further."""
 
     def __init__(self, session: LogitSession, probe: EarlyExitProbe | None = None, runner_up: bool = False):
         self.session = session
@@ -81,33 +83,53 @@ class TargetVerifier:
                on_hint: Callable[[EarlyExitHint], None] | None = None) -> WindowVerdict:
         k, start = len(proposal), len(context)
         hinting = self.probe.watching(k + 1, on_hint) if on_hint is not None and self.probe else nullcontext()
-        runner_up = self._runner_up(proposal, params) if on_hint is None else None
+        runner_up = self._runner_up(proposal) if on_hint is None else None
         window = [*context, *proposal.tokens]
         with hinting:
             if runner_up is None:
-                logits = self.session.logits_for(window, k + 1)  # [k + 1, vocab]
+                logits, runner_up_logits = self.session.logits_for(window, k + 1), None  # [k + 1, vocab]
             else:
                 logits, runner_up_logits = self.session.logits_with_runner_up(window, k + 1, runner_up).split(k + 1)
+        num_accepted, next_token, runner_up_won = self._decide(logits, proposal, runner_up, params, seed, start)
+        if runner_up_won:
+            self.session.rollback(start)  # the runner-up's cache entry sits past the drafts: re-fed next window
+            return WindowVerdict(num_accepted=1, next_token=self._after_runner_up(runner_up_logits, params, seed, start),
+                                 next_kind=TokenKind.BONUS, runner_up=runner_up)
+        self.session.rollback(start + num_accepted)  # drop the rejected drafts from the cache now
+        return WindowVerdict(num_accepted=num_accepted, next_token=next_token, next_kind=next_kind(num_accepted, k))
+
+    def _decide(self, logits: torch.Tensor, proposal: Proposal, runner_up: int | None, params: SamplingParams,
+                seed: int, start: int) -> tuple[int, int, bool]:
+        """(drafts accepted, the token after them, whether the runner-up took the first slot)."""
+        k = len(proposal)
         draft_ids = proposal.token_tensor(logits.device)  # [1, k]
         if params.greedy:
             num_accepted, next_token = greedy_verify(draft_ids, logits.argmax(dim=-1, keepdim=True).T)
-            if runner_up is not None and int(num_accepted.item()) == 0 and int(next_token.item()) == runner_up:
-                self.session.rollback(start)  # the runner-up's cache entry sits past the drafts: re-fed next window
-                return WindowVerdict(num_accepted=1, next_token=int(runner_up_logits[0].argmax()),
-                                     next_kind=TokenKind.BONUS, runner_up=runner_up)
-        else:
-            vocab = logits.shape[-1]
-            p = target_probs(logits, params).unsqueeze(0)  # [1, k + 1, vocab]
-            q = (proposal.q.dense(vocab, logits.device) if k else p.new_zeros(0, vocab)).unsqueeze(0)  # [1, k, vocab]
-            u_accept = uniforms(seed, range(start, start + k), Stream.ACCEPT).unsqueeze(0)  # [1, k]
-            u_next = uniforms(seed, range(start, start + k + 1), Stream.NEXT).unsqueeze(0)  # [1, k + 1]
-            num_accepted, next_token = rejection_sample(draft_ids, q, p, u_accept, u_next)
-        n = int(num_accepted.item())
-        self.session.rollback(start + n)  # drop the rejected drafts from the cache now
-        return WindowVerdict(num_accepted=n, next_token=int(next_token.item()), next_kind=next_kind(n, k))
+            n, token = int(num_accepted.item()), int(next_token.item())
+            return n, token, runner_up is not None and n == 0 and token == runner_up
+        vocab = logits.shape[-1]
+        p = target_probs(logits, params).unsqueeze(0)  # [1, k + 1, vocab]
+        q = (proposal.q.dense(vocab, logits.device) if k else p.new_zeros(0, vocab)).unsqueeze(0)  # [1, k, vocab]
+        u_accept = uniforms(seed, range(start, start + k), Stream.ACCEPT).unsqueeze(0)  # [1, k]
+        u_next = uniforms(seed, range(start, start + k + 1), Stream.NEXT).unsqueeze(0)  # [1, k + 1]
+        num_accepted, next_token = rejection_sample(draft_ids, q, p, u_accept, u_next)
+        n, token = int(num_accepted.item()), int(next_token.item())
+        if runner_up is None or n > 0:
+            return n, token, False
+        taken, recovered = runner_up_sample(p[:, 0], q[:, 0], torch.tensor([runner_up], device=logits.device),
+                                            uniforms(seed, [start], Stream.RUNNER_UP), u_next[:, 0])
+        return 0, int(recovered.item()), bool(taken.item())
 
-    def _runner_up(self, proposal: Proposal, params: SamplingParams) -> int | None:
-        return proposal.runner_up() if self.runner_up and params.greedy else None
+    @staticmethod
+    def _after_runner_up(logits: torch.Tensor, params: SamplingParams, seed: int, start: int) -> int:
+        """The target's token after a runner-up that took slot ``start``: its argmax, or a draw at
+        slot start + 1 (a NEXT uniform no other token of this window used).  # logits: [1, vocab]"""
+        if params.greedy:
+            return int(logits[0].argmax())
+        return int(sample_categorical(target_probs(logits, params), uniforms(seed, [start + 1], Stream.NEXT)).item())
+
+    def _runner_up(self, proposal: Proposal) -> int | None:
+        return proposal.runner_up() if self.runner_up else None
 
 
 @dataclass
@@ -127,7 +149,7 @@ class GenerationStats:
     branches_drafted: int = 0
     branch_hits: int = 0
     draft_time_off_path_s: float = 0.0  # branch drafting that overlapped a verify
-    runner_up_hits: int = 0  # greedy windows whose first slot went to the drafter's runner-up
+    runner_up_hits: int = 0  # windows whose first slot went to the drafter's runner-up
     # (what, start, end) in perf_counter seconds, what = draft | verify | branches; None = not kept
     timeline: list[tuple[str, float, float]] | None = None
 
@@ -396,8 +418,9 @@ def generate(
         hint_lens: read those hints through this tuned lens (``mirrorspec.models.lens.tuned_lens``)
             rather than the final norm alone: far likelier to name the target's token.
         on_tokens: called with each window's committed tokens as soon as they are known.
-        runner_up: greedy windows also offer the target the drafter's runner-up for their first
-            draft, in the same pass (``TargetVerifier``); the output is the same. Not with mirror.
+        runner_up: windows also offer the target the drafter's runner-up for their first draft,
+            in the same pass (``TargetVerifier``); greedy output is the same, sampled output has
+            the same distribution. Not with mirror.
 
     Greedy output is token-identical to target-only greedy decoding; sampled output has exactly
     the target's distribution for any draft.

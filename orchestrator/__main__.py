@@ -21,7 +21,7 @@ parser.add_argument("--no-front-door-lookup", action="store_true",
                     help="leave the drafters' prompt lookup to them (default: run it here, on the token log, "
                          "and call a drafter only where lookup finds nothing)")
 parser.add_argument("--runner-up", action="store_true",
-                    help="greedy windows also offer the targets the draft's runner-up for their first draft")
+                    help="windows also offer the targets the draft's runner-up for their first draft")
 parser.add_argument("--metrics-port", type=int, default=None)
 args = parser.parse_args()
 config = OrchestratorConfig(target=args.target, drafter=args.drafter, host=args.host, port=args.port,

@@ -373,7 +373,7 @@ class RemoteVerifier(PooledSession):
         self.vocab_size = vocab_size
         self.gives_hints = gives_hints
         self.defer_prefill = defer_prefill
-        self.runner_up = runner_up  # offer the drafter's runner-up for greedy windows' first drafts
+        self.runner_up = runner_up  # offer the drafter's runner-up for windows' first drafts
         self._unary = True  # windows without hints go by VerifyWindow (until a replica lacks it)
         self.open(prompt)
         self.defer_prefill = False
@@ -405,7 +405,7 @@ class RemoteVerifier(PooledSession):
                         self._unary = False
             return _verdict_of(replica.stub.Verify(request, timeout=self.timeout_s), on_hint)
 
-        runner_up = proposal.runner_up() if self.runner_up and params.greedy and on_hint is None else None
+        runner_up = proposal.runner_up() if self.runner_up and on_hint is None else None
         started = time.perf_counter()
         verdict = self.call(context, rpc)
         self.times.call_s += time.perf_counter() - started

@@ -69,8 +69,8 @@ class OrchestratorConfig:
     # looked-up window then makes no drafter call; an n-gram pool, lookup alone, is never called.
     # False leaves lookup to the replicas.
     front_door_lookup: bool = True
-    # greedy windows also offer the targets the drafter's runner-up for their first draft, in the
-    # same pass (TargetVerifier); not for mirror requests, whose branches key on chain verdicts
+    # windows also offer the targets the drafter's runner-up for their first draft, in the same
+    # pass (TargetVerifier); not for mirror requests, whose branches key on chain verdicts
     runner_up: bool = False
 
     def __post_init__(self) -> None:

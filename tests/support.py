@@ -71,6 +71,12 @@ class MemoSession:
         n = len(context)
         return torch.stack([self.next_logits(context[: n - num_positions + i + 1]) for i in range(num_positions)])
 
+    def logits_with_runner_up(self, context: Sequence[int], num_positions: int, runner_up: int) -> torch.Tensor:
+        """``KVSession.logits_with_runner_up``: one more row, after ``runner_up`` put in place of the
+        first of the last ``num_positions - 1`` tokens."""
+        first = len(context) - num_positions + 1
+        return torch.cat([self.logits_for(context, num_positions), self.next_logits([*context[:first], runner_up])[None]])
+
     def rollback(self, length: int) -> None:
         pass
 

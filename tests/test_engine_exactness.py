@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 import mirrorspec.sampling.rejection as rejection_module
 from mirrorspec import SamplingParams, generate
@@ -48,6 +49,7 @@ class Case:
     adaptive: AdaptiveKConfig | None = None  # K chosen per window from acceptance so far
     mirror: MirrorConfig | None = None  # next window drafted on branches during the verify
     draft_confidence: float = 0.0  # > 0: a window ends after the draft's first unsure token
+    runner_up: bool = False  # a window's first draft, once rejected, gets a second round against a runner-up
 
 
 CASES = [
@@ -83,6 +85,11 @@ CASES = [
     # of one, two or three drafts depending on what was drafted
     Case("t1.0-k3-confidence-dense", 1.0, 3, draft_confidence=0.4, bug="argmax_when_unsure"),
     Case("t0.7-k3-confidence-sparse", 0.7, 3, proposal_top_k=3, draft_confidence=0.4),
+    # runner-up windows: the draft's likeliest other token at the first slot (K = 1: a runner-up
+    # that wins takes the window's bonus too, all inside the first three tokens)
+    Case("t1.0-k1-runner-up-dense", 1.0, 1, runner_up=True, bug="runner_up_kept_with_p"),
+    # sparse q: the residual the runner-up is judged against is built from a top-3 q row
+    Case("t0.7-k3-runner-up-sparse", 0.7, 3, proposal_top_k=3, runner_up=True, bug="runner_up_kept_with_p"),
 ]
 
 
@@ -138,6 +145,15 @@ def misaligned_join(first: Proposal, then: Proposal) -> Proposal:
     return Proposal(tokens=first.tokens + then.tokens, q=ProposalRows.stack([then.q, first.q]))
 
 
+def runner_up_kept_with_p(p_first, q_first, runner_up, u_runner_up, u_next):
+    """Planted bug for runner-up windows: the runner-up judged against p, as if it were a first
+    draft, rather than against the residual the rejected first draft left."""
+    return original_runner_up_sample(p_first, torch.zeros_like(q_first), runner_up, u_runner_up, u_next)
+
+
+original_runner_up_sample = engine_module.runner_up_sample
+
+
 def residual_is_p(p, q):
     """Planted bug: on rejection, resample from p instead of norm(max(0, p - q))."""
     return p
@@ -163,11 +179,13 @@ def sample_first_tokens(target, drafter: Drafter, case: Case, samples: int = SAM
     # max_new_tokens = K + 1 lets the first window draft a full K (the loop caps K at remaining - 1)
     params = SamplingParams(temperature=case.temperature, top_k=case.top_k, top_p=case.top_p,
                             max_new_tokens=max(case.k + 1, DEPTH))
-    out = []
+    out, runner_up_hits = [], 0
     for seed in range(samples):
         result = generate(target, drafter, case.prompt, params, num_speculative_tokens=case.k, seed=seed,
-                          adaptive=case.adaptive, mirror=case.mirror)
+                          adaptive=case.adaptive, mirror=case.mirror, runner_up=case.runner_up)
         out.append(tuple(result.token_ids[:DEPTH]))
+        runner_up_hits += result.stats.runner_up_hits
+    assert runner_up_hits > samples // 100 if case.runner_up else runner_up_hits == 0  # runner-ups really won
     return out
 
 
@@ -195,6 +213,8 @@ def test_planted_bug_is_caught(case, sessions, monkeypatch):
         monkeypatch.setattr(engine_module, "MirrorPipeline", PeekingPipeline)
     elif case.bug == "misaligned_join":
         monkeypatch.setattr(hybrid_module, "_join", misaligned_join)
+    elif case.bug == "runner_up_kept_with_p":
+        monkeypatch.setattr(engine_module, "runner_up_sample", runner_up_kept_with_p)
     elif case.bug == "argmax_when_unsure":
         monkeypatch.setattr(DraftModelDrafter, "_draw", argmax_when_unsure)
     else:

@@ -15,6 +15,7 @@ from mirrorspec.sampling.rejection import (
     next_kind,
     recovery_distribution,
     rejection_sample,
+    runner_up_sample,
 )
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "proposal_distribution",
     "recovery_distribution",
     "rejection_sample",
+    "runner_up_sample",
     "sample_categorical",
     "sample_proposal",
     "target_probs",

@@ -25,6 +25,7 @@ class Stream(enum.IntEnum):
     DRAFT = 1  # draft side: sampling the proposal from q
     ACCEPT = 2  # target side: the accept/reject coin of each draft token
     NEXT = 3  # target side: the recovered or bonus token (and plain target-only sampling)
+    RUNNER_UP = 4  # target side: the accept coin of a window's runner-up, where its first draft lost
 
 
 def _splitmix64(x: int) -> int:

@@ -7,6 +7,9 @@ For each window of K draft tokens x_1..x_K drawn from q_1..q_K:
   * bonus:     if all K are kept, one more token is drawn from p_{K+1}.
 The emitted tokens are then distributed exactly as sampling from p one token at a time.
 
+A window may also carry a runner-up for its first slot: where the first draft is rejected, it
+gets a second round before the recovered token is drawn (``runner_up_sample``).
+
 Pure functions: all randomness comes in as explicit uniforms (see ``randomness``), so the same
 inputs give the same verdict on any device, and tests can plant bugs by swapping one function.
 """
@@ -39,7 +42,7 @@ class WindowVerdict:
     num_accepted: int
     next_token: int
     next_kind: TokenKind
-    # greedy runner-up windows: the drafter's runner-up, taken in place of the first draft (then
+    # runner-up windows: the drafter's runner-up, taken in place of the first draft (then
     # num_accepted is 1 and next_token is the target's token after it)
     runner_up: int | None = None
 
@@ -79,6 +82,32 @@ def recovery_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     mass = residual.sum(dim=-1, keepdim=True)
     degenerate = mass <= RESIDUAL_EPS
     return torch.where(degenerate, p, residual / mass.clamp_min(RESIDUAL_EPS))
+
+
+def runner_up_sample(
+    p_first: torch.Tensor,  # [batch, vocab] float32, the target's distribution at the first draft's slot
+    q_first: torch.Tensor,  # [batch, vocab] float32, what the first draft was drawn from
+    runner_up: torch.Tensor,  # [batch] int64, a second candidate for that slot, chosen without the target
+    u_runner_up: torch.Tensor,  # [batch] uniforms for its accept test
+    u_next: torch.Tensor,  # [batch] uniforms for the recovered token where it is rejected too
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A second round of rejection sampling at a window's first slot, once its first draft is rejected
+    (recursive rejection sampling, Jeon et al. 2024, with one-hot second proposals).
+
+    After the rejection the target still owes one draw from r = norm(max(0, p - q)). The runner-up
+    b is a draw from the one-hot proposal delta_b, which may depend on the context and on the
+    first draft but not on the target, so the same rule applies again: keep b with probability
+    min(1, r(b) / 1), and otherwise draw from norm(max(0, r - delta_b)), which is r without b.
+    Either way the slot's token follows r, hence the window's first token follows p, exactly.
+
+    Returns (taken [batch] bool: the runner-up is kept, recovered [batch] int64: the token where not).
+    """
+    index = runner_up.unsqueeze(-1)  # [batch, 1]
+    residual = recovery_distribution(p_first.float(), q_first.float())  # [batch, vocab]
+    taken = u_runner_up.to(residual.device, torch.float64) < residual.gather(-1, index).squeeze(-1).double()
+    runner_up_q = torch.zeros_like(residual).scatter_(-1, index, 1.0)  # [batch, vocab]
+    recovered = sample_categorical(recovery_distribution(residual, runner_up_q), u_next.to(residual.device))
+    return taken, recovered
 
 
 def greedy_verify(

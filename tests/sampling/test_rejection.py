@@ -10,6 +10,7 @@ from mirrorspec.sampling import (
     greedy_verify,
     recovery_distribution,
     rejection_sample,
+    runner_up_sample,
     sample_categorical,
     sample_proposal,
 )
@@ -102,3 +103,50 @@ def test_first_token_of_a_window_is_distributed_as_p(k):
 def test_the_window_test_catches_a_residual_bug(monkeypatch):
     monkeypatch.setattr(rejection_module, "recovery_distribution", lambda p, q: p)
     assert one_window_pvalue(3, seed=3) < 1e-6
+
+
+def first_slot_with_runner_up_pvalue(seed: int, sampler=runner_up_sample) -> float:
+    """Marginal of a window's first token where its first draft, once rejected, gets a second round
+    against a runner-up that depends on the first draft (the next id: any rule that does not look
+    at the target will do), over 200k windows in one call."""
+    g = torch.Generator().manual_seed(seed)
+    vocab, batch = 6, 200_000
+    p = torch.softmax(torch.randn(2, vocab, generator=g) * 1.5, -1)  # [k + 1, vocab]
+    q = torch.softmax(torch.randn(1, vocab, generator=g) * 1.5, -1)  # [k, vocab]
+    drafts = torch.multinomial(q, batch, replacement=True, generator=g).T  # [batch, 1]
+    n, nxt = rejection_sample(drafts, q.expand(batch, 1, vocab), p.expand(batch, 2, vocab),
+                              u(batch, 1, seed=seed + 1), u(batch, 2, seed=seed + 2))
+    runner_up = (drafts[:, 0] + 1) % vocab  # [batch]
+    taken, recovered = sampler(p[0].expand(batch, vocab), q[0].expand(batch, vocab), runner_up,
+                               u(batch, seed=seed + 3), u(batch, 2, seed=seed + 2)[:, 0])
+    first = torch.where(n > 0, drafts[:, 0], torch.where(taken, runner_up, recovered))
+    assert 0 < int(taken.sum()) < int((n == 0).sum())  # both outcomes of the second round happen
+    observed = torch.bincount(first, minlength=vocab).double()
+    return float(stats.chisquare(observed.numpy(), (p[0].double() / p[0].double().sum() * batch).numpy()).pvalue)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_runner_up_keeps_the_first_token_distributed_as_p(seed):
+    assert first_slot_with_runner_up_pvalue(seed) > 1e-4
+
+
+def test_a_runner_up_is_kept_with_its_residual_probability():
+    p, q = torch.tensor([[0.1, 0.3, 0.6]]), torch.tensor([[0.7, 0.3, 0.0]])  # residual [0, 0, 1]
+    taken, _ = runner_up_sample(p, q, torch.tensor([2]), torch.tensor([1.0 - 2**-53], dtype=torch.float64),
+                                torch.tensor([0.5], dtype=torch.float64))
+    assert taken.tolist() == [True]
+    p, q = torch.tensor([[0.1, 0.5, 0.4]]), torch.tensor([[0.6, 0.0, 0.4]])  # residual [0, 1, 0]
+    for uu in (0.0, 0.99):
+        taken, recovered = runner_up_sample(p, q, torch.tensor([2]), torch.tensor([uu], dtype=torch.float64),
+                                            torch.tensor([uu], dtype=torch.float64))
+        assert taken.tolist() == [False] and recovered.tolist() == [1]
+
+
+def kept_with_p(p_first, q_first, runner_up, u_runner_up, u_next):
+    """Planted bug: the runner-up judged as if it were a first draft, against p rather than the
+    residual the rejected first draft left: that draft's mass is then spent twice."""
+    return runner_up_sample(p_first, torch.zeros_like(q_first), runner_up, u_runner_up, u_next)
+
+
+def test_the_runner_up_test_catches_a_runner_up_kept_with_p():
+    assert first_slot_with_runner_up_pvalue(1, sampler=kept_with_p) < 1e-6

@@ -130,10 +130,14 @@ def test_an_older_target_is_verified_the_way_it_knows(targets, tiny_dir, tempera
 
 def test_runner_up_windows_over_the_wire_decode_what_the_target_alone_does(targets, tiny_dir):
     """A front door's RemoteVerifier offering the draft's runner-up (``serve --runner-up``):
-    greedy output equals target-only decoding, and runner-ups do win windows on the wire."""
+    greedy output equals target-only decoding, a seeded sampled request equals the same window
+    loop verified in process (the target server runs the same second round at the same uniforms),
+    and runner-ups do win windows on the wire, greedy and sampled."""
     import torch
 
     from mirrorspec import generate
+    from mirrorspec.engine import TargetVerifier
+    from mirrorspec.models import KVSession
 
     target, draft = load(tiny_dir["target16"]), load(tiny_dir["target16"])
     generator = torch.Generator().manual_seed(1)
@@ -141,15 +145,24 @@ def test_runner_up_windows_over_the_wire_decode_what_the_target_alone_does(targe
         for weight in draft.parameters():
             weight.add_(torch.randn(weight.shape, generator=generator) * 0.5 * weight.std())
     pool = ReplicaPool("target", [targets["current"]], target_pb2_grpc.TargetServiceStub)
-    params = SamplingParams(max_new_tokens=30)
-    hits = 0
+
+    def decode(verifier, prompt, params, stats):
+        config = SpeculationConfig(num_speculative_tokens=3)
+        return [t for event in decode_windows(DraftModelDrafter(draft), verifier, prompt, params, config, 9, stats)
+                for t in event.tokens]
+
+    hits = {"greedy": 0, "sampled": 0}
     for prompt in ([2, 7, 7], [5, 1], [9, 3, 3, 12], [0, 14, 6]):
-        verifier = RemoteVerifier(pool, prompt, params, 9, 16, timeout_s=30, runner_up=True)
-        stats = GenerationStats()
-        tokens = [t for event in decode_windows(DraftModelDrafter(draft), verifier, prompt, params,
-                                                SpeculationConfig(num_speculative_tokens=3), 9, stats)
-                  for t in event.tokens]
-        verifier.release()
-        assert tokens == generate(target, None, prompt, params).token_ids
-        hits += stats.runner_up_hits
-    assert hits > 0
+        for kind, params in (("greedy", SamplingParams(max_new_tokens=30)),
+                             ("sampled", SamplingParams(temperature=1.0, max_new_tokens=30))):
+            verifier = RemoteVerifier(pool, prompt, params, 9, 16, timeout_s=30, runner_up=True)
+            stats = GenerationStats()
+            tokens = decode(verifier, prompt, params, stats)
+            verifier.release()
+            if kind == "greedy":
+                assert tokens == generate(target, None, prompt, params).token_ids
+            else:
+                assert tokens == decode(TargetVerifier(KVSession(target), runner_up=True), prompt, params,
+                                        GenerationStats())
+            hits[kind] += stats.runner_up_hits
+    assert all(hits.values()), hits
