@@ -7,7 +7,7 @@ Splits may be uneven: SmolLM2-135M has 9 query heads in 3 KV groups, which two r
 When there are fewer KV heads than ranks, each KV head is replicated and its query heads split.
 
 Rank 0 serves; the other ranks follow. Every session operation rank 0 performs (``logits_for``,
-``rollback``, ``close``) is broadcast first and replayed by the followers on their own shards and
+``logits_with_runner_up``, ``rollback``, ``close``) is broadcast first and replayed by the followers on their own shards and
 KV caches, in the same order, so the collectives inside the forward pass line up. Gloo on CPU,
 NCCL on GPU: the same code, chosen by ``backend_for``.
 """
@@ -188,6 +188,13 @@ class DrivenSession:
         context = list(context)
         return self.driver.run(("logits_for", self.key, context, num_positions),
                                lambda: self.local.logits_for(context, num_positions))
+
+    def logits_with_runner_up(self, context: Sequence[int], num_positions: int, runner_up: int) -> torch.Tensor:
+        """``KVSession.logits_with_runner_up`` on every rank: its 4D mask covers all heads, so each
+        rank's share of them sees the tree as the whole model would."""
+        context = list(context)
+        return self.driver.run(("logits_with_runner_up", self.key, context, num_positions, runner_up),
+                               lambda: self.local.logits_with_runner_up(context, num_positions, runner_up))
 
     def rollback(self, length: int) -> None:
         self.driver.run(("rollback", self.key, length), lambda: self.local.rollback(length))

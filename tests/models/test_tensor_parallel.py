@@ -107,6 +107,47 @@ def test_tp2_greedy_output_is_token_identical_to_tp1(sharded, tiny_dir):
         session.close()
 
 
+def test_tp2_runner_up_rows_agree_with_tp1_and_keep_the_followers_in_step(sharded):
+    """The runner-up's tree pass on the sharded target: every rank replays it (the collectives
+    line up), the rows match the whole model's, and the caches roll back in step after it."""
+    whole, driver = sharded
+    session, reference = driver.session(), KVSession(whole)
+    context = [0, 5, 9, 16, 3, 3, 12, 1]
+    torch.testing.assert_close(session.logits_with_runner_up(context, 4, 7),
+                               reference.logits_with_runner_up(context, 4, 7), rtol=1e-5, atol=1e-5)
+    branch = context[:5] + [7, 2]  # the runner-up's branch, after rolling back to before it
+    session.rollback(5)
+    torch.testing.assert_close(session.logits_for(branch, 2), KVSession(whole).logits_for(branch, 2),
+                               rtol=1e-5, atol=1e-5)
+    session.close()
+
+
+def test_tp2_runner_up_windows_are_token_identical_to_tp1_and_take_runner_ups(sharded):
+    whole, driver = sharded
+    draft = load_noisy_copy(whole)
+    params = SamplingParams(max_new_tokens=40)
+    hits = 0
+    for prompt in ([0, 3, 5], [16, 2, 2, 9, 1], [4]):
+        session = driver.session()
+        spec = generate(session, DraftModelDrafter(draft), prompt, params, num_speculative_tokens=3, runner_up=True)
+        session.close()
+        assert spec.token_ids == generate(whole, None, prompt, params).token_ids
+        hits += spec.stats.runner_up_hits
+    assert hits > 0
+
+
+def load_noisy_copy(model):
+    """``model`` with seeded noise on every weight: a draft that agrees with it only part of the time."""
+    import copy
+
+    noisy = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for weight in noisy.parameters():
+            weight.add_(torch.randn(weight.shape, generator=generator) * 0.5 * weight.std())
+    return noisy
+
+
 def reversed_gather(self, x):
     """Planted bug: the vocabulary shards concatenated in the wrong order."""
     local = torch.nn.functional.linear(x, self.weight, self.bias)
