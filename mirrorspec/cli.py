@@ -338,9 +338,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         printer.finish()
         s = result.stats
         print(f"[{len(result.token_ids)} tokens, {result.tokens_per_second:.1f} tok/s, "
-              f"acceptance {s.acceptance_rate:.2f}, {s.mean_accepted_length:.2f} tokens/pass, seed {result.seed}]",
-              file=sys.stderr)
+              f"{speculation_summary(s)}, seed {result.seed}]", file=sys.stderr)
     return 0
+
+
+def speculation_summary(stats) -> str:
+    """The end-of-generation figures, for in-process stats and a server's ``RequestStats`` alike."""
+    won = f", runner-up won {stats.runner_up_hits} windows" if stats.runner_up_hits else ""
+    return f"acceptance {stats.acceptance_rate:.2f}, {stats.mean_accepted_length:.2f} tokens/pass{won}"
 
 
 def _generate_remote(args: argparse.Namespace) -> int:
@@ -366,8 +371,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
                 if chunk.finish_reason:
                     s = chunk.stats
-                    print(f"\n[{chunk.finish_reason}; acceptance {s.acceptance_rate:.2f}, "
-                          f"{s.mean_accepted_length:.2f} tokens/pass, seed {chunk.seed}]", file=sys.stderr)
+                    print(f"\n[{chunk.finish_reason}; {speculation_summary(s)}, seed {chunk.seed}]", file=sys.stderr)
     except grpc.RpcError as err:
         if err.code() == grpc.StatusCode.UNAVAILABLE:
             raise InvalidRequest(f"no mirrorspec server answers at {args.server}; start one with "

@@ -145,3 +145,16 @@ def test_demo_runs_the_shipped_draft_beside_the_target():
     assert out.returncode == 0, out.stderr
     assert "greedy output identical to the target alone: yes" in out.stdout
     assert "held-out top-1 agreement" in out.stdout
+
+
+def test_the_summary_line_names_runner_up_wins_where_there_were_any():
+    """One summary for in-process stats and a server's RequestStats alike."""
+    from mirrorspec.cli import speculation_summary
+    from mirrorspec.engine import GenerationStats
+    from mirrorspec.v1 import generation_pb2
+
+    local = GenerationStats(windows=4, drafted=8, accepted=6, runner_up_hits=2)
+    assert speculation_summary(local).startswith("acceptance 0.75, ")
+    assert speculation_summary(local).endswith("tokens/pass, runner-up won 2 windows")
+    served = generation_pb2.RequestStats(acceptance_rate=0.5, mean_accepted_length=2.0)
+    assert speculation_summary(served) == "acceptance 0.50, 2.00 tokens/pass"
