@@ -93,8 +93,8 @@ class TargetVerifier:
         num_accepted, next_token, runner_up_won = self._decide(logits, proposal, runner_up, params, seed, start)
         if runner_up_won:
             self.session.rollback(start)  # the runner-up's cache entry sits past the drafts: re-fed next window
-            return WindowVerdict(num_accepted=1, next_token=self._after_runner_up(runner_up_logits, params, seed, start),
-                                 next_kind=TokenKind.BONUS, runner_up=runner_up)
+            after = self._after_runner_up(runner_up_logits, params, seed, start)
+            return WindowVerdict(num_accepted=1, next_token=after, next_kind=TokenKind.BONUS, runner_up=runner_up)
         self.session.rollback(start + num_accepted)  # drop the rejected drafts from the cache now
         return WindowVerdict(num_accepted=num_accepted, next_token=next_token, next_kind=next_kind(num_accepted, k))
 

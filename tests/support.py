@@ -75,7 +75,8 @@ class MemoSession:
         """``KVSession.logits_with_runner_up``: one more row, after ``runner_up`` put in place of the
         first of the last ``num_positions - 1`` tokens."""
         first = len(context) - num_positions + 1
-        return torch.cat([self.logits_for(context, num_positions), self.next_logits([*context[:first], runner_up])[None]])
+        runner_up_row = self.next_logits([*context[:first], runner_up])[None]
+        return torch.cat([self.logits_for(context, num_positions), runner_up_row])
 
     def rollback(self, length: int) -> None:
         pass

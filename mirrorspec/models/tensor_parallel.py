@@ -7,9 +7,9 @@ Splits may be uneven: SmolLM2-135M has 9 query heads in 3 KV groups, which two r
 When there are fewer KV heads than ranks, each KV head is replicated and its query heads split.
 
 Rank 0 serves; the other ranks follow. Every session operation rank 0 performs (``logits_for``,
-``logits_with_runner_up``, ``rollback``, ``close``) is broadcast first and replayed by the followers on their own shards and
-KV caches, in the same order, so the collectives inside the forward pass line up. Gloo on CPU,
-NCCL on GPU: the same code, chosen by ``backend_for``.
+``logits_with_runner_up``, ``rollback``, ``close``) is broadcast first and replayed by the
+followers on their own shards and KV caches, in the same order, so the collectives inside the
+forward pass line up. Gloo on CPU, NCCL on GPU: the same code, chosen by ``backend_for``.
 """
 
 from __future__ import annotations

@@ -730,7 +730,8 @@ def test_a_runner_up_front_door_keeps_greedy_output_and_takes_runner_ups(tiny_di
                 assert served.token_ids == target_only(model, prompt, 24)
                 hits += served.stats.runner_up_hits
             mirrored = client.generate([0, 4, 2], max_tokens=16, mirror=True)
-            sampled = [client.generate(prompt, max_tokens=24, temperature=1.0, seed=3) for prompt in prompts(8, seed=11)]
+            sampled = [client.generate(prompt, max_tokens=24, temperature=1.0, seed=3)
+                       for prompt in prompts(8, seed=11)]
             again = client.generate(prompts(1, seed=11)[0], max_tokens=24, temperature=1.0, seed=3)
     finally:
         stack.stop()
