@@ -4,7 +4,8 @@
 #   benchmarks/gpu_session.sh OUT_DIR        (run from the repo root)
 #
 # Knobs (environment): PYTHON (python3), THREADS (torch threads per process, 4), PROMPTS (per
-# dataset, 2), TOKENS (new tokens per prompt, 32), KS (the bench's K values, 8), DEVICE (cuda;
+# dataset, 2), TOKENS (new tokens per prompt, 32), KS (the bench's K values, 8), TEMPS (the bench's
+# temperatures, 0; 0,0.7 also times sampled runner-up windows, about twice as long), DEVICE (cuda;
 # cpu rehearses the script), STEPS (which steps, default all: pass-cost exactness bench
 # mirror-cpu-drafter mirror-gpu-drafter), LIMIT_<STEP> (a step's seconds, e.g. LIMIT_BENCH=100).
 # A step that runs out of time gets SIGABRT, so Python prints where every thread was
@@ -17,7 +18,7 @@
 #                  question: is a wide pass flat there, as it is not on CPU?)
 #   2. exactness   the quick statistical exactness test with its tiny models on the GPU
 #   3. bench       target-only, mirrorspec's default with and without the runner-up, HF assisted and
-#                  the served path, all on the GPU, greedy, MT-Bench and HumanEval
+#                  the served path, all on the GPU, greedy (TEMPS), MT-Bench and HumanEval
 #   4. mirror-*    mirror against serial over gRPC with the target server on the GPU and the
 #                  drafter server on CPU (its own compute), then on the same GPU
 # Greedy output is checked token for token against target-only in every mode (the `identical`
@@ -30,6 +31,7 @@ PROMPTS=${PROMPTS:-2}  # sized for a 15-minute lease: the demo pair ran ~3 s per
 TOKENS=${TOKENS:-32}
 DEVICE=${DEVICE:-cuda}
 KS=${KS:-8}
+TEMPS=${TEMPS:-0}
 STEPS=${STEPS:-pass-cost exactness bench mirror-cpu-drafter mirror-gpu-drafter}
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 PYTHONFAULTHANDLER=1
@@ -54,7 +56,7 @@ step pass-cost 100 "$PY" -m benchmarks.pass_cost --device "$DEVICE" --max-k 32 -
 step exactness 120 env MIRRORSPEC_TEST_DEVICE="$DEVICE" "$PY" -m pytest -p no:cacheprovider -q \
     tests/test_engine_exactness.py -k test_quick_exactness_smoke
 TAIL=40 step bench 180 "$PY" -m benchmarks --device "$DEVICE" --threads "$THREADS" --datasets humaneval,mtbench \
-    --num-prompts "$PROMPTS" --max-tokens "$TOKENS" --k "$KS" --temperatures 0 \
+    --num-prompts "$PROMPTS" --max-tokens "$TOKENS" --k "$KS" --temperatures "$TEMPS" \
     --modes target-only,mirrorspec-hybrid-confident,mirrorspec-hybrid-confident-runner-up,hf-assisted,served-hybrid-confident-runner-up \
     --out "$OUT_DIR"
 step mirror-cpu-drafter 100 "$PY" -m benchmarks.mirror --target-device "$DEVICE" --drafter-device cpu --threads 2 \
