@@ -160,7 +160,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
 def with_runner_up(proposal: Proposal, runner_up: int, vocab_size: int) -> Proposal:
     """The proposal as the verifier takes a runner-up: the only alternative at its first draft
-    (the verifier scores it there for greedy requests and ignores it for sampled ones)."""
+    (the verifier scores it there, greedy or sampled: ``TargetVerifier``)."""
     if not proposal.tokens:
         raise InvalidRequest("runner_up needs at least one draft token: it competes with the first",
                              field="runner_up")
