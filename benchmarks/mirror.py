@@ -42,6 +42,7 @@ from mirrorspec.config import (
     DEFAULT_DRAFT_CONFIDENCE,
     DEFAULT_DRAFT_QUANTIZE,
     DEFAULT_PROMPT_LOOKUP,
+    DEFAULT_PROPOSAL_TOP_K,
     QUANTIZATIONS,
     InvalidRequest,
     MirrorConfig,
@@ -156,7 +157,7 @@ def main(argv=None) -> int:
                         help="score hints over the draft's sub-vocabulary (cheap) or the whole vocabulary")
     parser.add_argument("--target", default="demo-target")
     parser.add_argument("--draft", default="demo-draft")
-    parser.add_argument("--proposal-top-k", type=int, default=32)
+    parser.add_argument("--proposal-top-k", type=int, default=DEFAULT_PROPOSAL_TOP_K)
     parser.add_argument("--prompt-lookup", type=int, default=DEFAULT_PROMPT_LOOKUP, metavar="N",
                         help="the drafter's prompt lookup before its draft model (0 = the model alone)")
     parser.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE, metavar="P",

@@ -3,7 +3,8 @@
 import argparse
 
 from drafter_service.servicer import DrafterConfig, serve
-from mirrorspec.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DEFAULT_PROMPT_LOOKUP, QUANTIZATIONS,
+from mirrorspec.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DEFAULT_PROMPT_LOOKUP,
+                               DEFAULT_PROPOSAL_TOP_K, QUANTIZATIONS,
                                InvalidRequest)
 from mirrorspec.models.loading import device_flag
 from mirrorspec.serving.placement import add_placement_args, apply_placement
@@ -17,7 +18,8 @@ parser.add_argument("--port", type=int, default=0)
 parser.add_argument("--dtype", default="auto")
 parser.add_argument("--device", default="auto", type=device_flag)
 parser.add_argument("--max-sessions", type=int, default=64)
-parser.add_argument("--proposal-top-k", type=int, default=32)
+parser.add_argument("--proposal-top-k", type=int, default=DEFAULT_PROPOSAL_TOP_K,
+                    help=f"strategy draft-model: q restricted to the model's top-k, renormalised (0 = dense; default {DEFAULT_PROPOSAL_TOP_K})")
 parser.add_argument("--prompt-lookup", type=int, default=DEFAULT_PROMPT_LOOKUP, metavar="N",
                     help="strategy draft-model: prompt lookup drafts first wherever the context's last N tokens "
                          "occurred before (0 = the model alone)")

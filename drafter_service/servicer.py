@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 
-from mirrorspec.config import (DEFAULT_DRAFT_QUANTIZE, InvalidRequest, OutOfRange, ReplicaConfig, check_draft_confidence,
-                               check_prompt_lookup, check_quantization)
+from mirrorspec.config import (DEFAULT_DRAFT_QUANTIZE, DEFAULT_PROPOSAL_TOP_K, InvalidRequest, OutOfRange, ReplicaConfig,
+                               check_draft_confidence, check_prompt_lookup, check_quantization)
 from mirrorspec.drafting import Drafter, NgramDrafter, RankedTokens
 from mirrorspec.drafting.draft_model import draft_model_step_cost
 from mirrorspec.engine import make_drafter, validate_prompt
@@ -26,7 +26,7 @@ MAX_BRANCHES = 16  # branch tokens in one DraftBranches call
 @dataclass(frozen=True)
 class DrafterConfig(ReplicaConfig):
     strategy: str = "ngram"  # "ngram" | "draft-model" (then `model` names the draft model)
-    proposal_top_k: int = 32  # sparse q by default: a few KB per window instead of MBs
+    proposal_top_k: int = DEFAULT_PROPOSAL_TOP_K  # sparse q by default: a few KB per window instead of MBs
     prompt_lookup: int = 0  # draft-model: prompt lookup drafts first on matches this long (HybridDrafter)
     draft_confidence: float = 0.0  # draft-model: a window ends after the model's first token below this
     quantize: str = DEFAULT_DRAFT_QUANTIZE  # draft-model: int8 weights for its linear layers on CPU (models.quantize)

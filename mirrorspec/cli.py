@@ -21,6 +21,7 @@ from mirrorspec.config import (
     DEFAULT_K,
     DEFAULT_K_CONFIDENT,
     DEFAULT_PROMPT_LOOKUP,
+    DEFAULT_PROPOSAL_TOP_K,
     HINT_LENSES,
     AdaptiveKConfig,
     DEFAULT_DRAFT_QUANTIZE,
@@ -114,7 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     gen.add_argument("--k", type=int, default=None, help=K_HELP + " (without --local: the server's default)")
-    gen.add_argument("--proposal-top-k", type=int, default=0, help="draft-model q restricted to its top-k (0 = dense)")
+    gen.add_argument("--proposal-top-k", type=int, default=None, metavar="M",
+                     help=f"with --local: a draft model's q restricted to its top M tokens, renormalised (0 = dense; "
+                          f"default {DEFAULT_PROPOSAL_TOP_K}, as a server's drafters, so a seeded request gives the "
+                          "same tokens either way)")
     gen.add_argument("--prompt-lookup", type=int, default=None, metavar="N",
                      help=f"with --local: {PROMPT_LOOKUP_HELP} (default {DEFAULT_PROMPT_LOOKUP}; a server's drafters "
                           "are set with `mirrorspec serve --prompt-lookup`)")
@@ -187,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --hint-layer: read hints through a tuned lens fitted to the target (default; "
                           "fitted once, about a minute on CPU for the demo target, then cached) or as the final "
                           "norm and head see the layer (logit)")
-    srv.add_argument("--proposal-top-k", type=int, default=32, help="sparse q width for draft models (0 = dense)")
+    srv.add_argument("--proposal-top-k", type=int, default=DEFAULT_PROPOSAL_TOP_K, metavar="M",
+                     help=f"sparse q width for draft models (0 = dense; default {DEFAULT_PROPOSAL_TOP_K})")
     srv.add_argument("--prompt-lookup", type=int, default=DEFAULT_PROMPT_LOOKUP, metavar="N", help=PROMPT_LOOKUP_HELP)
     srv.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE, metavar="P",
                      help=DRAFT_CONFIDENCE_HELP)
@@ -286,6 +291,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise InvalidRequest("is set on the server's drafters (`mirrorspec serve --draft-quantize`); here it "
                              "needs --local", field="draft_quantize")
     args.draft_quantize = args.draft_quantize or DEFAULT_DRAFT_QUANTIZE
+    if args.proposal_top_k is not None and not args.local:
+        raise InvalidRequest("is set on the server's drafters (`mirrorspec serve --proposal-top-k`); here it "
+                             "needs --local", field="proposal_top_k")
+    args.proposal_top_k = DEFAULT_PROPOSAL_TOP_K if args.proposal_top_k is None else args.proposal_top_k
     args.prompt_lookup = DEFAULT_PROMPT_LOOKUP if args.prompt_lookup is None else args.prompt_lookup
     args.draft_confidence = DEFAULT_DRAFT_CONFIDENCE if args.draft_confidence is None else args.draft_confidence
     if args.local and args.k is None:

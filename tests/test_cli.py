@@ -42,6 +42,8 @@ from mirrorspec.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_K, DEFAULT_K_CON
     (["serve", "--draft-confidence", "-0.1"], "--draft-confidence"),
     (["serve", "--draft-confidence", "nan"], "--draft-confidence"),
     (["generate", "hi", "--draft-quantize", "int8"], "--draft-quantize"),  # a server setting without --local
+    (["generate", "hi", "--proposal-top-k", "8"], "--proposal-top-k"),  # likewise
+    (["generate", "hi", "--local", "--proposal-top-k", "-1"], "--proposal-top-k"),
     (["generate", "hi", "--local", "--draft-quantize", "int4"], "argument --draft-quantize"),
     (["serve", "--draft-quantize", "fp8"], "argument --draft-quantize"),
     (["serve", "--hint-layer", "27", "--hint-lens", "exact"], "argument --hint-lens"),
@@ -137,6 +139,34 @@ def test_serve_on_local_ray_then_generate_scale_and_status():
         server.terminate()
         server.wait(timeout=60)
     assert server.returncode == 0
+
+
+@pytest.mark.slow
+def test_a_seeded_sample_is_the_same_from_generate_local_as_from_serve():
+    """`generate --local` drafts from the same sparse top-32 q as a server's drafters by default,
+    and randomness is addressed by (seed, position), so a seeded sampled request draws the same
+    tokens either way. (float32 drafts on both sides: an int8 draft's logits move in the last bits
+    with how its positions are grouped into forwards, which can flip a draw now and then.)"""
+    server = subprocess.Popen([sys.executable, "-m", "mirrorspec", "serve", "--in-process", "--port", "50594",
+                               "--draft-quantize", "none", "--threads", "1"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        line = ""
+        while "serving on" not in line and time.monotonic() < deadline:
+            line = server.stdout.readline()
+            assert line or server.poll() is None, "server exited before serving"
+        sampled = ("Write a short poem about the sea.", "--temperature", "0.7", "--seed", "1", "--max-tokens", "32",
+                   "--json")
+        served = json.loads(run_cli("generate", *sampled, "--server", "127.0.0.1:50594").stdout)
+        local = json.loads(run_cli("generate", *sampled, "--local", "--draft-quantize", "none", "--threads", "1").stdout)
+        dense = json.loads(run_cli("generate", *sampled, "--local", "--draft-quantize", "none", "--threads", "1",
+                                   "--proposal-top-k", "0").stdout)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    assert served["token_ids"] == local["token_ids"] and served["stats"]["drafted"] > 0
+    assert dense["token_ids"] != local["token_ids"]  # another q draws other (equally exact) tokens
 
 
 @pytest.mark.slow

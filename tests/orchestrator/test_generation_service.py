@@ -738,3 +738,22 @@ def test_a_runner_up_front_door_keeps_greedy_output_and_takes_runner_ups(tiny_di
     assert hits > 0
     assert mirrored.token_ids == target_only(model, [0, 4, 2], 16) and mirrored.stats.runner_up_hits == 0
     assert sum(s.stats.runner_up_hits for s in sampled) > 0 and again.token_ids == sampled[0].token_ids
+
+
+def test_seeded_sampled_runner_up_requests_draw_the_in_process_tokens(tiny_dir):
+    """Randomness is addressed by (seed, position), so a seeded sampled request served with
+    runner-ups draws exactly what the in-process engine draws with the same sparse q: the second
+    round of rejection sampling runs in the target server on the same uniforms."""
+    target, draft = load(tiny_dir["target16"]), load(tiny_dir["draft16"])
+    stack = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, runner_up=True, proposal_top_k=4)
+    params = SamplingParams(max_new_tokens=24, temperature=1.0)
+    try:
+        with Client(stack.address) as client:
+            pairs = [(client.generate(prompt, max_tokens=24, temperature=1.0, seed=seed),
+                      generate(target, draft, prompt, params, num_speculative_tokens=3, seed=seed, proposal_top_k=4,
+                               runner_up=True)) for seed, prompt in enumerate(prompts(8, seed=11))]
+    finally:
+        stack.stop()
+    assert all(served.token_ids == local.token_ids for served, local in pairs)
+    assert [s.stats.runner_up_hits for s, _ in pairs] == [local.stats.runner_up_hits for _, local in pairs]
+    assert sum(local.stats.runner_up_hits for _, local in pairs) > 0
