@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from mirrorspec import GenerationStats, SamplingParams, generate
-from mirrorspec.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_PROMPT_LOOKUP
+from mirrorspec.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_PROMPT_LOOKUP, DEFAULT_PROPOSAL_TOP_K
 from mirrorspec.drafting import NgramDrafter
 from mirrorspec.models.loading import LoadedModel, encode_prompt
 
@@ -78,24 +78,27 @@ class Mode:
     needs_draft_model: bool = False
     description: str = ""
     in_process: bool = True  # False: the draft runs in a server process, loaded there
+    twin: str | None = None  # a served mode: the in-process mode whose tokens it must reproduce, seed for seed
 
     def with_draft_quantized(self, quantize: str) -> Mode:
         """This mode on the draft loaded as ``quantize``, named ``MODE@quantize``: side-by-side
         figures for the same draft's weights in another form."""
         def run(target, drafts, ids, params, k, seed):
             return self.run(target, drafts.as_quantized(quantize), ids, params, k, seed)
-        return replace(self, name=f"{self.name}@{quantize}", run=run)
+        return replace(self, name=f"{self.name}@{quantize}", run=run,
+                       twin=f"{self.twin}@{quantize}" if self.twin else None)
 
 
 MODES: dict[str, Mode] = {}
 
 
 def register_mode(name: str, *, uses_k: bool, needs_draft_model: bool = False,
-                  description: str = "", in_process: bool = True) -> Callable[[ModeFn], ModeFn]:
+                  description: str = "", in_process: bool = True,
+                  twin: str | None = None) -> Callable[[ModeFn], ModeFn]:
     """Decorator: make ``fn(target, drafts, prompt_ids, params, k, seed) -> RunOutput`` a mode."""
     def wrap(fn: ModeFn) -> ModeFn:
         MODES[name] = Mode(name, fn, uses_k, needs_draft_model, description or (fn.__doc__ or "").strip(),
-                           in_process)
+                           in_process, twin)
         return fn
     return wrap
 
@@ -105,10 +108,12 @@ def register_mode(name: str, *, uses_k: bool, needs_draft_model: bool = False,
 def _mirrorspec(target: LoadedModel, draft: Any, ids: list[int], params: SamplingParams,
                 k: int, seed: int, adaptive: bool = False, mirror: bool = False, prompt_lookup: int = 0,
                 draft_confidence: float = 0.0, runner_up: bool = False) -> RunOutput:
+    """A draft model proposes from the sparse q a drafter server sends (``DEFAULT_PROPOSAL_TOP_K``),
+    so a sampled served mode draws the very tokens of its in-process twin (``mark_identity``)."""
     started = time.perf_counter()
     result = generate(target.model, draft, ids, params, num_speculative_tokens=k, seed=seed, adaptive=adaptive,
                       mirror=mirror, prompt_lookup=prompt_lookup, draft_confidence=draft_confidence,
-                      runner_up=runner_up)
+                      runner_up=runner_up, proposal_top_k=DEFAULT_PROPOSAL_TOP_K)
     return RunOutput(result.token_ids, time.perf_counter() - started, result.finish_reason, result.stats)
 
 
@@ -240,21 +245,24 @@ def _served(client, ids: list[int], params: SamplingParams, k: int, seed: int) -
     return RunOutput(list(done.token_ids), wall, done.finish_reason, stats)
 
 
-@register_mode("served-ngram", uses_k=True, in_process=False)
+@register_mode("served-ngram", uses_k=True, in_process=False,
+               twin="mirrorspec-ngram")
 def served_ngram(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
                  k: int, seed: int) -> RunOutput:
     """mirrorspec over gRPC on loopback (orchestrator, target, n-gram drafter servers)."""
     return _served(drafts.services.client(target, None), ids, params, k, seed)
 
 
-@register_mode("served-draft", uses_k=True, needs_draft_model=True, in_process=False)
+@register_mode("served-draft", uses_k=True, needs_draft_model=True, in_process=False,
+               twin="mirrorspec-draft")
 def served_draft(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
                  k: int, seed: int) -> RunOutput:
     """mirrorspec over gRPC on loopback with the draft model in its own drafter server."""
     return _served(drafts.services.client(target, drafts.model, drafts.server_source), ids, params, k, seed)
 
 
-@register_mode("served-hybrid", uses_k=True, needs_draft_model=True, in_process=False)
+@register_mode("served-hybrid", uses_k=True, needs_draft_model=True, in_process=False,
+               twin="mirrorspec-hybrid")
 def served_hybrid(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
                   k: int, seed: int) -> RunOutput:
     """mirrorspec over gRPC on loopback, prompt lookup before the draft model: the front door
@@ -263,7 +271,8 @@ def served_hybrid(target: LoadedModel, drafts: Drafts, ids: list[int], params: S
                    ids, params, k, seed)
 
 
-@register_mode("served-hybrid-confident", uses_k=True, needs_draft_model=True, in_process=False)
+@register_mode("served-hybrid-confident", uses_k=True, needs_draft_model=True, in_process=False,
+               twin="mirrorspec-hybrid-confident")
 def served_hybrid_confident(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
                             k: int, seed: int) -> RunOutput:
     """served-hybrid with the drafter's windows ending after its first unsure token: what
@@ -272,7 +281,8 @@ def served_hybrid_confident(target: LoadedModel, drafts: Drafts, ids: list[int],
                                           draft_confidence=DEFAULT_DRAFT_CONFIDENCE), ids, params, k, seed)
 
 
-@register_mode("served-hybrid-confident-runner-up", uses_k=True, needs_draft_model=True, in_process=False)
+@register_mode("served-hybrid-confident-runner-up", uses_k=True, needs_draft_model=True, in_process=False,
+               twin="mirrorspec-hybrid-confident-runner-up")
 def served_hybrid_confident_runner_up(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
                                       k: int, seed: int) -> RunOutput:
     """served-hybrid-confident with windows offering the draft's runner-up too
@@ -282,7 +292,8 @@ def served_hybrid_confident_runner_up(target: LoadedModel, drafts: Drafts, ids: 
                    ids, params, k, seed)
 
 
-@register_mode("served-hybrid-adaptive-confident", uses_k=True, needs_draft_model=True, in_process=False)
+@register_mode("served-hybrid-adaptive-confident", uses_k=True, needs_draft_model=True, in_process=False,
+               twin="mirrorspec-hybrid-adaptive-confident")
 def served_hybrid_adaptive_confident(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
                                      k: int, seed: int) -> RunOutput:
     """served-hybrid-confident with the front door choosing K per window in [0, K] (``mirrorspec
@@ -292,7 +303,8 @@ def served_hybrid_adaptive_confident(target: LoadedModel, drafts: Drafts, ids: l
                    ids, params, k, seed)
 
 
-@register_mode("served-hybrid-drafter-lookup", uses_k=True, needs_draft_model=True, in_process=False)
+@register_mode("served-hybrid-drafter-lookup", uses_k=True, needs_draft_model=True, in_process=False,
+               twin="mirrorspec-hybrid")
 def served_hybrid_drafter_lookup(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
                                  k: int, seed: int) -> RunOutput:
     """served-hybrid with the lookup left to the drafter server (front_door_lookup=False): a
@@ -368,6 +380,7 @@ class RunRecord:
     token_ids: list[int]
     stats: dict | None = None
     identical_to_target_only: bool | None = None
+    identical_to_in_process: bool | None = None  # sampled served runs: tokens equal the in-process twin's
 
 
 @dataclass(frozen=True)
@@ -449,7 +462,7 @@ def run_benchmark(plan: BenchPlan) -> list[RunRecord]:
                         out = slot.mode.run(plan.target, plan.drafts, ids, params, slot.k, seed)
                         records.append(_record(prompt, slot, temperature, seed, ids, out))
                         bar.update()
-    mark_identity(records)
+    mark_identity(records, {s.mode.name: s.mode.twin for s in slots if s.mode.twin})
     return records
 
 
@@ -462,15 +475,25 @@ def _record(prompt: Prompt, slot: Slot, temperature: float, seed: int, ids: list
                      stats=out.stats.to_dict() if out.stats is not None else None)
 
 
-def mark_identity(records: list[RunRecord]) -> None:
-    """For greedy runs, whether each record's tokens equal target-only's on the same prompt.
+def mark_identity(records: list[RunRecord], twins: dict[str, str] | None = None) -> None:
+    """For greedy runs, whether each record's tokens equal target-only's on the same prompt; for
+    sampled runs of a mode in ``twins`` (served mode -> in-process mode), whether they equal the
+    twin's on the same prompt, seed and K, where the twin ran too.
 
-    Greedy speculative decoding must be token-identical to the target alone; sampled runs are
-    only equal in distribution, so they are left as ``None``.
+    Greedy speculative decoding must be token-identical to the target alone. Sampled runs are only
+    equal to it in distribution, but randomness is addressed by (seed, position), so the served
+    path must draw exactly what the in-process engine draws with the same drafter: that keeps the
+    served / in-process ratio free of sampling noise, and checks the wire on every sampled run.
     """
     baseline = {(r.dataset, r.prompt_id): r.token_ids
                 for r in records if r.mode == TARGET_ONLY and r.temperature == 0.0}
+    sampled = {(r.dataset, r.prompt_id, r.mode, r.temperature, r.k): r.token_ids
+               for r in records if r.temperature > 0.0}
+    twins = twins or {}
     for r in records:
         key = (r.dataset, r.prompt_id)
         if r.temperature == 0.0 and key in baseline:
             r.identical_to_target_only = r.token_ids == baseline[key]
+        twin = sampled.get((r.dataset, r.prompt_id, twins.get(r.mode), r.temperature, r.k))
+        if r.temperature > 0.0 and twin is not None:
+            r.identical_to_in_process = r.token_ids == twin

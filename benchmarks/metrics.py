@@ -54,6 +54,8 @@ class Summary:
     branch_hit_rate: float | None = None  # mirror modes: windows whose draft was ready at the verdict
     runner_up_hit_rate: float | None = None  # runner-up modes: windows whose first slot went to the runner-up
     identical: bool | None = None  # greedy only: all prompts token-identical to target-only
+    # sampled served modes: prompts whose tokens equal the in-process twin's, "n/m"
+    same_as_in_process: str | None = None
 
 
 def _spec_fields(stats: list[dict], k: int) -> dict:
@@ -97,6 +99,14 @@ def _identity(group: list[RunRecord]) -> bool | None:
     return None if any(f is None for f in flags) else all(flags)
 
 
+def _same_as_in_process(group: list[RunRecord]) -> str | None:
+    """A count, not a verdict: both paths are exact whatever they draw, and a draft whose logits
+    depend in the last bits on how positions are grouped into forwards (int8 weights take bf16
+    activations) can flip a draw now and then. A float32 draft must match on every prompt."""
+    flags = [r.identical_to_in_process for r in group]
+    return None if any(f is None for f in flags) else f"{sum(flags)}/{len(flags)}"
+
+
 def summarize(records: Iterable[RunRecord]) -> list[Summary]:
     """One row per (dataset, mode, temperature, K), in first-seen order, speedups filled in."""
     groups: dict[tuple, list[RunRecord]] = {}
@@ -122,4 +132,4 @@ def _summarize_group(key: tuple, group: list[RunRecord]) -> Summary:
     fields = _spec_fields(stats, k) if stats else {}
     return Summary(dataset=dataset, mode=mode, temperature=temperature, k=k, prompts=len(group),
                    new_tokens=tokens, wall_time_s=wall, tokens_per_s=tokens / wall if wall else 0.0,
-                   identical=_identity(group), **fields)
+                   identical=_identity(group), same_as_in_process=_same_as_in_process(group), **fields)

@@ -119,7 +119,7 @@ def _row(s: Summary) -> tuple[str, ...]:
             _fmt(s.speedup), _fmt(s.acceptance_rate), _fmt(s.token_acceptance),
             _fmt(s.mean_accepted_length if s.k else None),
             _fmt(s.cost_ratio, ".3f"), _fmt(s.pass_cost), _fmt(s.speedup_bound), _fmt(s.branch_hit_rate),
-            _fmt(s.identical))
+            _fmt(s.identical) if s.same_as_in_process is None else s.same_as_in_process)
 
 
 def format_table(summaries: Sequence[Summary]) -> str:
@@ -146,7 +146,8 @@ LEGEND = "\n".join((
     "cost c    draft time per drafted token / verify time per window",
     "pass x    verify time per window / target-only's time per step (the bound assumes 1)",
     "bound     (1 - a^(K+1)) / ((1 - a)(K c + 1)), Leviathan et al. 2023",
-    "identical greedy tokens equal target-only's on every prompt",
+    "identical greedy: tokens equal target-only's on every prompt; sampled served: prompts whose tokens equal",
+    "          its in-process mode's (same seed and q; a float32 draft must match all, an int8 one may flip a draw)",
 ))
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.metrics import expected_tokens_per_window, speedup_bound
+from benchmarks.harness import MODES, RunRecord, mark_identity
+from benchmarks.metrics import expected_tokens_per_window, speedup_bound, summarize
 from benchmarks.prompts import DATASETS, load_prompts
 from benchmarks.run import main
 from support import assert_flag_refused
@@ -35,6 +36,32 @@ def test_speedup_bound_matches_the_closed_form():
     assert expected_tokens_per_window(1.0, 4) == 5.0
     assert expected_tokens_per_window(0.5, 2) == pytest.approx(1.75)
     assert speedup_bound(0.5, 2, 0.25) == pytest.approx(1.75 / 1.5)
+
+
+def _record(mode, temperature, tokens, prompt_id="1", k=4):
+    return RunRecord(dataset="mtbench", prompt_id=prompt_id, category="writing", mode=mode, temperature=temperature, k=k, seed=0,
+                     prompt_tokens=3, new_tokens=len(tokens), wall_time_s=1.0, finish_reason="length",
+                     token_ids=list(tokens))
+
+
+def test_sampled_served_runs_are_checked_against_their_in_process_twin():
+    """Greedy rows compare with target-only; a sampled served row with the in-process mode it
+    reproduces, prompt by prompt at the same K, and a row with no twin that ran stays unknown."""
+    twins = {name: mode.twin for name, mode in MODES.items() if mode.twin}
+    assert twins["served-hybrid-confident-runner-up"] == "mirrorspec-hybrid-confident-runner-up"
+    assert twins["served-hybrid-drafter-lookup"] == "mirrorspec-hybrid"
+    assert all(twin in MODES and MODES[twin].in_process for twin in twins.values())
+    records = [_record("target-only", 0.0, [1, 2]), _record("served-hybrid", 0.0, [1, 2]),
+               _record("mirrorspec-hybrid", 0.7, [5, 6]), _record("served-hybrid", 0.7, [5, 6]),
+               _record("mirrorspec-hybrid", 0.7, [5, 7], prompt_id="2"),
+               _record("served-hybrid", 0.7, [5, 6], prompt_id="2"),
+               _record("served-hybrid", 0.7, [5, 6], k=8), _record("served-draft", 0.7, [5, 6])]
+    mark_identity(records, twins)
+    assert records[1].identical_to_target_only is True
+    assert [r.identical_to_in_process for r in records[2:]] == [None, True, None, False, None, None]
+    rows = {(s.mode, s.temperature, s.k): (s.identical, s.same_as_in_process) for s in summarize(records)}
+    assert rows[("served-hybrid", 0.7, 4)] == (None, "1/2") and rows[("served-hybrid", 0.0, 4)] == (True, None)
+    assert rows[("served-draft", 0.7, 4)] == (None, None)
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -80,6 +107,21 @@ def test_tiny_benchmark_runs_every_mode_and_greedy_is_identical(tmp_path, capsys
     assert out["environment"]["torch_threads"] == 1 and out["config"]["draft"] == "truncate:2"
     printed = capsys.readouterr().out
     assert "mirrorspec-draft" in printed and "identical" in printed
+
+
+@pytest.mark.slow
+def test_sampled_served_modes_draw_their_in_process_twins_tokens(tmp_path):
+    """At T=0.7 the served path (its drafter in a server process) and the in-process engine draw
+    the same tokens for the same seed: the same sparse q, randomness addressed by position. (A
+    float32 draft: int8 weights take bf16 activations, whose rounding can turn a last-bit
+    difference between two groupings of the same positions into a flipped draw now and then.)"""
+    modes = ["mirrorspec-hybrid-confident-runner-up", "served-hybrid-confident-runner-up", "mirrorspec-draft",
+             "served-draft"]
+    out = _run(tmp_path, "--datasets", "mtbench,humaneval", "--num-prompts", "2", "--max-tokens", "12", "--k", "3",
+               "--temperatures", "0.7", "--modes", ",".join(modes), "--draft", "truncate:2", "--draft-quantize", "none")
+    served = [r for r in out["records"] if r["mode"].startswith("served")]
+    assert len(served) == 8 and all(r["identical_to_in_process"] is True for r in served)
+    assert all(s["same_as_in_process"] == "2/2" for s in out["summaries"] if s["mode"].startswith("served"))
 
 
 @pytest.mark.slow
