@@ -100,19 +100,25 @@ def test_local_greedy_is_identical_with_and_without_speculation():
         assert key in spec["stats"]
 
 
+def start_serving(*flags: str) -> tuple[subprocess.Popen, str]:
+    """`mirrorspec serve FLAGS` in a subprocess, once it says it is serving: (process, that line)."""
+    server = subprocess.Popen([sys.executable, "-m", "mirrorspec", "serve", *flags],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    line = ""
+    while "serving on" not in line and time.monotonic() < deadline:
+        line = server.stdout.readline()
+        if not line and server.poll() is not None:
+            raise AssertionError("server exited before serving")
+    return server, line
+
+
 @pytest.mark.slow
 def test_serve_on_local_ray_then_generate_scale_and_status():
     """The embedded default: `mirrorspec serve` starts a local Ray with one drafter and one target
     actor on the demo models; `generate`, `scale` and `status` are separate processes."""
-    server = subprocess.Popen([sys.executable, "-m", "mirrorspec", "serve", "--port", "50593", "--replica-cpus", "0.5",
-                               "--hint-layer", "24"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server, line = start_serving("--port", "50593", "--replica-cpus", "0.5", "--hint-layer", "24")
     try:
-        deadline = time.monotonic() + 300
-        line = ""
-        while "serving on" not in line and time.monotonic() < deadline:
-            line = server.stdout.readline()
-            assert line or server.poll() is None, "server exited before serving"
         assert "(Ray; deployment 'mirrorspec'" in line
         prompt = "Name three colors."
         served = json.loads(run_cli("generate", prompt, "--server", "127.0.0.1:50593", "--max-tokens", "24",
@@ -147,15 +153,8 @@ def test_a_seeded_sample_is_the_same_from_generate_local_as_from_serve():
     and randomness is addressed by (seed, position), so a seeded sampled request draws the same
     tokens either way. (float32 drafts on both sides: an int8 draft's logits move in the last bits
     with how its positions are grouped into forwards, which can flip a draw now and then.)"""
-    server = subprocess.Popen([sys.executable, "-m", "mirrorspec", "serve", "--in-process", "--port", "50594",
-                               "--draft-quantize", "none", "--threads", "1"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server, _ = start_serving("--in-process", "--port", "50594", "--draft-quantize", "none", "--threads", "1")
     try:
-        deadline = time.monotonic() + 300
-        line = ""
-        while "serving on" not in line and time.monotonic() < deadline:
-            line = server.stdout.readline()
-            assert line or server.poll() is None, "server exited before serving"
         sampled = ("Write a short poem about the sea.", "--temperature", "0.7", "--seed", "1", "--max-tokens", "32",
                    "--json")
         served = json.loads(run_cli("generate", *sampled, "--server", "127.0.0.1:50594").stdout)
