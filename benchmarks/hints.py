@@ -34,6 +34,7 @@ from mirrorspec import SamplingParams, SpeculationConfig
 from mirrorspec.config import (
     DEFAULT_DRAFT_CONFIDENCE,
     DEFAULT_PROMPT_LOOKUP,
+    DEFAULT_PROPOSAL_TOP_K,
     InvalidRequest,
     MirrorConfig,
     check_draft_confidence,
@@ -78,7 +79,7 @@ def branch_hits(target: LoadedModel, draft: torch.nn.Module, prompts: list[list[
         stats = GenerationStats()
         pipeline = MirrorPipeline(MirrorConfig(stop_at_verdict=False, max_branches=args.max_branches,
                                                alternatives=args.alternatives, use_hints=probe is not None))
-        drafter = make_drafter(draft, proposal_top_k=32, prompt_lookup=args.prompt_lookup,
+        drafter = make_drafter(draft, proposal_top_k=DEFAULT_PROPOSAL_TOP_K, prompt_lookup=args.prompt_lookup,
                                draft_confidence=args.draft_confidence)
         try:
             for _ in decode_windows(drafter, TargetVerifier(KVSession(target.model), probe), ids, params,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from mirrorspec.config import (
     DEFAULT_DRAFT_QUANTIZE,
+    DEFAULT_PROPOSAL_TOP_K,
     AdaptiveKConfig,
     InvalidRequest,
     MirrorConfig,
@@ -46,7 +47,7 @@ class StackSpec:
     hint_vocab: str | None = None  # hints scored over the sub-vocabulary this draft declares; None = all
     hint_lens: str = "tuned"  # hints read through a tuned lens fitted to the target, or "logit"
     speculation_off_above: int | None = None  # the front door stops drafting past this many requests
-    proposal_top_k: int = 32
+    proposal_top_k: int = DEFAULT_PROPOSAL_TOP_K
     prompt_lookup: int = 0  # draft-model replicas: prompt lookup drafts first on matches this long
     draft_confidence: float = 0.0  # draft-model replicas: a window ends after the model's first token below this
     draft_quantize: str = DEFAULT_DRAFT_QUANTIZE  # draft-model replicas: int8 weights for their linear layers on CPU (models.quantize)

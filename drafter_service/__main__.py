@@ -18,8 +18,9 @@ parser.add_argument("--port", type=int, default=0)
 parser.add_argument("--dtype", default="auto")
 parser.add_argument("--device", default="auto", type=device_flag)
 parser.add_argument("--max-sessions", type=int, default=64)
-parser.add_argument("--proposal-top-k", type=int, default=DEFAULT_PROPOSAL_TOP_K,
-                    help=f"strategy draft-model: q restricted to the model's top-k, renormalised (0 = dense; default {DEFAULT_PROPOSAL_TOP_K})")
+parser.add_argument("--proposal-top-k", type=int, default=DEFAULT_PROPOSAL_TOP_K, metavar="M",
+                    help="strategy draft-model: q restricted to the model's top M tokens, renormalised "
+                         f"(0 = dense; default {DEFAULT_PROPOSAL_TOP_K})")
 parser.add_argument("--prompt-lookup", type=int, default=DEFAULT_PROMPT_LOOKUP, metavar="N",
                     help="strategy draft-model: prompt lookup drafts first wherever the context's last N tokens "
                          "occurred before (0 = the model alone)")

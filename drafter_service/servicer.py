@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 
-from mirrorspec.config import (DEFAULT_DRAFT_QUANTIZE, DEFAULT_PROPOSAL_TOP_K, InvalidRequest, OutOfRange, ReplicaConfig,
-                               check_draft_confidence, check_prompt_lookup, check_quantization)
+from mirrorspec.config import (DEFAULT_DRAFT_QUANTIZE, DEFAULT_PROPOSAL_TOP_K, InvalidRequest, OutOfRange,
+                               ReplicaConfig, check_draft_confidence, check_prompt_lookup, check_quantization)
 from mirrorspec.drafting import Drafter, NgramDrafter, RankedTokens
 from mirrorspec.drafting.draft_model import draft_model_step_cost
 from mirrorspec.engine import make_drafter, validate_prompt

@@ -39,8 +39,8 @@ def test_speedup_bound_matches_the_closed_form():
 
 
 def _record(mode, temperature, tokens, prompt_id="1", k=4):
-    return RunRecord(dataset="mtbench", prompt_id=prompt_id, category="writing", mode=mode, temperature=temperature, k=k, seed=0,
-                     prompt_tokens=3, new_tokens=len(tokens), wall_time_s=1.0, finish_reason="length",
+    return RunRecord(dataset="mtbench", prompt_id=prompt_id, category="writing", mode=mode, temperature=temperature,
+                     k=k, seed=0, prompt_tokens=3, new_tokens=len(tokens), wall_time_s=1.0, finish_reason="length",
                      token_ids=list(tokens))
 
 

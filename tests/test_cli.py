@@ -158,9 +158,9 @@ def test_a_seeded_sample_is_the_same_from_generate_local_as_from_serve():
         sampled = ("Write a short poem about the sea.", "--temperature", "0.7", "--seed", "1", "--max-tokens", "32",
                    "--json")
         served = json.loads(run_cli("generate", *sampled, "--server", "127.0.0.1:50594").stdout)
-        local = json.loads(run_cli("generate", *sampled, "--local", "--draft-quantize", "none", "--threads", "1").stdout)
-        dense = json.loads(run_cli("generate", *sampled, "--local", "--draft-quantize", "none", "--threads", "1",
-                                   "--proposal-top-k", "0").stdout)
+        local_flags = ("--local", "--draft-quantize", "none", "--threads", "1")
+        local = json.loads(run_cli("generate", *sampled, *local_flags).stdout)
+        dense = json.loads(run_cli("generate", *sampled, *local_flags, "--proposal-top-k", "0").stdout)
     finally:
         server.terminate()
         server.wait(timeout=60)
