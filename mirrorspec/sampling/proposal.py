@@ -1,4 +1,4 @@
-"""The draft side's proposal distribution q, and inverse-CDF sampling from explicit uniforms.
+"""The draft side's proposal distribution q, and sampling by an exponential race from explicit uniforms.
 
 Rejection sampling is exact for *any* q, provided q is the distribution each draft token was
 really drawn from. So the drafter may restrict itself to a sparse q (its own top-m tokens,
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mirrorspec.config import SamplingParams
@@ -86,17 +87,42 @@ def proposal_distribution(draft_logits: torch.Tensor, params: SamplingParams, to
 
 
 def sample_categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sample from each row of ``probs`` with the given uniform.  # [n, m], [n] -> [n]
+    """One index per row of ``probs``, drawn by an exponential race keyed by the row's uniform.
+    # [n, m], [n] -> [n]
 
-    Works in float64, scales u by the row's total mass (so rows need not be normalised), and never
-    returns an index of zero probability.
+    Each column j gets its own Exp(1) noise E_j, a pure function of (u, j), and the draw is
+    argmax_j probs_j / E_j: exactly a draw from the row (normalised or not), as vLLM samples.
+    Why not inverse CDF: there the draw is wherever u lands in a cumulative sum, and in the long
+    tail of a 49k-token distribution, where thousands of tokens each hold a sliver of mass, a
+    last-bit change in the probabilities (the same positions computed in another grouping of
+    forward passes: a served target's separate prefill, a replica replaying a session) moves it
+    to a neighbouring token. A race only changes its winner where two tokens' ratios agree to
+    the last bits. Zero-probability columns never win (unless the whole row is zero: column 0).
     """
-    probs64 = probs.to(torch.float64)
-    cdf = probs64.cumsum(dim=-1)  # [n, m]
-    target = u.to(cdf.device, torch.float64).unsqueeze(-1) * cdf[..., -1:]  # [n, 1]
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # [n]
-    last_positive = _last_positive_index(probs64)
-    return torch.minimum(idx, last_positive)
+    noise = race_noise(u, probs.shape[-1]).to(probs.device)  # [n, m] float64
+    return (probs.to(torch.float64) / noise).argmax(dim=-1)
+
+
+_GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser on uint64 arrays (numpy wraps uint64 arithmetic)."""
+    x = x + _GOLDEN
+    x = (x ^ (x >> np.uint64(30))) * _MIX1
+    x = (x ^ (x >> np.uint64(27))) * _MIX2
+    return x ^ (x >> np.uint64(31))
+
+
+def race_noise(u: torch.Tensor, width: int) -> torch.Tensor:
+    """Exp(1) noise for ``width`` columns per uniform, a pure function of (u, column), on the CPU
+    whatever the device (so draws agree across devices).  # [n] -> [n, width] float64"""
+    keys = (u.detach().to("cpu", torch.float64) * 2.0**53).to(torch.int64).numpy().astype(np.uint64)  # [n]
+    columns = np.arange(width, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        bits = _splitmix64(_splitmix64(keys)[:, None] ^ columns[None, :])  # [n, width]
+    uniform = ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53  # in (0, 1)
+    return torch.from_numpy(-np.log(uniform))
 
 
 def sample_proposal(rows: ProposalRows, u: torch.Tensor) -> torch.Tensor:
@@ -107,6 +133,3 @@ def sample_proposal(rows: ProposalRows, u: torch.Tensor) -> torch.Tensor:
     return rows.ids.gather(-1, idx.unsqueeze(-1).to(rows.ids.device)).squeeze(-1)
 
 
-def _last_positive_index(probs: torch.Tensor) -> torch.Tensor:
-    positions = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
-    return torch.where(probs > 0, positions, -1).max(dim=-1).values.clamp_min(0)

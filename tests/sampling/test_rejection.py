@@ -23,16 +23,21 @@ def u(*shape, seed=0):
 def test_p_equal_q_accepts_everything_and_draws_the_bonus_from_p():
     p = torch.tensor([[0.5, 0.3, 0.2]]).repeat(4, 1)  # [k + 1, vocab]
     draft = torch.tensor([[0, 1, 2]])
-    n, nxt = rejection_sample(draft, p[:3].unsqueeze(0), p.unsqueeze(0), u(1, 3), torch.tensor([[0.0, 0.0, 0.0, 0.9]]))
-    assert n.tolist() == [3] and nxt.tolist() == [2]  # u = 0.9 lands in the last bucket of p
+    u_next = torch.tensor([[0.0, 0.0, 0.0, 0.9]], dtype=torch.float64)
+    n, nxt = rejection_sample(draft, p[:3].unsqueeze(0), p.unsqueeze(0), u(1, 3), u_next)
+    assert n.tolist() == [3] and nxt.tolist() == sample_categorical(p[3:], u_next[0, 3:]).tolist()  # the bonus slot's draw
 
 
 def test_disjoint_supports_reject_at_once_and_recover_from_p():
     q = torch.tensor([[[1.0, 0.0, 0.0]]])  # [1, k=1, vocab]
     p = torch.tensor([[[0.0, 0.25, 0.75], [1.0, 0.0, 0.0]]])
-    for uu, expected in ((0.1, 1), (0.9, 2)):
-        n, nxt = rejection_sample(torch.tensor([[0]]), q, p, torch.tensor([[0.0]]), torch.tensor([[uu, 0.0]]))
-        assert n.item() == 0 and nxt.item() == expected
+    recovered = set()
+    for uu in torch.rand(64, generator=torch.Generator().manual_seed(0), dtype=torch.float64).tolist():
+        n, nxt = rejection_sample(torch.tensor([[0]]), q, p, torch.tensor([[0.0]]),
+                                  torch.tensor([[uu, 0.0]], dtype=torch.float64))
+        assert n.item() == 0 and nxt.item() == sample_categorical(p[0, :1], torch.tensor([uu], dtype=torch.float64))
+        recovered.add(nxt.item())
+    assert recovered == {1, 2}  # from p's own support, never the rejected token
 
 
 def test_residual_never_picks_a_token_with_zero_residual():
@@ -68,9 +73,10 @@ def test_greedy_accepts_while_draft_equals_argmax():
 
 
 def test_sample_categorical_never_returns_zero_probability_or_out_of_range():
-    probs = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0]]).repeat(3, 1)
-    idx = sample_categorical(probs, torch.tensor([0.0, 0.5, 1.0 - 2**-53], dtype=torch.float64))
-    assert idx.tolist() == [1, 3, 3]
+    probs = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0]])
+    u = torch.cat([torch.tensor([0.0, 0.5, 1.0 - 2**-53], dtype=torch.float64), torch.rand(20_000, dtype=torch.float64)])
+    idx = sample_categorical(probs.expand(len(u), 5), u)
+    assert set(idx.tolist()) == {1, 3} and abs((idx == 1).double().mean().item() - 0.3) < 0.015
 
 
 def test_sparse_proposal_samples_the_id_not_the_slot():
