@@ -100,10 +100,9 @@ def _identity(group: list[RunRecord]) -> bool | None:
 
 
 def _same_as_in_process(group: list[RunRecord]) -> str | None:
-    """A count, not a verdict: both paths are exact whatever they draw. Where they group the
-    target's positions into passes differently (a served target prefills the prompt on its own),
-    logits differ in the last bits, and an inverse-CDF draw that lands in the long tail of a
-    49k-token distribution can move to a neighbouring token: a prompt in 20 or so at 64 tokens."""
+    """A count rather than yes/no: both paths are exact whatever they draw, and a mismatch says
+    where they drafted or verified differently. (A last-bit difference between groupings of
+    passes, as a served target's own prefill makes, no longer moves a draw: ``sample_categorical``.)"""
     flags = [r.identical_to_in_process for r in group]
     return None if any(f is None for f in flags) else f"{sum(flags)}/{len(flags)}"
 

@@ -147,7 +147,7 @@ LEGEND = "\n".join((
     "pass x    verify time per window / target-only's time per step (the bound assumes 1)",
     "bound     (1 - a^(K+1)) / ((1 - a)(K c + 1)), Leviathan et al. 2023",
     "identical greedy: tokens equal target-only's on every prompt; sampled served: prompts whose tokens equal",
-    "          its in-process mode's (same seed and q; a tail draw may move where the passes are grouped otherwise)",
+    "          its in-process mode's (same seed and q: all of them, as a rule)",
 ))
 
 
