@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from mirrorspec.config import SamplingParams
 from mirrorspec.sampling.distributions import target_probs
+from mirrorspec.sampling.randomness import race_noise
 
 
 @dataclass(frozen=True)
@@ -101,28 +101,6 @@ def sample_categorical(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """
     noise = race_noise(u, probs.shape[-1]).to(probs.device)  # [n, m] float64
     return (probs.to(torch.float64) / noise).argmax(dim=-1)
-
-
-_GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """The splitmix64 finaliser on uint64 arrays (numpy wraps uint64 arithmetic)."""
-    x = x + _GOLDEN
-    x = (x ^ (x >> np.uint64(30))) * _MIX1
-    x = (x ^ (x >> np.uint64(27))) * _MIX2
-    return x ^ (x >> np.uint64(31))
-
-
-def race_noise(u: torch.Tensor, width: int) -> torch.Tensor:
-    """Exp(1) noise for ``width`` columns per uniform, a pure function of (u, column), on the CPU
-    whatever the device (so draws agree across devices).  # [n] -> [n, width] float64"""
-    keys = (u.detach().to("cpu", torch.float64) * 2.0**53).to(torch.int64).numpy().astype(np.uint64)  # [n]
-    columns = np.arange(width, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        bits = _splitmix64(_splitmix64(keys)[:, None] ^ columns[None, :])  # [n, width]
-    uniform = ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53  # in (0, 1)
-    return torch.from_numpy(-np.log(uniform))
 
 
 def sample_proposal(rows: ProposalRows, u: torch.Tensor) -> torch.Tensor:

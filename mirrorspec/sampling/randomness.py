@@ -16,9 +16,11 @@ import enum
 import os
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 _MASK64 = (1 << 64) - 1
+_GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
 class Stream(enum.IntEnum):
@@ -28,24 +30,44 @@ class Stream(enum.IntEnum):
     RUNNER_UP = 4  # target side: the accept coin of a window's runner-up, where its first draft lost
 
 
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser, elementwise on uint64 arrays (numpy wraps uint64 arithmetic)."""
+    with np.errstate(over="ignore"):
+        x = x + _GOLDEN
+        x = (x ^ (x >> np.uint64(30))) * _MIX1
+        x = (x ^ (x >> np.uint64(27))) * _MIX2
+    return x ^ (x >> np.uint64(31))
 
 
-def uniform(seed: int, position: int, stream: Stream, branch: int = 0) -> float:
-    """A uniform in [0, 1) with 53 random bits, fixed by its coordinates."""
-    h = _splitmix64(seed & _MASK64)
-    for part in (position, int(stream), branch):
-        h = _splitmix64(h ^ (part & _MASK64))
-    return (h >> 11) * (1.0 / (1 << 53))
+def _words(values: Sequence[int]) -> np.ndarray:
+    """Python ints (negative or past 2**63 too) as their low 64 bits."""
+    return np.array([v & _MASK64 for v in values], dtype=np.uint64)
+
+
+def _unit(bits: np.ndarray) -> np.ndarray:
+    """The top 53 bits as a float64 in [0, 1)."""
+    return (bits >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
 def uniforms(seed: int, positions: Sequence[int], stream: Stream, branch: int = 0) -> torch.Tensor:
-    """Uniforms for several positions, as float64 (so no draw rounds up to 1.0)."""
-    return torch.tensor([uniform(seed, p, stream, branch) for p in positions], dtype=torch.float64)
+    """Uniforms in [0, 1) with 53 random bits, one per position, each fixed by its coordinates;
+    float64, so no draw rounds up to 1.0."""
+    h = splitmix64(splitmix64(_words([seed])) ^ _words(positions))  # [n]
+    for part in (int(stream), branch):
+        h = splitmix64(h ^ _words([part]))
+    return torch.from_numpy(_unit(h))
+
+
+def uniform(seed: int, position: int, stream: Stream, branch: int = 0) -> float:
+    return float(uniforms(seed, [position], stream, branch)[0])
+
+
+def race_noise(u: torch.Tensor, width: int) -> torch.Tensor:
+    """Exp(1) noise for ``width`` columns per uniform, a pure function of (u, column), on the CPU
+    whatever the device (so draws agree across devices).  # [n] -> [n, width] float64"""
+    keys = (u.detach().to("cpu", torch.float64) * 2.0**53).to(torch.int64).numpy().astype(np.uint64)  # [n]
+    bits = splitmix64(splitmix64(keys)[:, None] ^ np.arange(width, dtype=np.uint64)[None, :])  # [n, width]
+    return torch.from_numpy(-np.log(_unit(bits) + 2.0**-54))  # the uniform lies in (0, 1)
 
 
 def fresh_seed() -> int:
