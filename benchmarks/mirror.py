@@ -4,7 +4,7 @@ their own processes, one torch thread each (each side has its own core on a 2-co
     mirrorspec bench mirror [--datasets humaneval,mtbench] [--num-prompts 3] [--max-tokens 64]
                                 [--k 4] [--hint-layer 27 [--hint-vocab draft|full]]
                                 [--max-branches 4] [--alternatives 7]
-                                [--target demo-target --draft demo-draft]
+                                [--target demo-target --draft demo-draft] [--dtype auto]
                                 [--out benchmarks/results]
 
 Modes, all greedy, through front doors in this process, interleaved prompt by prompt after one
@@ -43,6 +43,7 @@ from mirrorspec.config import (
     DEFAULT_DRAFT_QUANTIZE,
     DEFAULT_PROMPT_LOOKUP,
     DEFAULT_PROPOSAL_TOP_K,
+    DTYPE_HELP,
     QUANTIZATIONS,
     InvalidRequest,
     MirrorConfig,
@@ -176,6 +177,8 @@ def main(argv=None) -> int:
                         help="where the target server runs: auto (CUDA if present), cpu, cuda, cuda:1 ...")
     parser.add_argument("--drafter-device", default="auto", type=device_flag,
                         help="where the drafter server runs, e.g. cpu beside a target on cuda (its own compute)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                        help=f"both servers' dtype: {DTYPE_HELP}")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per server process (default 1)")
     parser.add_argument("--no-pin", action="store_true",
                         help="let the scheduler place drafter and target (default: one core each, apart)")
@@ -192,7 +195,7 @@ def main(argv=None) -> int:
     except InvalidRequest as err:
         parser.error(f"--max-branches / --alternatives: {err}")
 
-    target_args = ("--device", args.target_device)
+    target_args = ("--device", args.target_device, "--dtype", args.dtype)
     if args.hint_layer:
         target_args += ("--hint-layer", str(args.hint_layer),
                         *(("--hint-vocab", args.draft) if args.hint_vocab == "draft" else ()))
@@ -201,7 +204,8 @@ def main(argv=None) -> int:
     target, drafter, stop = start_processes(args.target, args.draft, args.proposal_top_k, target_args,
                                             threads=args.threads, pin=not args.no_pin,
                                             prompt_lookup=args.prompt_lookup, draft_confidence=args.draft_confidence,
-                                            quantize=args.draft_quantize, drafter_args=("--device", args.drafter_device))
+                                            quantize=args.draft_quantize,
+                                            drafter_args=("--device", args.drafter_device, "--dtype", args.dtype))
     doors = {"plain": front_door(target, drafter, replace(mirror, use_hints=False), args.k)}
     if args.hint_layer:
         doors["hinted"] = front_door(target, drafter, mirror, args.k)

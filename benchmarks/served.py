@@ -57,7 +57,7 @@ class ServedStacks:
                 address, stop = _stack_in_this_process(target, draft_model, drafter, front)
             else:
                 address, stop = _stack_in_processes(target.source, draft_source if draft_model is not None else None,
-                                                    drafter, front)
+                                                    drafter, front, server_placement(target))
             self._stops[kind] = stop
             self._clients[kind] = Client(address)
         return self._clients[kind]
@@ -71,14 +71,22 @@ class ServedStacks:
         self._stops.clear()
 
 
+def server_placement(target: LoadedModel) -> tuple[str, ...]:
+    """The server processes' --device and --dtype: the in-process modes', so a served mode and its
+    in-process twin run on the same device in the same dtype (left to ``auto``, a server on a GPU
+    machine would take the GPU under ``--device cpu``)."""
+    model = target.model
+    return "--device", str(model.device), "--dtype", str(model.dtype).removeprefix("torch.")
+
+
 def _stack_in_processes(target_source: str, draft_source: str | None, drafter: dict,
-                        front: dict) -> tuple[str, Callable[[], None]]:
+                        front: dict, placement: tuple[str, ...]) -> tuple[str, Callable[[], None]]:
     from mirrorspec.serving.server import BackgroundServer
     from orchestrator.servicer import OrchestratorConfig, serve
 
     target, drafter, stop_servers = start_processes(target_source, draft_source,
                                                     DrafterConfig.proposal_top_k, threads=torch.get_num_threads(),
-                                                    **drafter)
+                                                    target_args=placement, drafter_args=placement, **drafter)
     config = OrchestratorConfig(target=target, drafter=drafter, port=0, **front)
     front = BackgroundServer(lambda: serve(config), "orchestrator").start(timeout=300)
 

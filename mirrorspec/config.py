@@ -230,7 +230,8 @@ def check_quantization(name: str, field: str = "quantize") -> str:
 
 
 # the --dtype flags' help: ``models.loading.resolve_dtype`` says why auto is what it is
-DTYPE_HELP = "auto (float32 on CPU; on CUDA a bf16/fp16 checkpoint's own dtype, else float32), float32, bfloat16, float16"
+DTYPE_HELP = ("auto (float32 on CPU; on CUDA a bf16/fp16 checkpoint's own dtype, else float32), "
+              "float32, bfloat16, float16")
 
 
 @dataclass(frozen=True)

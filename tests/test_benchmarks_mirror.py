@@ -19,6 +19,7 @@ from mirrorspec.cli import main
     (["--threads", "0"], "--threads"),
     (["--target-device", "nope"], "argument --target-device"),
     (["--drafter-device", "cuda:x"], "argument --drafter-device"),
+    (["--dtype", "fp8"], "argument --dtype"),
 ])
 def test_bad_flags_name_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -7,11 +7,15 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
+import support
 from benchmarks.harness import MODES, RunRecord, mark_identity
 from benchmarks.metrics import expected_tokens_per_window, speedup_bound, summarize
 from benchmarks.prompts import DATASETS, load_prompts
 from benchmarks.run import main
+from benchmarks.served import server_placement
+from mirrorspec.models import LoadedModel
 from support import assert_flag_refused
 
 
@@ -175,3 +179,13 @@ def test_data_plane_reports_its_overhead_beside_the_round_trip_floor(tmp_path, c
     sparse, dense = (rows["separate processes", q]["q_bytes_per_window"] for q in ("sparse top-32", "dense"))
     assert dense > 100 * sparse
     assert "floor ms" in capsys.readouterr().out
+
+
+def test_served_modes_start_their_servers_where_and_as_the_in_process_modes_run(tiny_dir):
+    """Left to ``auto``, a server on a GPU machine would take the GPU under ``--device cpu``, and
+    would not follow ``--dtype``: a served row would no longer be its in-process twin's."""
+    model = support.load(tiny_dir["target"])  # a copy of its own: it is cast below
+    device = str(model.device)
+    assert server_placement(LoadedModel(model, None, "t")) == ("--device", device, "--dtype", "float32")
+    half = LoadedModel(model.to(torch.bfloat16), None, "t")
+    assert server_placement(half) == ("--device", device, "--dtype", "bfloat16")
