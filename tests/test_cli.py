@@ -153,7 +153,7 @@ def test_a_seeded_sample_is_the_same_from_generate_local_as_from_serve():
     and randomness is addressed by (seed, position), so a seeded sampled request draws the same
     tokens either way (the target's own prefill on the server moves its logits in the last bits,
     which an exponential race does not feel)."""
-    server, _ = start_serving("--in-process", "--port", "50594", "--threads", "1")
+    server, line = start_serving("--in-process", "--port", "50594", "--threads", "1")
     try:
         sampled = ("Write a short poem about the sea.", "--temperature", "0.7", "--seed", "1", "--max-tokens", "32",
                    "--json")
@@ -164,6 +164,7 @@ def test_a_seeded_sample_is_the_same_from_generate_local_as_from_serve():
     finally:
         server.terminate()
         server.wait(timeout=60)
+    assert "target demo-target on cpu in float32" in line  # the banner says what --device/--dtype auto chose
     assert served["token_ids"] == local["token_ids"] and served["stats"]["drafted"] > 0
     assert dense["token_ids"] != local["token_ids"]  # another q draws other (equally exact) tokens
 
