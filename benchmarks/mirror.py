@@ -44,6 +44,7 @@ from mirrorspec.config import (
     DEFAULT_PROMPT_LOOKUP,
     DEFAULT_PROPOSAL_TOP_K,
     DTYPE_HELP,
+    DTYPE_NAMES,
     QUANTIZATIONS,
     InvalidRequest,
     MirrorConfig,
@@ -177,7 +178,7 @@ def main(argv=None) -> int:
                         help="where the target server runs: auto (CUDA if present), cpu, cuda, cuda:1 ...")
     parser.add_argument("--drafter-device", default="auto", type=device_flag,
                         help="where the drafter server runs, e.g. cpu beside a target on cuda (its own compute)")
-    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="auto",
                         help=f"both servers' dtype: {DTYPE_HELP}")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per server process (default 1)")
     parser.add_argument("--no-pin", action="store_true",

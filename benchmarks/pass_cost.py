@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from mirrorspec.models import KVSession, encode_prompt, load_causal_lm
 from mirrorspec.config import DTYPE_HELP
+from mirrorspec.models import KVSession, encode_prompt, load_causal_lm
 from mirrorspec.models.loading import device_flag
 from mirrorspec.models.prepack import prepack_linears
 

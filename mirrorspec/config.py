@@ -229,7 +229,8 @@ def check_quantization(name: str, field: str = "quantize") -> str:
     return name
 
 
-# the --dtype flags' help: ``models.loading.resolve_dtype`` says why auto is what it is
+# the --dtype flags' values and help: ``models.loading.resolve_dtype`` says why auto is what it is
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_HELP = ("auto (float32 on CPU; on CUDA a bf16/fp16 checkpoint's own dtype, else float32), "
               "float32, bfloat16, float16")
 
