@@ -94,7 +94,7 @@ def _load_draft_model(spec: str, target: LoadedModel, quantize: str) -> torch.nn
         model = truncated_target(target, int(spec.removeprefix(TRUNCATE_PREFIX)))
         apply_quantization(model, quantize)
     else:
-        model = load_causal_lm(spec, dtype=str(target.model.dtype).removeprefix("torch."),
+        model = load_causal_lm(spec, dtype=target.dtype_name,
                                device=str(target.model.device), tokenizer=False, quantize=quantize).model
     if model.config.vocab_size != target.model.config.vocab_size:
         raise InvalidRequest(f"the draft's vocabulary ({model.config.vocab_size}) differs from the target's "

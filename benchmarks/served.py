@@ -75,8 +75,7 @@ def server_placement(target: LoadedModel) -> tuple[str, ...]:
     """The server processes' --device and --dtype: the in-process modes', so a served mode and its
     in-process twin run on the same device in the same dtype (left to ``auto``, a server on a GPU
     machine would take the GPU under ``--device cpu``)."""
-    model = target.model
-    return "--device", str(model.device), "--dtype", str(model.dtype).removeprefix("torch.")
+    return "--device", str(target.model.device), "--dtype", target.dtype_name
 
 
 def _stack_in_processes(target_source: str, draft_source: str | None, drafter: dict,

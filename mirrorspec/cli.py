@@ -573,7 +573,7 @@ def _serve_in_process(args: argparse.Namespace) -> int:
                               metrics_port=args.metrics_port, adaptive=AdaptiveKConfig() if args.adaptive else None,
                               mirror=MirrorConfig() if args.mirror else None,
                               speculation_off_above=args.speculation_off_above, runner_up=not args.no_runner_up)
-    where = f"{target.model.device} in {str(target.model.dtype).removeprefix('torch.')}"  # what auto chose
+    where = f"{target.model.device} in {target.dtype_name}"  # what auto chose
     print(f"mirrorspec: serving on {args.host}:{stack.front.port} (in-process; target {args.target} on {where}, "
           f"draft {args.draft}, K={args.k}{' mirror' if args.mirror else ''}); Ctrl-C stops", flush=True)
     _wait_for_stop()

@@ -27,6 +27,11 @@ class LoadedModel:
     source: str
 
     @property
+    def dtype_name(self) -> str:
+        """The dtype as the --dtype flags spell it (``float32``), e.g. to start a server alike."""
+        return str(self.model.dtype).removeprefix("torch.")
+
+    @property
     def max_context(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 2048))
 

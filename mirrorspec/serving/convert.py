@@ -92,4 +92,4 @@ def describe_model(loaded: LoadedModel) -> common_pb2.ModelDescription:
     model = loaded.model
     return common_pb2.ModelDescription(
         source=loaded.source, architecture=type(model).__name__, vocab_size=int(model.config.vocab_size),
-        max_context=loaded.max_context, device=str(model.device), dtype=str(model.dtype).removeprefix("torch."))
+        max_context=loaded.max_context, device=str(model.device), dtype=loaded.dtype_name)

@@ -4,9 +4,9 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+import support
 from mirrorspec.config import InvalidRequest
 from mirrorspec.models.loading import resolve_dtype, stored_dtype
-from tests import support
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
