@@ -28,6 +28,11 @@ log = logging.getLogger(__name__)
 
 SUPERVISE_EVERY_S = 0.5
 PING_TIMEOUT_S = 10.0
+# A pool whose replicas refuse their settings (InvalidRequest: a model that does not load) this
+# many times in a row, with none serving, fails `start` with that refusal: every replacement would
+# refuse alike. Other start failures (a node short of memory, a lost actor) are retried until the
+# start timeout, whose message then carries the last of them.
+REFUSALS_BEFORE_GIVING_UP = 2
 
 
 @dataclass
@@ -54,6 +59,30 @@ def role_resources(pool: str, res: PoolResources) -> dict:
     return {k: v for k, v in wanted.items() if v}
 
 
+@dataclass
+class StartFailures:
+    """A pool's replicas that failed to start since one last served."""
+
+    count: int = 0
+    refusals: int = 0  # in a row: the replica refused its settings (InvalidRequest)
+    last: BaseException | None = None
+
+    def add(self, err: BaseException) -> None:
+        self.count += 1
+        cause = getattr(err, "cause", None)  # a RayTaskError carries the replica's own error
+        self.last = cause if isinstance(cause, BaseException) else err
+        self.refusals = self.refusals + 1 if isinstance(self.last, InvalidRequest) else 0
+
+    def refusal(self, pool: str) -> InvalidRequest:
+        """The replicas' refusal, for `mirrorspec serve` to name the flag: ``model`` is the pool's
+        model flag (--target or --draft)."""
+        field = self.last.field
+        if field == "model":
+            field = "target" if pool == "target" else "draft"
+        return InvalidRequest(f"the {pool} replicas failed to start {self.refusals} times in a row: {self.last}",
+                              field=field)
+
+
 class Controller:
     def __init__(self, spec: StackSpec):
         self.spec = spec
@@ -61,6 +90,7 @@ class Controller:
         self._replicas: dict[str, ReplicaRecord] = {}
         self._wanted = {"drafter": spec.drafters, "target": spec.targets}
         self._ids = itertools.count(1)
+        self._start_failures = {pool: StartFailures() for pool in POOLS}
         self._version = 0
         self._front = None
         self._front_address: str | None = None
@@ -73,9 +103,10 @@ class Controller:
         """Wait for each pool's first replica, then start the front door on ``front_node``."""
         deadline = time.monotonic() + timeout_s
         with self._changed:
-            ready = self._changed.wait_for(lambda: all(self._serving(p) for p in POOLS if self._wanted[p]),
-                                           timeout=timeout_s)
-            if not ready:
+            self._changed.wait_for(lambda: self._all_serving() or self._refused_pool() is not None, timeout=timeout_s)
+            if not self._all_serving():
+                if (pool := self._refused_pool()) is not None:
+                    raise self._start_failures[pool].refusal(pool)
                 raise TimeoutError(f"no replica came up within {timeout_s:.0f} s: {self._pending_summary()}; "
                                    f"check `ray status` for pending resources")
             members, version = self._members(), self._version
@@ -181,10 +212,14 @@ class Controller:
             except Exception as err:  # noqa: BLE001 - a replica that cannot start is replaced
                 log.error("%s failed to start: %s", record.replica_id, err)
                 self._forget(record)
+                with self._changed:
+                    self._start_failures[record.pool].add(err)
+                    self._changed.notify_all()
                 continue
             with self._changed:
                 if record.state == "starting":
                     record.address, record.node, record.state = address, node, "serving"
+                    self._start_failures[record.pool] = StartFailures()
                     self._bump()
 
     def _replace_dead(self) -> None:
@@ -225,7 +260,7 @@ class Controller:
         described = _describe(want) if ranks == 1 else f"{ranks} x ({_describe(want)})"
         if pool == "drafter":
             actor = on(0, DrafterReplica, self.spec)
-            return ReplicaRecord(pool, replica_id, actor, actor.address.remote(), group=group, resources=described)
+            return ReplicaRecord(pool, replica_id, actor, actor.start.remote(), group=group, resources=described)
         rank0 = on(0, TargetReplica, self.spec)
         followers = [on(rank, TargetFollower, self.spec, rank) for rank in range(1, ranks)]
         if followers:
@@ -276,7 +311,16 @@ class Controller:
 
     def _pending_summary(self) -> str:
         pending = [f"{r.replica_id} ({r.resources})" for r in self._replicas.values() if r.state == "starting"]
-        return "still starting: " + (", ".join(pending) or "none")
+        failed = [f"; the {pool} replicas failed to start {f.count} times, the last with: {f.last}"
+                  for pool, f in self._start_failures.items() if f.count]
+        return "still starting: " + (", ".join(pending) or "none") + "".join(failed)
+
+    def _all_serving(self) -> bool:
+        return all(self._serving(p) for p in POOLS if self._wanted[p])
+
+    def _refused_pool(self) -> str | None:
+        return next((pool for pool in POOLS if self._wanted[pool] and not self._serving(pool)
+                     and self._start_failures[pool].refusals >= REFUSALS_BEFORE_GIVING_UP), None)
 
     @staticmethod
     def _shown_state(record: ReplicaRecord) -> str:

@@ -60,8 +60,11 @@ def deploy(spec: StackSpec, timeout_s: float = 600.0):
     node = ray.get_runtime_context().get_node_id()
     try:
         address = ray.get(controller.start.remote(node, timeout_s))
-    except BaseException:
+    except BaseException as err:
         teardown(controller)
+        cause = getattr(err, "cause", None)  # the controller's own error, without Ray's traceback around it
+        if isinstance(cause, (InvalidRequest, TimeoutError)):
+            raise cause from None
         raise
     return controller, address
 

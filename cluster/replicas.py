@@ -49,17 +49,26 @@ class _ServerActor:
 
 
 class DrafterReplica(_ServerActor):
+    """Loads in ``start``, not in the constructor, like ``TargetReplica``: a model that fails to
+    load then comes back to the controller as its own error (a RayTaskError's cause), not as a
+    dead actor."""
+
     def __init__(self, spec: StackSpec):
+        torch.set_num_threads(spec.threads)
+        self.spec = spec
+        self.host = _bind_host(spec)
+
+    def start(self) -> str:
         from drafter_service.servicer import DrafterConfig, serve
         from mirrorspec.serving.server import BackgroundServer
 
-        torch.set_num_threads(spec.threads)
-        self.host = _bind_host(spec)
+        spec = self.spec
         config = DrafterConfig.for_draft(spec.draft, dtype=spec.dtype, device=spec.device, host=self.host, port=0,
                                          max_sessions=spec.max_sessions, proposal_top_k=spec.proposal_top_k,
                                          prompt_lookup=spec.prompt_lookup, draft_confidence=spec.draft_confidence,
                                          quantize=spec.draft_quantize)
         self.server = BackgroundServer(lambda: serve(config), "drafter").start(timeout=600)
+        return self.address()
 
 
 class TargetReplica(_ServerActor):

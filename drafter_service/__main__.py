@@ -40,4 +40,4 @@ try:
                            quantize=args.quantize)
 except InvalidRequest as err:
     parser.error(f"--{(err.field or 'strategy').replace('_', '-')}: {err}")
-run_until_terminated(lambda: serve(config), "drafter_service")
+run_until_terminated(lambda: serve(config), "drafter_service", parser)

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -97,6 +98,7 @@ FLAG_FOR_FIELD = {
     "replica_cpus": "--replica-cpus",
     "drafter_gpus": "--drafter-gpus",
     "target_gpus": "--target-gpus",
+    "start_timeout": "--start-timeout",
 }
 
 
@@ -443,6 +445,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     SpeculationConfig(num_speculative_tokens=args.k, proposal_top_k=args.proposal_top_k,
                       prompt_lookup=args.prompt_lookup, draft_confidence=args.draft_confidence)
     args.hint_vocab = _hint_vocab(args.hint_vocab, args.hint_layer, resolve_draft(args.draft, args.target))
+    if args.in_process or args.address is None:  # a local Ray's replicas load from this machine's paths
+        _check_models(args.target, resolve_draft(args.draft, args.target))
     if args.in_process:
         return _serve_in_process(args)
     if args.detach and not args.address:
@@ -460,7 +464,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     connect(args.address, num_cpus=_local_cpus(args, spec))
     spec = _stack_spec(args, target_gpus=_target_gpus(args.target_gpus))
-    controller, address = deploy(spec, timeout_s=args.start_timeout)
+    try:
+        controller, address = deploy(spec, timeout_s=args.start_timeout)
+    except TimeoutError as err:
+        raise InvalidRequest(str(err), field="start_timeout") from None
     print(f"mirrorspec: serving on {address} (Ray; deployment {spec.name!r}: {spec.drafters} drafter x "
           f"{spec.targets} target replicas, tp={spec.tp}, target {spec.target}, draft {spec.draft}, K={spec.num_speculative_tokens}{' adaptive' if spec.adaptive else ''}{' mirror' if spec.mirror else ''}); "
           + ("detached" if args.detach else "Ctrl-C stops"), flush=True)
@@ -565,14 +572,16 @@ def _serve_in_process(args: argparse.Namespace) -> int:
                                           max_sessions=args.max_sessions, proposal_top_k=args.proposal_top_k,
                                           prompt_lookup=args.prompt_lookup, draft_confidence=args.draft_confidence,
                                           quantize=args.draft_quantize)
-    stack = start_local_stack(TargetConfig(model=target.source, max_sessions=args.max_sessions,
-                                           hint_layer=args.hint_layer,
-                                           hint_vocab=args.hint_vocab, hint_lens=args.hint_lens),
-                              drafter,
-                              target_model=target, host=args.host, port=args.port, num_speculative_tokens=args.k,
-                              metrics_port=args.metrics_port, adaptive=AdaptiveKConfig() if args.adaptive else None,
-                              mirror=MirrorConfig() if args.mirror else None,
-                              speculation_off_above=args.speculation_off_above, runner_up=not args.no_runner_up)
+    with _loading("draft"):  # the target is loaded above: a model the stack fails to load is the draft
+        stack = start_local_stack(TargetConfig(model=target.source, max_sessions=args.max_sessions,
+                                               hint_layer=args.hint_layer,
+                                               hint_vocab=args.hint_vocab, hint_lens=args.hint_lens),
+                                  drafter,
+                                  target_model=target, host=args.host, port=args.port, num_speculative_tokens=args.k,
+                                  metrics_port=args.metrics_port,
+                                  adaptive=AdaptiveKConfig() if args.adaptive else None,
+                                  mirror=MirrorConfig() if args.mirror else None,
+                                  speculation_off_above=args.speculation_off_above, runner_up=not args.no_runner_up)
     where = f"{target.model.device} in {target.dtype_name}"  # what auto chose
     print(f"mirrorspec: serving on {args.host}:{stack.front.port} (in-process; target {args.target} on {where}, "
           f"draft {args.draft}, K={args.k}{' mirror' if args.mirror else ''}); Ctrl-C stops", flush=True)
@@ -718,8 +727,32 @@ def _load_draft(args: argparse.Namespace):
         return "ngram"
     from mirrorspec.models import load_causal_lm
 
-    return load_causal_lm(args.draft, dtype=args.dtype, device=args.device, tokenizer=False,
-                          quantize=args.draft_quantize).model
+    with _loading("draft"):
+        return load_causal_lm(args.draft, dtype=args.dtype, device=args.device, tokenizer=False,
+                              quantize=args.draft_quantize).model
+
+
+def _check_models(target: str, draft: str) -> None:
+    """Reads the target's and the draft's configs before anything starts that would load them, so
+    a source that is not a model is named at once, by its flag, rather than by each server or Ray
+    replica failing to load it in turn."""
+    from mirrorspec.models.loading import read_config
+
+    read_config(target)
+    if draft not in ("ngram", "none"):
+        with _loading("draft"):
+            read_config(draft)
+
+
+@contextmanager
+def _loading(field: str):
+    """Loading errors say ``model`` (a loader cannot know its role): here they name ``field``'s flag."""
+    try:
+        yield
+    except InvalidRequest as err:
+        if err.field == "model":
+            err.field = field
+        raise
 
 
 class _StreamPrinter:

@@ -30,4 +30,4 @@ config = OrchestratorConfig(target=args.target, drafter=args.drafter, host=args.
                             mirror=MirrorConfig() if args.mirror else None,
                             speculation_off_above=args.speculation_off_above,
                             front_door_lookup=not args.no_front_door_lookup, runner_up=args.runner_up)
-run_until_terminated(lambda: serve(config), "orchestrator")
+run_until_terminated(lambda: serve(config), "orchestrator", parser)

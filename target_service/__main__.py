@@ -27,4 +27,4 @@ apply_placement(parser, args)
 config = TargetConfig(model=args.model, host=args.host, port=args.port, dtype=args.dtype, device=args.device,
                       max_sessions=args.max_sessions, hint_layer=args.hint_layer, hint_vocab=args.hint_vocab,
                       hint_lens=args.hint_lens)
-run_until_terminated(lambda: serve(config), "target_service")
+run_until_terminated(lambda: serve(config), "target_service", parser)

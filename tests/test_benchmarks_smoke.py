@@ -158,7 +158,8 @@ def test_a_server_that_fails_to_start_says_why_and_takes_the_other_down(tiny_dir
     from benchmarks.data_plane import start_processes
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    with pytest.raises(RuntimeError, match=r"drafter_service exited before listening \(code 1\)[\s\S]*no-such-draft"):
+    with pytest.raises(RuntimeError, match=r"drafter_service exited before listening \(code 2\)[\s\S]*"
+                                            r"error: --model: model directory \S*no-such-draft does not exist"):
         start_processes(tiny_dir["target16"], tmp_path / "no-such-draft", proposal_top_k=4, pin=False)
     left = [p for p in psutil.Process().children(recursive=True)
             if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

@@ -71,6 +71,23 @@ def test_asking_for_a_gpu_this_machine_lacks_is_a_flag_error(argv, capsys):
     assert "error: --device: device 'cuda' asked for, but this torch sees no CUDA GPU" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, flag", [
+    (["generate", "hi", "--local", "--target", "{bad}"], "--target"),
+    (["generate", "hi", "--local", "--draft", "{bad}"], "--draft"),  # named as the draft, not as the target
+    (["serve", "--target", "{bad}"], "--target"),  # before a local Ray starts replicas that would each fail
+    (["serve", "--draft", "{bad}"], "--draft"),
+    (["serve", "--in-process", "--draft", "{bad}"], "--draft"),
+])
+def test_a_model_flag_naming_something_that_is_not_a_model_is_a_flag_error(argv, flag, tmp_path, capsys):
+    """Not a transformers traceback, nor a local Ray relaunching replicas until --start-timeout."""
+    bad = tmp_path / "not-a-model"
+    bad.mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        main([a.format(bad=bad) for a in argv])
+    assert exit_info.value.code == 2
+    assert f"error: {flag}: cannot load a causal LM from {bad}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("draft_model,confidence,k", [
     (True, DEFAULT_DRAFT_CONFIDENCE, DEFAULT_K_CONFIDENT),  # the demo draft as the CLI runs it
     (True, 0.0, DEFAULT_K),  # a draft that always drafts K: long windows are mostly rejected tails

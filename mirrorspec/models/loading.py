@@ -6,11 +6,13 @@ every service and the CLI resolve models the same way.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
 
 from mirrorspec.config import InvalidRequest, check_quantization
 from mirrorspec.models.prepack import prepack_linears
@@ -101,11 +103,9 @@ def resolve_dtype(dtype: str, device: torch.device, stored: torch.dtype | None =
         raise InvalidRequest(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}", field="dtype") from None
 
 
-def stored_dtype(location: str, **gguf) -> torch.dtype | None:
+def stored_dtype(config: PretrainedConfig) -> torch.dtype | None:
     """The dtype a checkpoint's config says its weights are in (None where it names none)."""
-    from transformers import AutoConfig
-
-    named = getattr(AutoConfig.from_pretrained(location, **gguf), "dtype", None)
+    named = getattr(config, "dtype", None)
     if isinstance(named, str):
         named = getattr(torch, named, None)
     return named if isinstance(named, torch.dtype) else None
@@ -154,18 +154,52 @@ def load_causal_lm(source: str, *, dtype: str = "auto", device: str = "auto", to
     draft, whose one-token steps are memory-bound; a no-op on GPU)."""
     check_quantization(quantize)
     location, gguf = locate_model(source)
-    source = location if not gguf else str(Path(location) / gguf["gguf_file"])
+    config = _read_config(source, location, gguf)
     dev = resolve_device(device)
-    stored = stored_dtype(location, **gguf) if dtype == "auto" and dev.type == "cuda" else None
-    kwargs: dict = {"dtype": resolve_dtype(dtype, dev, stored), **gguf}
-    model = AutoModelForCausalLM.from_pretrained(location, **kwargs).to(dev).eval()
+    stored = stored_dtype(config) if dtype == "auto" and dev.type == "cuda" else None
+    # a GGUF file's config is rebuilt from its metadata while its weights load: pass only the file
+    kwargs: dict = {"dtype": resolve_dtype(dtype, dev, stored), **(gguf or {"config": config})}
+    with _not_loadable_as_invalid(source):
+        model = AutoModelForCausalLM.from_pretrained(location, **kwargs).to(dev).eval()
     apply_quantization(model, quantize)  # first: packing a layer int8 then replaces is wasted work
     if prepack:
         prepack_linears(model)  # what int8 left as nn.Linear (the tied head, shapes it refused)
     tok = None
     if tokenizer:
-        tok = AutoTokenizer.from_pretrained(location, **gguf)
-    return LoadedModel(model=model, tokenizer=tok, source=source)
+        with _not_loadable_as_invalid(source, "a tokenizer", "a model directory with its tokenizer files"):
+            tok = AutoTokenizer.from_pretrained(location, **gguf)
+    loaded_from = location if not gguf else str(Path(location) / gguf["gguf_file"])
+    return LoadedModel(model=model, tokenizer=tok, source=loaded_from)
+
+
+def read_config(source: str) -> PretrainedConfig:
+    """The config of anything ``locate_model`` finds, without its weights: cheap, so a launcher
+    checks a model before it starts processes or Ray replicas that would each fail to load it.
+    Raises ``InvalidRequest`` (field ``model``) saying what is wrong and what would load."""
+    location, gguf = locate_model(source)
+    return _read_config(source, location, gguf)
+
+
+def _read_config(source: str, location: str, gguf: dict) -> PretrainedConfig:
+    with _not_loadable_as_invalid(source):
+        return AutoConfig.from_pretrained(location, **gguf)
+
+
+@contextmanager
+def _not_loadable_as_invalid(source: str, what: str = "a causal LM",
+                             would_load: str = f"a checkpoint directory with a config.json, a .gguf file, a hub id "
+                                               f"already in the local cache, or {DEMO_TARGET}"):
+    """``from_pretrained`` says a source is not a model with OSError (no config or weights, a hub
+    id neither cached nor reachable offline) or ValueError (no known model_type): both are the
+    caller's input, so they become ``InvalidRequest`` and reach users as a named flag or
+    INVALID_ARGUMENT rather than a traceback."""
+    try:
+        yield
+    except InvalidRequest:
+        raise
+    except (OSError, ValueError) as err:
+        reason = " ".join(str(err).split()) or type(err).__name__
+        raise InvalidRequest(f"cannot load {what} from {source}: {reason} (pass {would_load})", field="model") from err
 
 
 def try_load_tokenizer(source: str | None) -> PreTrainedTokenizerBase | None:

@@ -7,6 +7,7 @@ its own for embedding and tests.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import threading
 from collections.abc import Awaitable, Callable
@@ -17,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from mirrorspec.config import InvalidRequest
 from mirrorspec.serving.errors import ExceptionToStatusInterceptor
 
 # Dense q rows of a 49k vocabulary are ~200 KB each; leave room for K = 16 of them.
@@ -116,8 +118,11 @@ class BackgroundServer:
         self.stop()
 
 
-def run_until_terminated(factory: Callable[[], Awaitable[RunningServer]], banner: str) -> None:
-    """For ``python -m <service>``: start, print where it listens (for launchers to parse), serve."""
+def run_until_terminated(factory: Callable[[], Awaitable[RunningServer]], banner: str,
+                         parser: argparse.ArgumentParser) -> None:
+    """For ``python -m <service>``: start, print where it listens (for launchers to parse), serve.
+    A setting refused while starting (a model that does not load, a hint layer out of range) is
+    named by its flag, ``--model`` for a ``model`` field and so on, and exits 2 like any bad flag."""
 
     async def main() -> None:
         running = await factory()
@@ -126,5 +131,7 @@ def run_until_terminated(factory: Callable[[], Awaitable[RunningServer]], banner
 
     try:
         asyncio.run(main())
+    except InvalidRequest as err:
+        parser.error(f"--{err.field.replace('_', '-')}: {err}" if err.field else str(err))
     except KeyboardInterrupt:
         pass

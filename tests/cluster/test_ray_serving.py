@@ -13,6 +13,7 @@ from cluster.deploy import deploy, find_controller, teardown
 from cluster.spec import CONTROLLER_NAMESPACE, PoolResources, StackSpec
 from mirrorspec import SamplingParams, generate
 from mirrorspec.client import Client
+from mirrorspec.config import InvalidRequest
 from support import load, wait_until
 
 pytestmark = pytest.mark.slow
@@ -155,3 +156,19 @@ def test_a_tp2_target_replica_on_ray_is_identical_to_tp1(cluster_ray, tiny_dir, 
                 assert client.generate(prompt, max_tokens=30).token_ids == reference(prompt, 30)
     finally:
         teardown(controller)
+
+
+@pytest.mark.parametrize("pool, flag_field", [("target", "target"), ("drafter", "draft")])
+def test_replicas_that_cannot_load_their_model_fail_the_deployment_naming_the_flag(cluster_ray, tiny_dir, tmp_path,
+                                                                                    pool, flag_field):
+    # every replacement would fail alike, so start gives up after REFUSALS_BEFORE_GIVING_UP
+    # refusals with the replica's own error, instead of relaunching until the start timeout
+    not_a_model = tmp_path / "not-a-model"
+    not_a_model.mkdir()
+    broken = {"target" if pool == "target" else "draft": str(not_a_model)}
+    with pytest.raises(InvalidRequest, match=f"the {pool} replicas failed to start 2 times in a row: "
+                                             f"cannot load a causal LM from {not_a_model}") as err:
+        deploy(small_spec(tiny_dir, name=f"broken-{pool}", **broken), timeout_s=600)
+    assert err.value.field == flag_field
+    with pytest.raises(ValueError):  # torn down: the name is free again
+        ray.get_actor(f"broken-{pool}-controller", namespace=CONTROLLER_NAMESPACE)

@@ -1,4 +1,5 @@
-"""``python -m drafter_service``: bad settings exit 2 naming the flag, before any model loads."""
+"""``python -m drafter_service`` (and ``target_service``): bad settings exit 2 naming the flag, before
+any model loads or, for a model that does not load, with what its loader said."""
 
 import subprocess
 import sys
@@ -16,3 +17,12 @@ def test_bad_settings_name_their_flag(args, flag, needle):
     out = subprocess.run([sys.executable, "-m", "drafter_service", *args], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert f"error: {flag}" in out.stderr and needle in out.stderr
+
+
+@pytest.mark.parametrize("service, args", [("drafter_service", ["--strategy", "draft-model"]), ("target_service", [])])
+def test_a_model_that_does_not_load_names_model_and_exits_2(service, args, tmp_path):
+    out = subprocess.run([sys.executable, "-m", service, *args, "--model", str(tmp_path)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2
+    assert f"error: --model: cannot load a causal LM from {tmp_path}" in out.stderr
+    assert "Traceback" not in out.stderr

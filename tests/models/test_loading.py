@@ -1,4 +1,5 @@
-"""Which dtype a model computes in (``resolve_dtype``, ``stored_dtype``)."""
+"""Which dtype a model computes in (``resolve_dtype``, ``stored_dtype``), and what a source that is
+not a model gets: ``InvalidRequest`` naming it, never a transformers traceback."""
 
 import pytest
 import torch
@@ -6,7 +7,7 @@ from transformers import LlamaForCausalLM
 
 import support
 from mirrorspec.config import InvalidRequest
-from mirrorspec.models.loading import resolve_dtype, stored_dtype
+from mirrorspec.models.loading import load_causal_lm, read_config, resolve_dtype, stored_dtype
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -34,7 +35,43 @@ def test_a_named_dtype_wins_over_the_checkpoint_and_a_bad_name_names_the_field()
 
 def test_stored_dtype_reads_what_the_checkpoint_was_saved_in(tmp_path):
     fp32 = support.save_tiny_llama(tmp_path / "fp32", seed=0)
-    assert stored_dtype(str(fp32)) == torch.float32
+    assert stored_dtype(read_config(str(fp32))) == torch.float32
     bf16 = tmp_path / "bf16"
     LlamaForCausalLM.from_pretrained(fp32, dtype=torch.bfloat16).save_pretrained(bf16)
-    assert stored_dtype(str(bf16)) == torch.bfloat16
+    assert stored_dtype(read_config(str(bf16))) == torch.bfloat16
+    assert load_causal_lm(str(bf16), dtype="auto", device="cpu", tokenizer=False).model.dtype == torch.float32
+
+
+def _not_models(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    no_type = tmp_path / "no-model-type"
+    no_type.mkdir()
+    (no_type / "config.json").write_text("{}")
+    no_weights = tmp_path / "no-weights"
+    support.save_tiny_llama(tmp_path / "whole", seed=0)
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text((tmp_path / "whole" / "config.json").read_text())
+    return {"an empty directory": (empty, "config.json"), "a config without model_type": (no_type, "model_type"),
+            "a config without weights": (no_weights, "no-weights")}
+
+
+@pytest.mark.parametrize("case", ["an empty directory", "a config without model_type", "a config without weights"])
+def test_a_source_that_is_not_a_model_is_an_invalid_request_that_says_what_would_load(tmp_path, case):
+    source, says = _not_models(tmp_path)[case]
+    with pytest.raises(InvalidRequest, match=says) as err:
+        load_causal_lm(str(source), device="cpu", tokenizer=False)
+    assert err.value.field == "model"
+    assert "a checkpoint directory with a config.json" in str(err.value)
+    if case != "a config without weights":  # its config reads fine: only loading the weights can tell
+        with pytest.raises(InvalidRequest, match=says):
+            read_config(str(source))
+
+
+def test_a_model_without_a_tokenizer_is_named_when_one_is_asked_for(tmp_path):
+    tiny = support.save_tiny_llama(tmp_path / "tiny", seed=0)
+    assert load_causal_lm(str(tiny), device="cpu", tokenizer=False).tokenizer is None
+    with pytest.raises(InvalidRequest, match="cannot load a tokenizer from .*pass a model directory with its "
+                                             "tokenizer files") as err:
+        load_causal_lm(str(tiny), device="cpu", tokenizer=True)
+    assert err.value.field == "model"
