@@ -59,6 +59,14 @@ def role_resources(pool: str, res: PoolResources) -> dict:
     return {k: v for k, v in wanted.items() if v}
 
 
+def own_error(err: BaseException) -> BaseException:
+    """The error an actor itself raised, out of the RayTaskErrors wrapped around it (one per actor
+    call it crossed: replica -> controller -> caller), so a message carries no Ray traceback."""
+    while isinstance(getattr(err, "cause", None), BaseException):
+        err = err.cause
+    return err
+
+
 @dataclass
 class StartFailures:
     """A pool's replicas that failed to start since one last served."""
@@ -69,8 +77,7 @@ class StartFailures:
 
     def add(self, err: BaseException) -> None:
         self.count += 1
-        cause = getattr(err, "cause", None)  # a RayTaskError carries the replica's own error
-        self.last = cause if isinstance(cause, BaseException) else err
+        self.last = own_error(err)
         self.refusals = self.refusals + 1 if isinstance(self.last, InvalidRequest) else 0
 
     def refusal(self, pool: str) -> InvalidRequest:
@@ -113,7 +120,7 @@ class Controller:
         placement = NodeAffinitySchedulingStrategy(node_id=front_node, soft=False)
         self._front = ray.remote(FrontDoor).options(num_cpus=0, scheduling_strategy=placement).remote(
             self.spec, members, version, self.spec.controller_name)
-        self._front_address = ray.get(self._front.address.remote(), timeout=max(deadline - time.monotonic(), 30))
+        self._front_address = ray.get(self._front.start.remote(), timeout=max(deadline - time.monotonic(), 30))
         return self._front_address
 
     def scale(self, pool: str, replicas: int, wait_s: float = 0.0) -> list[dict]:

@@ -8,7 +8,7 @@ import socket
 
 import ray
 
-from cluster.controller import Controller
+from cluster.controller import Controller, own_error
 from cluster.spec import CONTROLLER_NAMESPACE, POOLS, StackSpec
 from mirrorspec.config import InvalidRequest
 
@@ -62,7 +62,7 @@ def deploy(spec: StackSpec, timeout_s: float = 600.0):
         address = ray.get(controller.start.remote(node, timeout_s))
     except BaseException as err:
         teardown(controller)
-        cause = getattr(err, "cause", None)  # the controller's own error, without Ray's traceback around it
+        cause = own_error(err)  # e.g. the front door's port in use, without Ray's tracebacks around it
         if isinstance(cause, (InvalidRequest, TimeoutError)):
             raise cause from None
         raise

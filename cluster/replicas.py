@@ -133,21 +133,30 @@ class TargetFollower:
 
 
 class FrontDoor:
-    """The orchestrator's GenerationService, following the controller's pool membership."""
+    """The orchestrator's GenerationService, following the controller's pool membership. It
+    starts in ``start``, not in the constructor, so a refused setting (its port in use) reaches
+    the controller as its own error rather than as a dead actor."""
 
     def __init__(self, spec: StackSpec, members: dict[str, list[str]], version: int, controller_name: str):
-        from mirrorspec.serving.server import BackgroundServer
-        from orchestrator.servicer import OrchestratorConfig, serve
+        from orchestrator.servicer import OrchestratorConfig
 
-        config = OrchestratorConfig(target=",".join(members["target"]), drafter=",".join(members["drafter"]) or None,
-                                    host=spec.host, port=spec.port, num_speculative_tokens=spec.num_speculative_tokens,
-                                    adaptive=spec.adaptive, mirror=spec.mirror, metrics_port=spec.metrics_port,
-                                    speculation_off_above=spec.speculation_off_above, runner_up=spec.runner_up)
-        self.server = BackgroundServer(lambda: serve(config), "orchestrator").start(timeout=600)
+        self._config = OrchestratorConfig(
+            target=",".join(members["target"]), drafter=",".join(members["drafter"]) or None, host=spec.host,
+            port=spec.port, num_speculative_tokens=spec.num_speculative_tokens, adaptive=spec.adaptive,
+            mirror=spec.mirror, metrics_port=spec.metrics_port, speculation_off_above=spec.speculation_off_above,
+            runner_up=spec.runner_up)
+        self.server = None
         self.host = spec.host
         self._version = version
         self._controller = ray.get_actor(controller_name, namespace=CONTROLLER_NAMESPACE)
+
+    def start(self) -> str:
+        from mirrorspec.serving.server import BackgroundServer
+        from orchestrator.servicer import serve
+
+        self.server = BackgroundServer(lambda: serve(self._config), "orchestrator").start(timeout=600)
         threading.Thread(target=self._follow_membership, name="membership", daemon=True).start()
+        return self.address()
 
     def _follow_membership(self) -> None:
         servicer = self.server.servicer

@@ -32,6 +32,7 @@ from mirrorspec.config import (
     MirrorConfig,
     SamplingParams,
     SpeculationConfig,
+    check_seed,
     default_k,
 )
 from mirrorspec.serving.placement import check_threads
@@ -99,6 +100,10 @@ FLAG_FOR_FIELD = {
     "drafter_gpus": "--drafter-gpus",
     "target_gpus": "--target-gpus",
     "start_timeout": "--start-timeout",
+    "seed": "--seed",
+    "port": "--port",
+    "metrics_port": "--metrics-port",
+    "adaptive": "--adaptive",
 }
 
 
@@ -280,23 +285,34 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+# generate's flags that set up the engine --local runs; a server was set up by `mirrorspec serve`,
+# so without --local they would change nothing: refused, rather than silently ignored.
+# (flag's dest, field it is reported as, who sets it on a server)
+SERVER_SETTINGS = (
+    ("target", "target", "the server's target (`mirrorspec serve --target`)"),
+    ("draft", "draft", "the server's draft (`mirrorspec serve --draft`)"),
+    ("prompt_lookup", "prompt_lookup", "set on the server's drafters (`mirrorspec serve --prompt-lookup N`)"),
+    ("draft_confidence", "draft_confidence", "set on the server's drafters (`mirrorspec serve --draft-confidence P`)"),
+    ("draft_quantize", "draft_quantize", "set on the server's drafters (`mirrorspec serve --draft-quantize`)"),
+    ("proposal_top_k", "proposal_top_k", "set on the server's drafters (`mirrorspec serve --proposal-top-k`)"),
+    ("adaptive", "adaptive", "set on the server's front door (`mirrorspec serve --adaptive`)"),
+    ("no_runner_up", "runner_up", "set on the server's front door (`mirrorspec serve --no-runner-up`)"),
+    ("threads", "threads", "set on the server's processes (`mirrorspec serve --threads`)"),
+    ("device", "device", "where the server placed its models (`mirrorspec serve --device`)"),
+    ("dtype", "dtype", "set on the server's models (`mirrorspec serve --dtype`)"),
+)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     # validate every flag before the (slow) model load
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_new_tokens=args.max_tokens)
-    if args.prompt_lookup is not None and not args.local:
-        raise InvalidRequest("is set on the server's drafters (`mirrorspec serve --prompt-lookup N`); here it "
-                             "needs --local", field="prompt_lookup")
-    if args.draft_confidence is not None and not args.local:
-        raise InvalidRequest("is set on the server's drafters (`mirrorspec serve --draft-confidence P`); here it "
-                             "needs --local", field="draft_confidence")
-    if args.draft_quantize is not None and not args.local:
-        raise InvalidRequest("is set on the server's drafters (`mirrorspec serve --draft-quantize`); here it "
-                             "needs --local", field="draft_quantize")
+    check_seed(args.seed)
+    if not args.local:
+        for dest, field, owner in SERVER_SETTINGS:
+            if getattr(args, dest) != args.subparser.get_default(dest):
+                raise InvalidRequest(f"is {owner}; here it needs --local", field=field)
     args.draft_quantize = args.draft_quantize or DEFAULT_DRAFT_QUANTIZE
-    if args.proposal_top_k is not None and not args.local:
-        raise InvalidRequest("is set on the server's drafters (`mirrorspec serve --proposal-top-k`); here it "
-                             "needs --local", field="proposal_top_k")
     args.proposal_top_k = DEFAULT_PROPOSAL_TOP_K if args.proposal_top_k is None else args.proposal_top_k
     args.prompt_lookup = DEFAULT_PROMPT_LOOKUP if args.prompt_lookup is None else args.prompt_lookup
     args.draft_confidence = DEFAULT_DRAFT_CONFIDENCE if args.draft_confidence is None else args.draft_confidence
@@ -308,9 +324,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.hint_layer is not None and not (args.local and args.mirror):
         raise InvalidRequest("needs --local and --mirror (a server's targets send hints if they were started "
                              "with `mirrorspec serve --hint-layer`)", field="hint_layer")
-    if args.no_runner_up and not args.local:
-        raise InvalidRequest("needs --local (a server's front door is set with `mirrorspec serve --no-runner-up`)",
-                             field="runner_up")
     if not args.local:
         return _generate_remote(args)
     import torch

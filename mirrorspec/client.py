@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from mirrorspec.config import check_seed, check_unsigned
 from mirrorspec.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
@@ -35,7 +36,16 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *,
                   timeline: bool = False) -> generation_pb2.GenerateRequest:
     """A GenerateRequest from Python values: a str is a user message (or raw text with raw=True),
     a list of ints is token ids, a list of {"role", "content"} dicts is a chat. ``k`` and
-    ``mirror`` left as None take the server's defaults."""
+    ``mirror`` left as None take the server's defaults. Values a request cannot carry (a negative
+    count, a seed past 2**64) raise ``InvalidRequest`` naming the argument, not protobuf's bare
+    "Value out of range"; the server checks everything else."""
+    seed = check_seed(seed)
+    for name, value in (("max_tokens", max_tokens), ("top_k", top_k), ("k", k)):
+        check_unsigned(name, value, 32, name)
+    token_prompt = prompt is not None and not isinstance(prompt, str) and not (len(prompt) and isinstance(prompt[0], dict))
+    for name, ids in (("stop_token_ids", stop_token_ids), ("prompt", prompt if token_prompt else ())):
+        for token in ids:
+            check_unsigned(name, token, 32, f"a token id in {name}")
     request = generation_pb2.GenerateRequest(
         params=common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                                          max_new_tokens=max_tokens, stop_token_ids=list(stop_token_ids)),

@@ -7,6 +7,7 @@ servers) rejects the same bad values with the same message, naming the field and
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 
 
@@ -214,6 +215,27 @@ def check_prompt_lookup(min_match: int) -> None:
         raise InvalidRequest(f"prompt_lookup must be an int in [0, {MAX_PROMPT_LOOKUP}]: the context tokens a "
                              f"lookup must match before it drafts instead of the draft model (0 = the draft model "
                              f"alone; 2 is a good default), got {min_match!r}", field="prompt_lookup")
+
+
+def check_unsigned(field: str, value, bits: int, what: str = "it", hint: str = "") -> int | None:
+    """``value`` as an int that fits a ``bits``-bit unsigned protobuf field (None passes): protobuf
+    itself refuses one that does not with a bare "Value out of range", naming nothing."""
+    if value is None:
+        return None
+    try:
+        number = operator.index(value)  # ints, numpy and 0-d integer torch values; not floats
+    except TypeError:
+        number = None
+    if number is None or isinstance(value, bool) or not 0 <= number < 1 << bits:
+        raise InvalidRequest(f"{what} must be an integer in [0, 2**{bits}), got {value!r}{hint}", field=field)
+    return number
+
+
+def check_seed(seed) -> int | None:
+    """A seed names one sampled output wherever it runs, so it is held to what a request can
+    carry (a uint64), in process as over gRPC."""
+    return check_unsigned("seed", seed, 64, "seed", "; leave it out for a fresh one (reported back, so the run "
+                                                    "can be replayed)")
 
 
 QUANTIZATIONS = ("none", "int8")

@@ -25,6 +25,7 @@ from mirrorspec.config import (
     OutOfRange,
     SamplingParams,
     SpeculationConfig,
+    check_seed,
 )
 from mirrorspec.drafting import DraftModelDrafter, Drafter, HybridDrafter, NgramDrafter, Proposal
 from mirrorspec.models.early_exit import EarlyExitHint, EarlyExitProbe
@@ -435,7 +436,7 @@ def generate(
         input_ids = input_ids.reshape(-1).tolist()
     prompt = validate_prompt(input_ids, session.vocab_size, max_context, params)
     drafter = make_drafter(draft, proposal_top_k, prompt_lookup, draft_confidence)
-    seed = fresh_seed() if seed is None else int(seed)
+    seed = fresh_seed() if seed is None else check_seed(seed)
     stats = GenerationStats()
     tokens: list[int] = []
     finish = "length"

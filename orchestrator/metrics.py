@@ -7,6 +7,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
 
+from mirrorspec.config import InvalidRequest
+
 
 class SpecDecodeMetrics:
     def __init__(self) -> None:
@@ -66,4 +68,8 @@ class SpecDecodeMetrics:
         return generate_latest(self.registry).decode()
 
     def serve(self, host: str, port: int) -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+        try:
+            start_http_server(port, addr=host, registry=self.registry)
+        except OSError as err:
+            raise InvalidRequest(f"cannot serve metrics on {host}:{port}: {err.strerror or err}; pick another "
+                                 f"metrics port, or 0 for a free one", field="metrics_port") from None

@@ -52,6 +52,15 @@ from mirrorspec.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_K, DEFAULT_K_CON
     (["generate", "hi", "--local", "--device", "gpu0"], "--device"),
     (["serve", "--device", "tpu"], "--device"),  # refused before a Ray starts
     (["generate", "hi", "--no-runner-up"], "--no-runner-up"),  # a server's setting without --local
+    # the server's own choices, which a request cannot change: refused, not silently ignored
+    (["generate", "hi", "--target", "some/model"], "--target"),
+    (["generate", "hi", "--draft", "ngram"], "--draft"),
+    (["generate", "hi", "--adaptive"], "--adaptive"),
+    (["generate", "hi", "--threads", "2"], "--threads"),
+    (["generate", "hi", "--device", "cpu"], "--device"),
+    (["generate", "hi", "--dtype", "float32"], "--dtype"),
+    (["generate", "hi", "--seed", "-5"], "--seed"),  # a uint64 on the wire: protobuf's ValueError before
+    (["generate", "hi", "--local", "--seed", str(2 ** 64)], "--seed"),  # and the same range in process
 ])
 def test_bad_flags_are_named(argv, flag, capsys):
     with pytest.raises(SystemExit) as exit_info:

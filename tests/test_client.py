@@ -19,3 +19,30 @@ def test_the_in_process_api_imports_no_grpc():
     code = "import sys, mirrorspec; mirrorspec.generate; print('grpc' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"seed": -5}, "seed"), ({"seed": 2 ** 64}, "seed"), ({"seed": 1.5}, "seed"),
+    ({"max_tokens": -1}, "max_tokens"), ({"top_k": -1}, "top_k"), ({"k": -2}, "k"),
+    ({"stop_token_ids": [2, -1]}, "stop_token_ids"), ({"prompt": [5, -3, 7]}, "prompt"),
+])
+def test_a_value_a_request_cannot_carry_is_named_before_protobuf_refuses_it(kwargs, field):
+    """protobuf's own error for these is a bare "Value out of range: -1" that names no argument."""
+    from mirrorspec.client import build_request
+    from mirrorspec.config import InvalidRequest
+
+    kwargs = {"prompt": "hi", **kwargs}
+    with pytest.raises(InvalidRequest, match=r"must be an integer in \[0, 2\*\*(32|64)\)") as err:
+        build_request(**kwargs)
+    assert err.value.field == field
+
+
+def test_integer_like_values_are_sent_as_they_are():
+    import numpy as np
+    import torch
+
+    from mirrorspec.client import build_request
+
+    request = build_request([1, np.int64(2), torch.tensor(3)], seed=np.uint64(2 ** 64 - 1), max_tokens=np.int32(4))
+    assert list(request.token_ids.ids) == [1, 2, 3]
+    assert (request.seed, request.params.max_new_tokens) == (2 ** 64 - 1, 4)

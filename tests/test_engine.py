@@ -142,6 +142,14 @@ def test_bad_input_is_a_clear_error(tiny_target, prompt, params, k, error, field
     assert err.value.field == field
 
 
+@pytest.mark.parametrize("seed", [-1, 2 ** 64, 0.5])
+def test_a_seed_a_request_could_not_carry_is_refused_in_process_too(tiny_target, seed):
+    # the same seed must name the same sample in process and served, where it is a uint64
+    with pytest.raises(InvalidRequest, match=r"seed must be an integer in \[0, 2\*\*64\)") as err:
+        generate(tiny_target, "ngram", [0, 1], SamplingParams(temperature=1.0, max_new_tokens=8), seed=seed)
+    assert err.value.field == "seed"
+
+
 @pytest.fixture(scope="module")
 def quick_draft(demo_target):
     """A quickly made same-tokenizer draft: the target's first 2 layers, its own norm and head.

@@ -45,17 +45,28 @@ class Service:
     name: str
 
 
+# gRPC sets SO_REUSEPORT on Linux by default, so a second server on a port in use binds it too and
+# the kernel splits connections between the two: a stale `mirrorspec serve` would quietly answer
+# half the requests. One server per port; the second one's bind fails and says so.
+SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+
+
 async def start_grpc_server(services: list[Service], host: str, port: int) -> RunningServer:
-    server = grpc.aio.server(interceptors=[ExceptionToStatusInterceptor()], options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(interceptors=[ExceptionToStatusInterceptor()], options=SERVER_OPTIONS)
     for service in services:
         service.add_to_server(service.servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [s.name for s in services]
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpcio raises where older versions returned 0
+        bound = 0
     if bound == 0:
-        raise OSError(f"could not bind a gRPC server to {host}:{port}; is the port in use?")
+        raise InvalidRequest(f"cannot listen on {host}:{port}: the port is in use (another server still running?) "
+                             f"or {host} is not an address of this machine; pick another port, or 0 for a free one",
+                             field="port")
     await server.start()
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
