@@ -350,10 +350,13 @@ def validate_prompt(input_ids: Sequence[int], vocab_size: int, max_context: int,
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequest(f"{field} holds ids {bad[:5]} outside the vocabulary [0, {vocab_size})", field=field)
+    if len(ids) >= max_context:  # no max_new_tokens would fit: the prompt is what must change
+        raise OutOfRange(f"the prompt ({len(ids)} tokens) leaves no room in the context window of {max_context}; "
+                         f"shorten it to at most {max_context - 1} tokens", field=field)
     if len(ids) + params.max_new_tokens > max_context:
         raise OutOfRange(
             f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the context window "
-            f"of {max_context}; lower max_new_tokens to at most {max(max_context - len(ids), 0)}",
+            f"of {max_context}; lower max_new_tokens to at most {max_context - len(ids)}",
             field="max_new_tokens",
         )
     return ids

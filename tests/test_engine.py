@@ -133,6 +133,7 @@ def test_n_gram_accepts_on_repetitive_text(tiny_target):
     ([], SamplingParams(), 4, InvalidRequest, "input_ids"),
     ([0, 99], SamplingParams(), 4, InvalidRequest, "input_ids"),
     ([0, 1], SamplingParams(max_new_tokens=500), 4, OutOfRange, "max_new_tokens"),
+    ([0, 1] * 64, SamplingParams(max_new_tokens=1), 4, OutOfRange, "input_ids"),  # the prompt fills the window
     ([0, 1], SamplingParams(), 99, OutOfRange, "num_speculative_tokens"),
     ([0, 1], SamplingParams(), -1, OutOfRange, "num_speculative_tokens"),
 ])
