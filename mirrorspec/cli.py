@@ -32,6 +32,7 @@ from mirrorspec.config import (
     MirrorConfig,
     SamplingParams,
     SpeculationConfig,
+    check_address,
     check_seed,
     default_k,
 )
@@ -378,6 +379,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
 
     from mirrorspec.client import Client
 
+    check_address(args.server, "server")
     options = dict(raw=args.raw, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, k=0 if args.no_speculate else args.k,
                    mirror=True if args.mirror else None)
@@ -401,6 +403,9 @@ def _generate_remote(args: argparse.Namespace) -> int:
         if err.code() == grpc.StatusCode.UNAVAILABLE:
             raise InvalidRequest(f"no mirrorspec server answers at {args.server}; start one with "
                                  f"`mirrorspec serve`, or pass --local", field="server") from None
+        if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+            raise InvalidRequest(f"{args.server} answers gRPC but is not a mirrorspec front door (a drafter or "
+                                 f"target server?); pass the address `mirrorspec serve` printed", field="server") from None
         raise InvalidRequest(f"the server refused the request: {err.details()}", field=None) from None
     return 0
 

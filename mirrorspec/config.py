@@ -231,6 +231,15 @@ def check_unsigned(field: str, value, bits: int, what: str = "it", hint: str = "
     return number
 
 
+def check_address(address: str, field: str) -> str:
+    """A server address as mirrorspec's servers print it, host:port. gRPC would read a bare host
+    as port 443 and a URL as a host name, and report either only as nothing answering."""
+    host, colon, port = address.strip().rpartition(":")
+    if "://" in address or not colon or not host or not port.isdigit() or not 0 < int(port) < 1 << 16:
+        raise InvalidRequest(f"expected host:port (e.g. 127.0.0.1:50051, no scheme), got {address!r}", field=field)
+    return address.strip()
+
+
 def check_seed(seed) -> int | None:
     """A seed names one sampled output wherever it runs, so it is held to what a request can
     carry (a uint64), in process as over gRPC."""

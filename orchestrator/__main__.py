@@ -2,7 +2,7 @@
 
 import argparse
 
-from mirrorspec.config import AdaptiveKConfig, MirrorConfig
+from mirrorspec.config import AdaptiveKConfig, InvalidRequest, MirrorConfig
 from mirrorspec.serving.server import run_until_terminated
 from orchestrator.servicer import OrchestratorConfig, serve
 
@@ -24,10 +24,13 @@ parser.add_argument("--runner-up", action="store_true",
                     help="windows also offer the targets the draft's runner-up for their first draft")
 parser.add_argument("--metrics-port", type=int, default=None)
 args = parser.parse_args()
-config = OrchestratorConfig(target=args.target, drafter=args.drafter, host=args.host, port=args.port,
-                            num_speculative_tokens=args.k, metrics_port=args.metrics_port,
-                            adaptive=AdaptiveKConfig() if args.adaptive else None,
-                            mirror=MirrorConfig() if args.mirror else None,
-                            speculation_off_above=args.speculation_off_above,
-                            front_door_lookup=not args.no_front_door_lookup, runner_up=args.runner_up)
+try:
+    config = OrchestratorConfig(target=args.target, drafter=args.drafter, host=args.host, port=args.port,
+                                num_speculative_tokens=args.k, metrics_port=args.metrics_port,
+                                adaptive=AdaptiveKConfig() if args.adaptive else None,
+                                mirror=MirrorConfig() if args.mirror else None,
+                                speculation_off_above=args.speculation_off_above,
+                                front_door_lookup=not args.no_front_door_lookup, runner_up=args.runner_up)
+except InvalidRequest as err:
+    parser.error(f"--{(err.field or 'target').replace('_', '-')}: {err}")
 run_until_terminated(lambda: serve(config), "orchestrator", parser)

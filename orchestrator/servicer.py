@@ -19,7 +19,8 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from mirrorspec.config import AdaptiveKConfig, InvalidRequest, MirrorConfig, SamplingParams, SpeculationConfig
+from mirrorspec.config import (AdaptiveKConfig, InvalidRequest, MirrorConfig, SamplingParams, SpeculationConfig,
+                               check_address)
 from mirrorspec.drafting import Drafter, Proposal
 from mirrorspec.engine import GenerationStats, decode_windows, first_window_k, validate_prompt
 from mirrorspec.mirror import MirrorPipeline
@@ -76,6 +77,9 @@ class OrchestratorConfig:
     def __post_init__(self) -> None:
         if self.speculation_off_above is not None and self.speculation_off_above < 0:
             raise InvalidRequest(f"must be >= 0, got {self.speculation_off_above}", field="speculation_off_above")
+        for field_name in ("target", "drafter"):
+            for address in parse_addresses(getattr(self, field_name)):
+                check_address(address, field_name)
 
 
 @dataclass
@@ -401,20 +405,29 @@ def _eos_ids(tokenizer) -> list[int]:
     return [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
 
 
+async def _backend_info(pool: str, address: str, make_stub, wait_s: float = 60.0):
+    """A backend's Info, waiting up to ``wait_s`` for it to come up (launchers start all three
+    servers at once); one that never answers, or answers as something else, is the setting's fault."""
+    try:
+        return await asyncio.to_thread(make_stub(_channel(address)).Info, common_pb2.InfoRequest(), timeout=wait_s,
+                                       wait_for_ready=True)
+    except grpc.RpcError as err:
+        raise InvalidRequest(f"no {pool} server answered Info at {address} within {wait_s:.0f} s "
+                             f"({err.code().name}: {err.details()}); start one there (python -m {pool}_service) "
+                             f"or fix the address", field=pool) from None
+
+
 async def serve(config: OrchestratorConfig):
     """Connect to the backends, then start the front door."""
     targets = parse_addresses(config.target)
     if not targets:
         raise InvalidRequest("the orchestrator needs at least one target address (host:port)", field="target")
     # every replica of a pool serves the same model: the first one describes them all
-    target_stub = target_pb2_grpc.TargetServiceStub(_channel(targets[0]))
-    target_info = await asyncio.to_thread(target_stub.Info, common_pb2.InfoRequest(), timeout=60,
-                                          wait_for_ready=True)
+    target_info = await _backend_info("target", targets[0], target_pb2_grpc.TargetServiceStub)
     drafter_info = None
     if config.drafter:
-        drafter_stub = drafter_pb2_grpc.DrafterServiceStub(_channel(parse_addresses(config.drafter)[0]))
-        drafter_info = await asyncio.to_thread(drafter_stub.Info, common_pb2.InfoRequest(), timeout=60,
-                                               wait_for_ready=True)
+        drafter_info = await _backend_info("drafter", parse_addresses(config.drafter)[0],
+                                           drafter_pb2_grpc.DrafterServiceStub)
     tokenizer = await asyncio.to_thread(try_load_tokenizer, config.tokenizer or target_info.model.source)
     metrics = SpecDecodeMetrics()
     if config.metrics_port is not None:

@@ -20,6 +20,8 @@ from mirrorspec.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_K, DEFAULT_K_CON
     (["generate", "hi", "--local", "--max-tokens", "0"], "--max-tokens"),
     (["generate", "hi", "--local", "--threads", "0"], "--threads"),
     (["generate", "hi", "--server", "127.0.0.1:1"], "--server"),
+    (["generate", "hi", "--server", "127.0.0.1"], "--server"),  # gRPC would dial port 443
+    (["generate", "hi", "--server", "http://127.0.0.1:50051"], "--server"),
     (["serve", "--k", "-1"], "--k"),
     (["serve", "--tp", "0"], "--tp"),
     (["serve", "--targets", "0"], "--targets"),

@@ -2,6 +2,7 @@
 
 import asyncio
 import random
+import re
 import time
 
 import grpc
@@ -9,10 +10,11 @@ import pytest
 import torch
 
 from mirrorspec import SamplingParams, generate
-from mirrorspec.config import MirrorConfig
+from mirrorspec.config import InvalidRequest, MirrorConfig
 from mirrorspec.serving.convert import proposal_from_proto
 from mirrorspec.client import AsyncClient, Client
 from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
+from orchestrator.servicer import OrchestratorConfig, _backend_info
 from served_stack import start_stack
 from support import MemoSession, chi_square_pvalue, exact_joint, load, record_rpc, wait_until
 
@@ -751,3 +753,23 @@ def test_seeded_sampled_runner_up_requests_draw_the_in_process_tokens(tiny_dir):
     assert all(served.token_ids == local.token_ids for served, local in pairs)
     assert [s.stats.runner_up_hits for s, _ in pairs] == [local.stats.runner_up_hits for _, local in pairs]
     assert sum(local.stats.runner_up_hits for _, local in pairs) > 0
+
+
+@pytest.mark.parametrize("address, says", [
+    ("127.0.0.1:1", "no target server answered Info at 127.0.0.1:1 within 1 s (DEADLINE_EXCEEDED"),
+    ("drafter", "(UNIMPLEMENTED"),  # a drafter's address given as a target's
+])
+def test_a_front_door_whose_backend_does_not_answer_names_the_setting(stack, address, says):
+    address = f"127.0.0.1:{stack.drafters[0].port}" if address == "drafter" else address
+    with pytest.raises(InvalidRequest, match=re.escape(says)) as err:
+        asyncio.run(_backend_info("target", address, target_pb2_grpc.TargetServiceStub, wait_s=1.0))
+    assert err.value.field == "target"
+
+
+@pytest.mark.parametrize("field, value", [("target", "127.0.0.1"), ("drafter", "http://127.0.0.1:50062"),
+                                          ("target", "127.0.0.1:70000")])
+def test_a_front_door_address_that_is_not_host_port_is_refused_at_once(field, value):
+    config = {"target": "127.0.0.1:50061", "drafter": None, field: value}
+    with pytest.raises(InvalidRequest, match="expected host:port") as err:
+        OrchestratorConfig(**config)
+    assert err.value.field == field
