@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from mirrorspec.config import DEFAULT_DRAFT_QUANTIZE, DTYPE_HELP, QUANTIZATIONS, InvalidRequest
+from mirrorspec.config import DEFAULT_DRAFT_QUANTIZE, DTYPE_HELP, QUANTIZATIONS, InvalidRequest, check_shared_vocabulary
 from mirrorspec.models.loading import LoadedModel, device_flag, load_causal_lm
 from mirrorspec.models.prepack import is_prepacked, prepack_linears
 from mirrorspec.models.quantize import apply_quantization
@@ -96,10 +96,7 @@ def _load_draft_model(spec: str, target: LoadedModel, quantize: str) -> torch.nn
     else:
         model = load_causal_lm(spec, dtype=target.dtype_name,
                                device=str(target.model.device), tokenizer=False, quantize=quantize).model
-    if model.config.vocab_size != target.model.config.vocab_size:
-        raise InvalidRequest(f"the draft's vocabulary ({model.config.vocab_size}) differs from the target's "
-                             f"({target.model.config.vocab_size}); it must share the target's tokenizer",
-                             field="draft")
+    check_shared_vocabulary(model.config.vocab_size, target.model.config.vocab_size)
     return model
 
 

@@ -34,6 +34,7 @@ from mirrorspec.config import (
     SpeculationConfig,
     check_address,
     check_seed,
+    check_shared_vocabulary,
     default_k,
 )
 from mirrorspec.serving.placement import check_threads
@@ -77,6 +78,7 @@ FLAG_FOR_FIELD = {
     "model": "--target",
     "target": "--target",
     "draft": "--draft",
+    "drafter": "--draft",  # a front door's drafter servers, started here from --draft
     "dtype": "--dtype",
     "device": "--device",
     "runner_up": "--no-runner-up",
@@ -756,10 +758,10 @@ def _check_models(target: str, draft: str) -> None:
     replica failing to load it in turn."""
     from mirrorspec.models.loading import read_config
 
-    read_config(target)
+    target_config = read_config(target)
     if draft not in ("ngram", "none"):
         with _loading("draft"):
-            read_config(draft)
+            check_shared_vocabulary(read_config(draft).vocab_size, target_config.vocab_size)
 
 
 @contextmanager

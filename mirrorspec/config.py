@@ -231,6 +231,15 @@ def check_unsigned(field: str, value, bits: int, what: str = "it", hint: str = "
     return number
 
 
+def check_shared_vocabulary(draft_vocab: int, target_vocab: int, field: str = "draft") -> None:
+    """A draft model embeds the target's tokens and proposes ids the target scores, so the two
+    must share a vocabulary (the draft's own sub-vocabulary aside, which lies inside it)."""
+    if draft_vocab != target_vocab:
+        raise InvalidRequest(f"the draft's vocabulary ({draft_vocab} ids) differs from the target's ({target_vocab}); "
+                             f"a draft model must share the target's tokenizer (the demo target's is demo-draft), "
+                             f"or draft with prompt lookup (ngram)", field=field)
+
+
 def check_address(address: str, field: str) -> str:
     """A server address as mirrorspec's servers print it, host:port. gRPC would read a bare host
     as port 443 and a URL as a host name, and report either only as nothing answering."""

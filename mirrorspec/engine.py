@@ -26,6 +26,7 @@ from mirrorspec.config import (
     SamplingParams,
     SpeculationConfig,
     check_seed,
+    check_shared_vocabulary,
 )
 from mirrorspec.drafting import DraftModelDrafter, Drafter, HybridDrafter, NgramDrafter, Proposal
 from mirrorspec.models.early_exit import EarlyExitHint, EarlyExitProbe
@@ -438,6 +439,8 @@ def generate(
     if isinstance(input_ids, torch.Tensor):
         input_ids = input_ids.reshape(-1).tolist()
     prompt = validate_prompt(input_ids, session.vocab_size, max_context, params)
+    if isinstance(draft, torch.nn.Module):
+        check_shared_vocabulary(int(draft.config.vocab_size), session.vocab_size)
     drafter = make_drafter(draft, proposal_top_k, prompt_lookup, draft_confidence)
     seed = fresh_seed() if seed is None else check_seed(seed)
     stats = GenerationStats()

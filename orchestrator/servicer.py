@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from mirrorspec.config import (AdaptiveKConfig, InvalidRequest, MirrorConfig, SamplingParams, SpeculationConfig,
-                               check_address)
+                               check_address, check_shared_vocabulary)
 from mirrorspec.drafting import Drafter, Proposal
 from mirrorspec.engine import GenerationStats, decode_windows, first_window_k, validate_prompt
 from mirrorspec.mirror import MirrorPipeline
@@ -428,6 +428,8 @@ async def serve(config: OrchestratorConfig):
     if config.drafter:
         drafter_info = await _backend_info("drafter", parse_addresses(config.drafter)[0],
                                            drafter_pb2_grpc.DrafterServiceStub)
+        if drafter_info.HasField("model"):  # a draft model (n-gram drafters have none)
+            check_shared_vocabulary(drafter_info.model.vocab_size, target_info.model.vocab_size, field="drafter")
     tokenizer = await asyncio.to_thread(try_load_tokenizer, config.tokenizer or target_info.model.source)
     metrics = SpecDecodeMetrics()
     if config.metrics_port is not None:

@@ -10,6 +10,7 @@ import pytest
 
 from mirrorspec.cli import main
 from mirrorspec.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_K, DEFAULT_K_CONFIDENT, default_k
+from support import save_tiny_llama
 
 
 @pytest.mark.parametrize("argv,flag", [
@@ -97,6 +98,17 @@ def test_a_model_flag_naming_something_that_is_not_a_model_is_a_flag_error(argv,
         main([a.format(bad=bad) for a in argv])
     assert exit_info.value.code == 2
     assert f"error: {flag}: cannot load a causal LM from {bad}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["generate", "hi", "--local"], ["serve"], ["serve", "--in-process"]])
+def test_a_draft_with_another_vocabulary_is_a_draft_flag_error(argv, tmp_path, capsys):
+    """An IndexError deep in the draft's embedding before (generate), a server that failed every
+    request's drafting (serve)."""
+    draft = save_tiny_llama(tmp_path / "vocab-8", seed=0)
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--draft", str(draft)])
+    assert exit_info.value.code == 2
+    assert "error: --draft: the draft's vocabulary (8 ids) differs from the target's (49152)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("draft_model,confidence,k", [

@@ -8,6 +8,7 @@ import torch
 from mirrorspec import InvalidRequest, OutOfRange, SamplingParams, generate
 from mirrorspec.drafting import DraftModelDrafter, NgramDrafter
 from mirrorspec.models import encode_prompt
+from support import load
 
 
 def hf_greedy(model, prompt, n):
@@ -141,6 +142,13 @@ def test_bad_input_is_a_clear_error(tiny_target, prompt, params, k, error, field
     with pytest.raises(error) as err:
         generate(tiny_target, "ngram", prompt, params, num_speculative_tokens=k)
     assert err.value.field == field
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused_before_it_embeds_a_token_it_lacks(tiny_target, tiny_dir):
+    draft16 = load(tiny_dir["draft16"])  # vocab 16 against the target's 8 (an IndexError mid-draft before)
+    with pytest.raises(InvalidRequest, match=r"the draft's vocabulary \(16 ids\) differs from the target's \(8\)") as err:
+        generate(tiny_target, draft16, [0, 1], SamplingParams(max_new_tokens=4))
+    assert err.value.field == "draft"
 
 
 @pytest.mark.parametrize("seed", [-1, 2 ** 64, 0.5])

@@ -773,3 +773,18 @@ def test_a_front_door_address_that_is_not_host_port_is_refused_at_once(field, va
     with pytest.raises(InvalidRequest, match="expected host:port") as err:
         OrchestratorConfig(**config)
     assert err.value.field == field
+
+
+def test_a_front_door_refuses_a_drafter_whose_vocabulary_is_not_the_targets(stack, tiny_dir):
+    from drafter_service.servicer import DrafterConfig
+    from drafter_service.servicer import serve as serve_drafter
+    from mirrorspec.serving.server import BackgroundServer
+    from orchestrator.servicer import serve
+
+    config = DrafterConfig(strategy="draft-model", model=str(tiny_dir["draft"]))  # vocab 8; the target's is 16
+    with BackgroundServer(lambda: serve_drafter(config)) as drafter:
+        front = OrchestratorConfig(target=f"127.0.0.1:{stack.targets[0].port}", drafter=f"127.0.0.1:{drafter.port}",
+                                   port=0)
+        with pytest.raises(InvalidRequest, match=r"the draft's vocabulary \(8 ids\) differs from the target's \(16\)") as err:
+            asyncio.run(serve(front))
+    assert err.value.field == "drafter"
