@@ -348,9 +348,10 @@ def validate_prompt(input_ids: Sequence[int], vocab_size: int, max_context: int,
     ids = [int(t) for t in input_ids]
     if not ids:
         raise InvalidRequest(f"{field} is empty; pass at least one prompt token", field=field)
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequest(f"{field} holds ids {bad[:5]} outside the vocabulary [0, {vocab_size})", field=field)
+    for name, values in ((field, ids), ("stop_token_ids", params.stop_token_ids)):  # a stop id past it never stops
+        bad = [t for t in values if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequest(f"{name} holds ids {bad[:5]} outside the vocabulary [0, {vocab_size})", field=name)
     if len(ids) >= max_context:  # no max_new_tokens would fit: the prompt is what must change
         raise OutOfRange(f"the prompt ({len(ids)} tokens) leaves no room in the context window of {max_context}; "
                          f"shorten it to at most {max_context - 1} tokens", field=field)
@@ -437,6 +438,9 @@ def generate(
     session = KVSession(target) if isinstance(target, torch.nn.Module) else target
     max_context = int(getattr(getattr(target, "config", None), "max_position_embeddings", 1 << 30))
     if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() > 2 or (input_ids.dim() == 2 and input_ids.shape[0] != 1):
+            raise InvalidRequest(f"input_ids must be one prompt, a [n] or [1, n] tensor, got shape "
+                                 f"{list(input_ids.shape)}; call generate once per prompt", field="input_ids")
         input_ids = input_ids.reshape(-1).tolist()
     prompt = validate_prompt(input_ids, session.vocab_size, max_context, params)
     if isinstance(draft, torch.nn.Module):

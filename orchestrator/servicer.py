@@ -134,7 +134,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         # a request's drafter session opens here while its worker opens the target session
         self._openers = ThreadPoolExecutor(max_workers=config.max_concurrent_requests,
                                            thread_name_prefix="drafter-open")
-        self.eos_ids = tuple(_eos_ids(tokenizer))
+        # an EOS id past the model's vocabulary can never be sampled (and requests are refused stop ids there)
+        self.eos_ids = tuple(t for t in _eos_ids(tokenizer) if t < self.vocab_size)
         self.in_flight = 0  # requests running now (read by workers, changed on the event loop)
 
     # ---- RPCs -------------------------------------------------------------------------------

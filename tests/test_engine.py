@@ -133,6 +133,7 @@ def test_n_gram_accepts_on_repetitive_text(tiny_target):
 @pytest.mark.parametrize("prompt,params,k,error,field", [
     ([], SamplingParams(), 4, InvalidRequest, "input_ids"),
     ([0, 99], SamplingParams(), 4, InvalidRequest, "input_ids"),
+    ([0, 1], SamplingParams(stop_token_ids=(7, 8)), 4, InvalidRequest, "stop_token_ids"),  # vocab 8: 8 never comes
     ([0, 1], SamplingParams(max_new_tokens=500), 4, OutOfRange, "max_new_tokens"),
     ([0, 1] * 64, SamplingParams(max_new_tokens=1), 4, OutOfRange, "input_ids"),  # the prompt fills the window
     ([0, 1], SamplingParams(), 99, OutOfRange, "num_speculative_tokens"),
@@ -142,6 +143,14 @@ def test_bad_input_is_a_clear_error(tiny_target, prompt, params, k, error, field
     with pytest.raises(error) as err:
         generate(tiny_target, "ngram", prompt, params, num_speculative_tokens=k)
     assert err.value.field == field
+
+
+@pytest.mark.parametrize("shape", [(2, 3), (1, 1, 3)])
+def test_a_batch_of_prompts_is_refused_rather_than_run_as_one_long_prompt(tiny_target, shape):
+    with pytest.raises(InvalidRequest, match="must be one prompt") as err:
+        generate(tiny_target, None, torch.zeros(shape, dtype=torch.long), SamplingParams(max_new_tokens=2))
+    assert err.value.field == "input_ids"
+    assert generate(tiny_target, None, torch.zeros(1, 3, dtype=torch.long), SamplingParams(max_new_tokens=2)).token_ids
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused_before_it_embeds_a_token_it_lacks(tiny_target, tiny_dir):

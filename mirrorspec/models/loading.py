@@ -44,7 +44,8 @@ class LoadedModel:
         ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
-        return tuple(sorted(ids))
+        # one past the model's vocabulary can never be sampled (and generate refuses stop ids there)
+        return tuple(sorted(t for t in ids if t < self.model.config.vocab_size))
 
 
 def resolve_device(device: str = "auto") -> torch.device:

@@ -343,6 +343,7 @@ def test_expired_target_session_is_reopened_from_the_token_log(stack, tiny_dir):
     (dict(prompt=[0, 1], max_tokens=1000), grpc.StatusCode.OUT_OF_RANGE, "context window"),
     (dict(prompt=[0, 1] * 64, max_tokens=1), grpc.StatusCode.OUT_OF_RANGE, "leaves no room in the context window"),
     (dict(prompt=[0, 1], stop=[""]), grpc.StatusCode.INVALID_ARGUMENT, "stop strings"),
+    (dict(prompt=[0, 1], stop_token_ids=[16]), grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids holds ids [16]"),
     (dict(prompt="hello"), grpc.StatusCode.INVALID_ARGUMENT, "no tokenizer"),
 ])
 def test_bad_requests_get_clear_statuses_and_the_server_stays_up(stack, kwargs, code, needle):
