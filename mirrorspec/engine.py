@@ -8,6 +8,7 @@ target behind the same two interfaces) run the very same loop.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
@@ -345,7 +346,14 @@ def validate_prompt(input_ids: Sequence[int], vocab_size: int, max_context: int,
                     field: str = "input_ids") -> list[int]:
     """The prompt as ints, refused if empty, outside the vocabulary, or too long for the context
     window; ``field`` names the argument (or proto field) the ids came in, for the error."""
-    ids = [int(t) for t in input_ids]
+    try:
+        if isinstance(input_ids, (str, bytes)):
+            raise TypeError
+        ids = [operator.index(t) for t in input_ids]  # ints (numpy, 0-d tensors too); never a float truncated
+    except TypeError:
+        raise InvalidRequest(f"{field} must be a sequence of integer token ids, got {type(input_ids).__name__} "
+                             f"{str(input_ids)[:40]!r}; encode text first (mirrorspec.models.encode_prompt)",
+                             field=field) from None
     if not ids:
         raise InvalidRequest(f"{field} is empty; pass at least one prompt token", field=field)
     for name, values in ((field, ids), ("stop_token_ids", params.stop_token_ids)):  # a stop id past it never stops

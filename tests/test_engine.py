@@ -145,6 +145,14 @@ def test_bad_input_is_a_clear_error(tiny_target, prompt, params, k, error, field
     assert err.value.field == field
 
 
+@pytest.mark.parametrize("prompt", ["hello", [1.5, 2], [[1, 2]], None])
+def test_a_prompt_that_is_not_token_ids_is_refused_naming_input_ids(tiny_target, prompt):
+    # text, a float (silently truncated to 1 before), nested lists, nothing
+    with pytest.raises(InvalidRequest, match="must be a sequence of integer token ids") as err:
+        generate(tiny_target, None, prompt, SamplingParams(max_new_tokens=2))
+    assert err.value.field == "input_ids"
+
+
 @pytest.mark.parametrize("shape", [(2, 3), (1, 1, 3)])
 def test_a_batch_of_prompts_is_refused_rather_than_run_as_one_long_prompt(tiny_target, shape):
     with pytest.raises(InvalidRequest, match="must be one prompt") as err:
