@@ -465,6 +465,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     SpeculationConfig(num_speculative_tokens=args.k, proposal_top_k=args.proposal_top_k,
                       prompt_lookup=args.prompt_lookup, draft_confidence=args.draft_confidence)
     args.hint_vocab = _hint_vocab(args.hint_vocab, args.hint_layer, resolve_draft(args.draft, args.target))
+    from mirrorspec.serving.server import check_port_free
+
+    for field in ("port", "metrics_port"):  # the front door listens here, on a local Ray as on a cluster's head
+        check_port_free(args.host, getattr(args, field), field)
     if args.in_process or args.address is None:  # a local Ray's replicas load from this machine's paths
         _check_models(args.target, resolve_draft(args.draft, args.target))
     if args.in_process:

@@ -100,6 +100,21 @@ def test_a_model_flag_naming_something_that_is_not_a_model_is_a_flag_error(argv,
     assert f"error: {flag}: cannot load a causal LM from {bad}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, flag", [(["serve"], "--port"), (["serve", "--in-process"], "--port"),
+                                        (["serve", "--port", "0", "--metrics-port"], "--metrics-port")])
+def test_serve_refuses_a_port_another_process_listens_on_before_it_loads_anything(argv, flag, capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        with pytest.raises(SystemExit) as exit_info:
+            main([*argv, port] if argv[-1] == "--metrics-port" else [*argv, "--port", port])
+    assert exit_info.value.code == 2
+    assert f"error: {flag}: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [["generate", "hi", "--local"], ["serve"], ["serve", "--in-process"]])
 def test_a_draft_with_another_vocabulary_is_a_draft_flag_error(argv, tmp_path, capsys):
     """An IndexError deep in the draft's embedding before (generate), a server that failed every

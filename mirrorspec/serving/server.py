@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
 import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +50,23 @@ class Service:
 # the kernel splits connections between the two: a stale `mirrorspec serve` would quietly answer
 # half the requests. One server per port; the second one's bind fails and says so.
 SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+
+
+def check_port_free(host: str, port: int | None, field: str) -> None:
+    """Refuses a port another process listens on, before a launcher spends its start-up (loading
+    models, starting Ray) on a server that could not bind it. SO_REUSEADDR, as gRPC and HTTP
+    servers set it, so a port whose last connections linger in TIME_WAIT still counts as free;
+    the bind itself stays the final word (another process may take the port meanwhile)."""
+    if not port:  # None: not asked for; 0: any free port
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            raise InvalidRequest(f"cannot listen on {host}:{port}: {err.strerror or err} (another server still "
+                                 f"running?); pick another port, or 0 for a free one", field=field) from None
 
 
 async def start_grpc_server(services: list[Service], host: str, port: int) -> RunningServer:
