@@ -216,6 +216,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.windows < 10:
         parser.error("--windows: need at least 10 windows for a p99")
+    if not 1 <= args.k <= 16:
+        parser.error(f"--k: drafts per window must be in [1, 16], got {args.k}")
     torch.set_num_threads(args.threads)
     root = Path(tempfile.mkdtemp())
     target_dir, draft_dir = tiny_model(root / "target", 0), tiny_model(root / "draft", 1)

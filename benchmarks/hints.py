@@ -44,6 +44,7 @@ from mirrorspec.drafting.draft_model import declared_vocabulary
 from mirrorspec.engine import GenerationStats, TargetVerifier, decode_windows, make_drafter
 from mirrorspec.mirror import MirrorPipeline
 from mirrorspec.models import KVSession, LoadedModel, encode_prompt, load_causal_lm
+from mirrorspec.models.loading import check_models
 from mirrorspec.models.early_exit import EarlyExitProbe
 from mirrorspec.models.lens import LensRecipe, tuned_lens
 
@@ -124,8 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--alternatives must be >= 0, got {args.alternatives}")
 
     torch.set_num_threads(1)
-    target = load_causal_lm(args.target, dtype="float32")
-    vocab = declared_vocabulary(args.draft)
+    try:
+        check_models(args.target, args.draft)
+        target = load_causal_lm(args.target, dtype="float32")
+        vocab = declared_vocabulary(args.draft)
+    except InvalidRequest as err:
+        parser.error(f"--{'target' if err.field == 'model' else err.field}: {err}")
     if vocab is None:
         parser.error(f"--draft: {args.draft} declares no sub-vocabulary to compare with the full one")
     lens = tuned_lens(target, LensRecipe(layer=args.hint_layer))

@@ -51,7 +51,7 @@ from mirrorspec.config import (
     check_draft_confidence,
     check_prompt_lookup,
 )
-from mirrorspec.models.loading import device_flag
+from mirrorspec.models.loading import check_models, device_flag
 from mirrorspec.serving.server import BackgroundServer
 from orchestrator.servicer import OrchestratorConfig, serve
 
@@ -195,6 +195,10 @@ def main(argv=None) -> int:
         mirror = MirrorConfig(max_branches=args.max_branches, alternatives=args.alternatives)
     except InvalidRequest as err:
         parser.error(f"--max-branches / --alternatives: {err}")
+    try:
+        check_models(args.target, args.draft)  # here, not as a server process's exit status
+    except InvalidRequest as err:
+        parser.error(f"--{err.field}: {err}")
 
     target_args = ("--device", args.target_device, "--dtype", args.dtype)
     if args.hint_layer:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from mirrorspec.config import DTYPE_HELP
+from mirrorspec.config import DTYPE_HELP, InvalidRequest
 from mirrorspec.models import KVSession, encode_prompt, load_causal_lm
 from mirrorspec.models.loading import device_flag
 from mirrorspec.models.prepack import prepack_linears
@@ -66,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    target = load_causal_lm(args.target, prepack=False, device=args.device, dtype=args.dtype)
+    try:
+        target = load_causal_lm(args.target, prepack=False, device=args.device, dtype=args.dtype)
+    except InvalidRequest as err:
+        p.error(f"--{'target' if err.field == 'model' else err.field}: {err}")
     context = encode_prompt(target.tokenizer, "Write a Python function that merges two sorted lists.")
     runs = {"plain": measure(target.model, context, args.max_k, args.reps)}
     if prepack_linears(target.model):

@@ -12,7 +12,6 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,8 +33,8 @@ from mirrorspec.config import (
     SpeculationConfig,
     check_address,
     check_seed,
-    check_shared_vocabulary,
     default_k,
+    field_named,
 )
 from mirrorspec.serving.placement import check_threads
 
@@ -464,13 +463,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.k = default_k(_is_draft_model(resolve_draft(args.draft, args.target)), args.draft_confidence)
     SpeculationConfig(num_speculative_tokens=args.k, proposal_top_k=args.proposal_top_k,
                       prompt_lookup=args.prompt_lookup, draft_confidence=args.draft_confidence)
-    args.hint_vocab = _hint_vocab(args.hint_vocab, args.hint_layer, resolve_draft(args.draft, args.target))
+    from mirrorspec.models.loading import check_models
     from mirrorspec.serving.server import check_port_free
 
     for field in ("port", "metrics_port"):  # the front door listens here, on a local Ray as on a cluster's head
         check_port_free(args.host, getattr(args, field), field)
+    draft = resolve_draft(args.draft, args.target)
     if args.in_process or args.address is None:  # a local Ray's replicas load from this machine's paths
-        _check_models(args.target, resolve_draft(args.draft, args.target))
+        check_models(args.target, None if draft in ("ngram", "none") else draft)
+    args.hint_vocab = _hint_vocab(args.hint_vocab, args.hint_layer, draft)
     if args.in_process:
         return _serve_in_process(args)
     if args.detach and not args.address:
@@ -596,7 +597,7 @@ def _serve_in_process(args: argparse.Namespace) -> int:
                                           max_sessions=args.max_sessions, proposal_top_k=args.proposal_top_k,
                                           prompt_lookup=args.prompt_lookup, draft_confidence=args.draft_confidence,
                                           quantize=args.draft_quantize)
-    with _loading("draft"):  # the target is loaded above: a model the stack fails to load is the draft
+    with field_named("draft"):  # the target is loaded above: a model the stack fails to load is the draft
         stack = start_local_stack(TargetConfig(model=target.source, max_sessions=args.max_sessions,
                                                hint_layer=args.hint_layer,
                                                hint_vocab=args.hint_vocab, hint_lens=args.hint_lens),
@@ -751,32 +752,11 @@ def _load_draft(args: argparse.Namespace):
         return "ngram"
     from mirrorspec.models import load_causal_lm
 
-    with _loading("draft"):
+    with field_named("draft"):
         return load_causal_lm(args.draft, dtype=args.dtype, device=args.device, tokenizer=False,
                               quantize=args.draft_quantize).model
 
 
-def _check_models(target: str, draft: str) -> None:
-    """Reads the target's and the draft's configs before anything starts that would load them, so
-    a source that is not a model is named at once, by its flag, rather than by each server or Ray
-    replica failing to load it in turn."""
-    from mirrorspec.models.loading import read_config
-
-    target_config = read_config(target)
-    if draft not in ("ngram", "none"):
-        with _loading("draft"):
-            check_shared_vocabulary(read_config(draft).vocab_size, target_config.vocab_size)
-
-
-@contextmanager
-def _loading(field: str):
-    """Loading errors say ``model`` (a loader cannot know its role): here they name ``field``'s flag."""
-    try:
-        yield
-    except InvalidRequest as err:
-        if err.field == "model":
-            err.field = field
-        raise
 
 
 class _StreamPrinter:

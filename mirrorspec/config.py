@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import operator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 
@@ -20,6 +21,18 @@ class InvalidRequest(ValueError):
     def __init__(self, message: str, *, field: str | None = None):
         super().__init__(message)
         self.field = field
+
+
+@contextmanager
+def field_named(field: str, instead_of: str = "model"):
+    """A callee that cannot know its role (a loader) says ``model``; a caller that does renames
+    it (``draft``), so the error names the flag or request field the user actually set."""
+    try:
+        yield
+    except InvalidRequest as err:
+        if err.field == instead_of:
+            err.field = field
+        raise
 
 
 class OutOfRange(InvalidRequest):

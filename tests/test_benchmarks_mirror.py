@@ -27,6 +27,17 @@ def test_bad_flags_name_the_flag(argv, flag, capsys):
     assert exc.value.code == 2 and f"error: {flag}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bench", ["mirror", "hints"])
+@pytest.mark.parametrize("flag", ["--target", "--draft"])
+def test_a_model_flag_that_is_not_a_model_is_named_before_any_server_starts(bench, flag, tmp_path, capsys):
+    """mirror: it was the server process's exit status; hints: a transformers ValueError."""
+    from benchmarks.hints import main as hints_main
+
+    with pytest.raises(SystemExit) as exc:
+        (lambda argv: main(["bench", "mirror", *argv]) if bench == "mirror" else hints_main(argv))([flag, str(tmp_path)])
+    assert exc.value.code == 2 and f"error: {flag}: cannot load a causal LM from {tmp_path}" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_a_short_run_writes_json_and_a_timeline_and_every_mode_is_identical(tmp_path):
     """Drafter and target as their own processes on the demo models, every mode, hints on."""

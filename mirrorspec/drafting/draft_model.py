@@ -6,13 +6,12 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
-from transformers import AutoConfig
 
 from mirrorspec.config import (DRAFT_MODEL_STEP_COST, INT8_DRAFT_MODEL_STEP_COST, InvalidRequest, SamplingParams,
                                check_draft_confidence)
 from mirrorspec.drafting.base import Drafter, Proposal, RankedTokens, fork_points_or_end
 from mirrorspec.models.demo_draft import shipped_vocabulary
-from mirrorspec.models.loading import draft_weights, locate_model
+from mirrorspec.models.loading import draft_weights, read_config
 from mirrorspec.models.quantize import is_quantized
 from mirrorspec.models.session import KVSession, LogitSession
 from mirrorspec.sampling import ProposalRows, Stream, proposal_distribution, sample_proposal, uniforms
@@ -37,8 +36,7 @@ def declared_vocabulary(source: str) -> torch.Tensor | None:
     weights = draft_weights(source)
     if weights is not None:
         return shipped_vocabulary(weights)
-    location, gguf = locate_model(source)
-    return _config_vocabulary(AutoConfig.from_pretrained(location, **gguf))
+    return _config_vocabulary(read_config(source))
 
 
 def hint_vocabulary(source: str) -> torch.Tensor:

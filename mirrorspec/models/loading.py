@@ -14,7 +14,7 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
                           PreTrainedTokenizerBase)
 
-from mirrorspec.config import InvalidRequest, check_quantization
+from mirrorspec.config import InvalidRequest, check_quantization, check_shared_vocabulary, field_named
 from mirrorspec.models.prepack import prepack_linears
 from mirrorspec.models.quantize import apply_quantization
 
@@ -179,6 +179,18 @@ def read_config(source: str) -> PretrainedConfig:
     Raises ``InvalidRequest`` (field ``model``) saying what is wrong and what would load."""
     location, gguf = locate_model(source)
     return _read_config(source, location, gguf)
+
+
+def check_models(target: str, draft: str | None) -> None:
+    """Reads the target's config and the draft model's (``draft`` None or a strategy name: none),
+    and checks they share a vocabulary, before a launcher starts anything that would load them:
+    a source that is not a model is named at once (field ``target`` or ``draft``), rather than by
+    each server or Ray replica failing to load it in turn."""
+    with field_named("target"):
+        target_config = read_config(target)
+    if draft is not None:
+        with field_named("draft"):
+            check_shared_vocabulary(read_config(draft).vocab_size, target_config.vocab_size)
 
 
 def _read_config(source: str, location: str, gguf: dict) -> PretrainedConfig:
