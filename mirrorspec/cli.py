@@ -86,6 +86,7 @@ FLAG_FOR_FIELD = {
     "local": "--local",
     "teacher_prompts": "--teacher-prompts",
     "epochs": "--epochs",
+    "out": "--out",
     "server": "--server",
     "hint_layer": "--hint-layer",
     "hint_vocab": "--hint-vocab",
@@ -682,6 +683,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise InvalidRequest(f"must be >= 1, got {args.teacher_prompts}", field="teacher_prompts")
     if args.epochs is not None and not args.epochs > 0:
         raise InvalidRequest(f"must be > 0, got {args.epochs}", field="epochs")
+    for field in ("teacher_prompts", "epochs", "out"):
+        if getattr(args, field) is not None and not args.rebuild:
+            raise InvalidRequest("sets up a rebuild, so it needs --rebuild", field=field)
+    if args.out is not None:
+        _check_rebuild_out(args.out)
     import torch
 
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
@@ -745,6 +751,20 @@ def _rebuild_demo_draft(args: argparse.Namespace) -> int:
         print(f"use it with --draft {out}; compare it with the shipped draft, with no timing noise:\n"
               f"  mirrorspec bench acceptance --draft demo-draft,{out} --num-prompts 80")
     return 0
+
+
+def _check_rebuild_out(out: Path) -> None:
+    """Before an hour of teacher data: the weights must land where ``--draft OUT`` finds them (a
+    .safetensors file; any other name is read as a model directory) and the directory must take them."""
+    if out.suffix != ".safetensors":
+        raise InvalidRequest(f"must name a .safetensors file (so --draft {out} reads it back as demo-draft weights), "
+                             f"got {out}", field="out")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise InvalidRequest(f"cannot create {out.parent}: {err.strerror or err}", field="out") from None
+    if not os.access(out.parent, os.W_OK):
+        raise InvalidRequest(f"{out.parent} is not writable", field="out")
 
 
 def _load_draft(args: argparse.Namespace):

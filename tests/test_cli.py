@@ -52,6 +52,10 @@ from support import save_tiny_llama
     (["serve", "--hint-layer", "27", "--hint-lens", "exact"], "argument --hint-lens"),
     (["demo", "--k", "99"], "--k"),
     (["demo", "--rebuild", "--epochs", "0"], "--epochs"),
+    (["demo", "--epochs", "2"], "--epochs"),  # a rebuild's setting without --rebuild: refused, not ignored
+    (["demo", "--out", "draft.safetensors"], "--out"),
+    (["demo", "--rebuild", "--out", "draft.bin"], "--out"),  # --draft would read it as a model directory
+    (["demo", "--rebuild", "--out", "/proc/no/draft.safetensors"], "--out"),  # before the hour of teacher data
     (["generate", "hi", "--local", "--device", "gpu0"], "--device"),
     (["serve", "--device", "tpu"], "--device"),  # refused before a Ray starts
     (["generate", "hi", "--no-runner-up"], "--no-runner-up"),  # a server's setting without --local
