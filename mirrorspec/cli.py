@@ -103,6 +103,7 @@ FLAG_FOR_FIELD = {
     "drafter_gpus": "--drafter-gpus",
     "target_gpus": "--target-gpus",
     "start_timeout": "--start-timeout",
+    "num_cpus": "--num-cpus",
     "seed": "--seed",
     "port": "--port",
     "metrics_port": "--metrics-port",
@@ -306,6 +307,11 @@ SERVER_SETTINGS = (
 )
 
 
+def _is_set(args: argparse.Namespace, dest: str) -> bool:
+    """Whether the user gave this flag a value other than its default."""
+    return getattr(args, dest) != args.subparser.get_default(dest)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     # validate every flag before the (slow) model load
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -313,7 +319,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_seed(args.seed)
     if not args.local:
         for dest, field, owner in SERVER_SETTINGS:
-            if getattr(args, dest) != args.subparser.get_default(dest):
+            if _is_set(args, dest):
                 raise InvalidRequest(f"is {owner}; here it needs --local", field=field)
     args.draft_quantize = args.draft_quantize or DEFAULT_DRAFT_QUANTIZE
     args.proposal_top_k = DEFAULT_PROPOSAL_TOP_K if args.proposal_top_k is None else args.proposal_top_k
@@ -458,8 +464,19 @@ def start_local_stack(target: TargetConfig, drafter: DrafterConfig | None, *, ta
     return LocalStack(targets, drafters, BackgroundServer(lambda: serve_orchestrator(front), "orchestrator").start())
 
 
+# serve's flags that place replicas on Ray; --in-process runs one target and one drafter server
+# in this process, where they would change nothing: refused, rather than silently ignored
+RAY_SETTINGS = ("address", "detach", "name", "drafters", "targets", "tp", "replica_cpus", "drafter_gpus",
+                "target_gpus", "num_cpus", "start_timeout")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     check_threads(args.threads)
+    if args.in_process:
+        for dest in RAY_SETTINGS:
+            if _is_set(args, dest):
+                raise InvalidRequest("places replicas on Ray, which --in-process does not use (it runs one target "
+                                     "and one drafter server in this process): drop one of the two", field=dest)
     if args.k is None:
         args.k = default_k(_is_draft_model(resolve_draft(args.draft, args.target)), args.draft_confidence)
     SpeculationConfig(num_speculative_tokens=args.k, proposal_top_k=args.proposal_top_k,

@@ -58,6 +58,10 @@ from support import save_tiny_llama
     (["demo", "--rebuild", "--out", "/proc/no/draft.safetensors"], "--out"),  # before the hour of teacher data
     (["generate", "hi", "--local", "--device", "gpu0"], "--device"),
     (["serve", "--device", "tpu"], "--device"),  # refused before a Ray starts
+    (["serve", "--in-process", "--drafters", "2"], "--drafters"),  # Ray's placement: ignored in process before
+    (["serve", "--in-process", "--tp", "2"], "--tp"),
+    (["serve", "--in-process", "--address", "auto"], "--address"),
+    (["serve", "--in-process", "--num-cpus", "4"], "--num-cpus"),
     (["generate", "hi", "--no-runner-up"], "--no-runner-up"),  # a server's setting without --local
     # the server's own choices, which a request cannot change: refused, not silently ignored
     (["generate", "hi", "--target", "some/model"], "--target"),
