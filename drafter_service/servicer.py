@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from mirrorspec.config import (DEFAULT_DRAFT_QUANTIZE, DEFAULT_PROPOSAL_TOP_K, InvalidRequest, OutOfRange,
-                               ReplicaConfig, check_draft_confidence, check_prompt_lookup, check_quantization)
+                               ReplicaConfig, check_draft_confidence, check_prompt_lookup, check_proposal_top_k,
+                               check_quantization)
 from mirrorspec.drafting import Drafter, NgramDrafter, RankedTokens
 from mirrorspec.drafting.draft_model import draft_model_step_cost
 from mirrorspec.engine import make_drafter, validate_prompt
@@ -32,6 +33,8 @@ class DrafterConfig(ReplicaConfig):
     quantize: str = DEFAULT_DRAFT_QUANTIZE  # draft-model: int8 weights for its linear layers on CPU (models.quantize)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+        check_proposal_top_k(self.proposal_top_k)
         check_prompt_lookup(self.prompt_lookup)
         check_quantization(self.quantize)
         check_draft_confidence(self.draft_confidence)

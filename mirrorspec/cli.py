@@ -32,6 +32,7 @@ from mirrorspec.config import (
     SamplingParams,
     SpeculationConfig,
     check_address,
+    check_max_sessions,
     check_seed,
     default_k,
     field_named,
@@ -104,6 +105,7 @@ FLAG_FOR_FIELD = {
     "target_gpus": "--target-gpus",
     "start_timeout": "--start-timeout",
     "num_cpus": "--num-cpus",
+    "max_sessions": "--max-sessions",
     "seed": "--seed",
     "port": "--port",
     "metrics_port": "--metrics-port",
@@ -484,6 +486,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from mirrorspec.models.loading import check_models
     from mirrorspec.serving.server import check_port_free
 
+    check_max_sessions(args.max_sessions)
     for field in ("port", "metrics_port"):  # the front door listens here, on a local Ray as on a cluster's head
         check_port_free(args.host, getattr(args, field), field)
     draft = resolve_draft(args.draft, args.target)

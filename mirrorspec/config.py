@@ -175,9 +175,7 @@ class SpeculationConfig:
                 f"got {self.num_speculative_tokens}; use 0 for target-only decoding",
                 field="num_speculative_tokens",
             )
-        if self.proposal_top_k < 0:
-            raise InvalidRequest(f"proposal_top_k must be >= 0 (0 = dense q), got {self.proposal_top_k}",
-                                 field="proposal_top_k")
+        check_proposal_top_k(self.proposal_top_k)
         check_prompt_lookup(self.prompt_lookup)
         check_draft_confidence(self.draft_confidence)
 
@@ -262,6 +260,22 @@ def check_address(address: str, field: str) -> str:
     return address.strip()
 
 
+def check_port(port: int | None, field: str = "port") -> None:
+    if port is not None and not 0 <= port < 1 << 16:
+        raise InvalidRequest(f"must be a TCP port in [0, 65535] (0 = any free one), got {port}", field=field)
+
+
+def check_max_sessions(max_sessions: int) -> None:
+    if max_sessions < 1:
+        raise InvalidRequest(f"max_sessions must be >= 1 (the sessions a replica holds at once), got {max_sessions}",
+                             field="max_sessions")
+
+
+def check_proposal_top_k(top_k: int) -> None:
+    if top_k < 0:
+        raise InvalidRequest(f"proposal_top_k must be >= 0 (0 = dense q), got {top_k}", field="proposal_top_k")
+
+
 def check_seed(seed) -> int | None:
     """A seed names one sampled output wherever it runs, so it is held to what a request can
     carry (a uint64), in process as over gRPC."""
@@ -315,6 +329,10 @@ class ReplicaConfig:
     max_sessions: int = 64
     session_ttl_s: float = 600.0
     max_speculative_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        check_port(self.port)
+        check_max_sessions(self.max_sessions)
 
 
 @dataclass(frozen=True)

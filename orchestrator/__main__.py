@@ -32,5 +32,6 @@ try:
                                 speculation_off_above=args.speculation_off_above,
                                 front_door_lookup=not args.no_front_door_lookup, runner_up=args.runner_up)
 except InvalidRequest as err:
-    parser.error(f"--{(err.field or 'target').replace('_', '-')}: {err}")
+    flag = "k" if err.field == "num_speculative_tokens" else (err.field or "target").replace("_", "-")
+    parser.error(f"--{flag}: {err}")
 run_until_terminated(lambda: serve(config), "orchestrator", parser)

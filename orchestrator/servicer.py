@@ -19,8 +19,8 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from mirrorspec.config import (AdaptiveKConfig, InvalidRequest, MirrorConfig, SamplingParams, SpeculationConfig,
-                               check_address, check_shared_vocabulary)
+from mirrorspec.config import (AdaptiveKConfig, InvalidRequest, MirrorConfig, OutOfRange, SamplingParams,
+                               SpeculationConfig, check_address, check_port, check_shared_vocabulary)
 from mirrorspec.drafting import Drafter, Proposal
 from mirrorspec.engine import GenerationStats, decode_windows, first_window_k, validate_prompt
 from mirrorspec.mirror import MirrorPipeline
@@ -75,6 +75,11 @@ class OrchestratorConfig:
     runner_up: bool = False
 
     def __post_init__(self) -> None:
+        check_port(self.port)
+        check_port(self.metrics_port, "metrics_port")
+        if not 0 <= self.num_speculative_tokens <= self.max_speculative_tokens:
+            raise OutOfRange(f"num_speculative_tokens (K) must be in [0, {self.max_speculative_tokens}], got "
+                             f"{self.num_speculative_tokens}", field="num_speculative_tokens")
         if self.speculation_off_above is not None and self.speculation_off_above < 0:
             raise InvalidRequest(f"must be >= 0, got {self.speculation_off_above}", field="speculation_off_above")
         for field_name in ("target", "drafter"):

@@ -2,7 +2,7 @@
 
 import argparse
 
-from mirrorspec.config import HINT_LENSES
+from mirrorspec.config import HINT_LENSES, InvalidRequest
 from mirrorspec.models.loading import device_flag
 from mirrorspec.serving.placement import add_placement_args, apply_placement
 from mirrorspec.serving.server import run_until_terminated
@@ -24,7 +24,10 @@ parser.add_argument("--hint-lens", choices=HINT_LENSES, default="tuned",
 add_placement_args(parser)
 args = parser.parse_args()
 apply_placement(parser, args)
-config = TargetConfig(model=args.model, host=args.host, port=args.port, dtype=args.dtype, device=args.device,
-                      max_sessions=args.max_sessions, hint_layer=args.hint_layer, hint_vocab=args.hint_vocab,
-                      hint_lens=args.hint_lens)
+try:
+    config = TargetConfig(model=args.model, host=args.host, port=args.port, dtype=args.dtype, device=args.device,
+                          max_sessions=args.max_sessions, hint_layer=args.hint_layer, hint_vocab=args.hint_vocab,
+                          hint_lens=args.hint_lens)
+except InvalidRequest as err:
+    parser.error(f"--{(err.field or 'model').replace('_', '-')}: {err}")
 run_until_terminated(lambda: serve(config), "target_service", parser)

@@ -47,6 +47,7 @@ class TargetConfig(ReplicaConfig):
     hint_lens: str = "tuned"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.hint_lens not in HINT_LENSES:
             raise InvalidRequest(f"hint_lens must be one of {', '.join(HINT_LENSES)}, got {self.hint_lens!r}",
                                  field="hint_lens")

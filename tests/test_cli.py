@@ -62,6 +62,9 @@ from support import save_tiny_llama
     (["serve", "--in-process", "--tp", "2"], "--tp"),
     (["serve", "--in-process", "--address", "auto"], "--address"),
     (["serve", "--in-process", "--num-cpus", "4"], "--num-cpus"),
+    (["serve", "--port", "70000"], "--port"),  # an OverflowError from the port check before
+    (["serve", "--metrics-port", "-1"], "--metrics-port"),
+    (["serve", "--max-sessions", "0"], "--max-sessions"),  # every session refused before
     (["generate", "hi", "--no-runner-up"], "--no-runner-up"),  # a server's setting without --local
     # the server's own choices, which a request cannot change: refused, not silently ignored
     (["generate", "hi", "--target", "some/model"], "--target"),

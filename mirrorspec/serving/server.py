@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from mirrorspec.config import InvalidRequest
+from mirrorspec.config import InvalidRequest, check_port
 from mirrorspec.serving.errors import ExceptionToStatusInterceptor
 
 # Dense q rows of a 49k vocabulary are ~200 KB each; leave room for K = 16 of them.
@@ -57,6 +57,7 @@ def check_port_free(host: str, port: int | None, field: str) -> None:
     models, starting Ray) on a server that could not bind it. SO_REUSEADDR, as gRPC and HTTP
     servers set it, so a port whose last connections linger in TIME_WAIT still counts as free;
     the bind itself stays the final word (another process may take the port meanwhile)."""
+    check_port(port, field)
     if not port:  # None: not asked for; 0: any free port
         return
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -12,6 +12,9 @@ import pytest
     (["--strategy", "draft-model"], "--model", "needs a draft model path"),
     (["--strategy", "draft-model", "--model", "x", "--draft-confidence", "1"], "--draft-confidence", "in [0, 1)"),
     (["--strategy", "draft-model", "--model", "x", "--quantize", "int4"], "argument --quantize", "'none', 'int8'"),
+    (["--strategy", "draft-model", "--model", "x", "--proposal-top-k", "-1"], "--proposal-top-k", ">= 0"),
+    (["--max-sessions", "0"], "--max-sessions", ">= 1"),  # a replica that refused every session before
+    (["--port", "70000"], "--port", "[0, 65535]"),  # it hung before
 ])
 def test_bad_settings_name_their_flag(args, flag, needle):
     out = subprocess.run([sys.executable, "-m", "drafter_service", *args], capture_output=True, text=True, timeout=120)
@@ -26,3 +29,15 @@ def test_a_model_that_does_not_load_names_model_and_exits_2(service, args, tmp_p
     assert out.returncode == 2
     assert f"error: --model: cannot load a causal LM from {tmp_path}" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("service, args, flag, needle", [
+    ("target_service", ["--max-sessions", "-1"], "--max-sessions", ">= 1"),
+    ("target_service", ["--port", "-2"], "--port", "[0, 65535]"),
+    ("orchestrator", ["--target", "127.0.0.1:5", "--k", "99"], "--k", "in [0, 16]"),  # not after 60 s of waiting
+    ("orchestrator", ["--target", "127.0.0.1:5", "--metrics-port", "70000"], "--metrics-port", "[0, 65535]"),
+])
+def test_the_other_services_name_a_bad_setting_before_they_start(service, args, flag, needle):
+    out = subprocess.run([sys.executable, "-m", service, *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert f"error: {flag}" in out.stderr and needle in out.stderr
