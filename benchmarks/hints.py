@@ -126,11 +126,11 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     try:
-        check_models(args.target, args.draft)
-        target = load_causal_lm(args.target, dtype="float32")
-        vocab = declared_vocabulary(args.draft)
+        check_models(args.target, args.draft)  # names --target or --draft
     except InvalidRequest as err:
-        parser.error(f"--{'target' if err.field == 'model' else err.field}: {err}")
+        parser.error(f"--{err.field}: {err}")
+    target = load_causal_lm(args.target, dtype="float32")
+    vocab = declared_vocabulary(args.draft)
     if vocab is None:
         parser.error(f"--draft: {args.draft} declares no sub-vocabulary to compare with the full one")
     lens = tuned_lens(target, LensRecipe(layer=args.hint_layer))

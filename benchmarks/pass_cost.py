@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from mirrorspec.config import DTYPE_HELP, InvalidRequest
+from mirrorspec.config import DTYPE_HELP, InvalidRequest, field_named
 from mirrorspec.models import KVSession, encode_prompt, load_causal_lm
 from mirrorspec.models.loading import device_flag
 from mirrorspec.models.prepack import prepack_linears
@@ -67,9 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     try:
-        target = load_causal_lm(args.target, prepack=False, device=args.device, dtype=args.dtype)
+        with field_named("target"):
+            target = load_causal_lm(args.target, prepack=False, device=args.device, dtype=args.dtype)
     except InvalidRequest as err:
-        p.error(f"--{'target' if err.field == 'model' else err.field}: {err}")
+        p.error(f"--{err.field}: {err}")
     context = encode_prompt(target.tokenizer, "Write a Python function that merges two sorted lists.")
     runs = {"plain": measure(target.model, context, args.max_k, args.reps)}
     if prepack_linears(target.model):

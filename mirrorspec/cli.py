@@ -797,8 +797,6 @@ def _load_draft(args: argparse.Namespace):
                               quantize=args.draft_quantize).model
 
 
-
-
 class _StreamPrinter:
     """Prints text as windows commit tokens."""
 
