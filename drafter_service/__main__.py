@@ -8,7 +8,7 @@ from mirrorspec.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE,
                                InvalidRequest)
 from mirrorspec.models.loading import device_flag
 from mirrorspec.serving.placement import add_placement_args, apply_placement
-from mirrorspec.serving.server import run_until_terminated
+from mirrorspec.serving.server import refuse_setting, run_until_terminated
 
 parser = argparse.ArgumentParser(prog="python -m drafter_service")
 parser.add_argument("--strategy", default="ngram", choices=["ngram", "draft-model"])
@@ -39,5 +39,5 @@ try:
                            prompt_lookup=args.prompt_lookup, draft_confidence=args.draft_confidence,
                            quantize=args.quantize)
 except InvalidRequest as err:
-    parser.error(f"--{(err.field or 'strategy').replace('_', '-')}: {err}")
+    refuse_setting(parser, err)
 run_until_terminated(lambda: serve(config), "drafter_service", parser)

@@ -3,7 +3,7 @@
 import argparse
 
 from mirrorspec.config import AdaptiveKConfig, InvalidRequest, MirrorConfig
-from mirrorspec.serving.server import run_until_terminated
+from mirrorspec.serving.server import refuse_setting, run_until_terminated
 from orchestrator.servicer import OrchestratorConfig, serve
 
 parser = argparse.ArgumentParser(prog="python -m orchestrator")
@@ -32,6 +32,5 @@ try:
                                 speculation_off_above=args.speculation_off_above,
                                 front_door_lookup=not args.no_front_door_lookup, runner_up=args.runner_up)
 except InvalidRequest as err:
-    flag = "k" if err.field == "num_speculative_tokens" else (err.field or "target").replace("_", "-")
-    parser.error(f"--{flag}: {err}")
+    refuse_setting(parser, err, {"num_speculative_tokens": "--k"})
 run_until_terminated(lambda: serve(config), "orchestrator", parser)

@@ -5,7 +5,7 @@ import argparse
 from mirrorspec.config import HINT_LENSES, InvalidRequest
 from mirrorspec.models.loading import device_flag
 from mirrorspec.serving.placement import add_placement_args, apply_placement
-from mirrorspec.serving.server import run_until_terminated
+from mirrorspec.serving.server import refuse_setting, run_until_terminated
 from target_service.servicer import TargetConfig, serve
 
 parser = argparse.ArgumentParser(prog="python -m target_service")
@@ -29,5 +29,5 @@ try:
                           max_sessions=args.max_sessions, hint_layer=args.hint_layer, hint_vocab=args.hint_vocab,
                           hint_lens=args.hint_lens)
 except InvalidRequest as err:
-    parser.error(f"--{(err.field or 'model').replace('_', '-')}: {err}")
+    refuse_setting(parser, err)
 run_until_terminated(lambda: serve(config), "target_service", parser)

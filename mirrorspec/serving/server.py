@@ -66,8 +66,11 @@ def check_port_free(host: str, port: int | None, field: str) -> None:
         try:
             probe.bind((host, port))
         except OSError as err:
-            raise InvalidRequest(f"cannot listen on {host}:{port}: {err.strerror or err} (another server still "
-                                 f"running?); pick another port, or 0 for a free one", field=field) from None
+            raise port_refused(host, port, f"{err.strerror or err} (another server still running?)", field) from None
+
+
+def port_refused(host: str, port: int, why: str, field: str = "port") -> InvalidRequest:
+    return InvalidRequest(f"cannot listen on {host}:{port}: {why}; pick another port, or 0 for a free one", field=field)
 
 
 async def start_grpc_server(services: list[Service], host: str, port: int) -> RunningServer:
@@ -83,9 +86,8 @@ async def start_grpc_server(services: list[Service], host: str, port: int) -> Ru
     except RuntimeError:  # grpcio raises where older versions returned 0
         bound = 0
     if bound == 0:
-        raise InvalidRequest(f"cannot listen on {host}:{port}: the port is in use (another server still running?) "
-                             f"or {host} is not an address of this machine; pick another port, or 0 for a free one",
-                             field="port")
+        raise port_refused(host, port, f"the port is in use (another server still running?) or {host} is not an "
+                                       f"address of this machine")
     await server.start()
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -148,11 +150,18 @@ class BackgroundServer:
         self.stop()
 
 
+def refuse_setting(parser: argparse.ArgumentParser, err: InvalidRequest, flags: dict[str, str] | None = None):
+    """For ``python -m <service>``: a refused setting named by its flag (``--max-sessions`` for a
+    ``max_sessions`` field, unless ``flags`` names another), exiting 2 like any bad flag."""
+    flag = (flags or {}).get(err.field) or (f"--{err.field.replace('_', '-')}" if err.field else None)
+    parser.error(f"{flag}: {err}" if flag else str(err))
+
+
 def run_until_terminated(factory: Callable[[], Awaitable[RunningServer]], banner: str,
                          parser: argparse.ArgumentParser) -> None:
     """For ``python -m <service>``: start, print where it listens (for launchers to parse), serve.
-    A setting refused while starting (a model that does not load, a hint layer out of range) is
-    named by its flag, ``--model`` for a ``model`` field and so on, and exits 2 like any bad flag."""
+    A setting refused while starting (a model that does not load, a port in use) is named by its
+    flag (``refuse_setting``)."""
 
     async def main() -> None:
         running = await factory()
@@ -162,6 +171,6 @@ def run_until_terminated(factory: Callable[[], Awaitable[RunningServer]], banner
     try:
         asyncio.run(main())
     except InvalidRequest as err:
-        parser.error(f"--{err.field.replace('_', '-')}: {err}" if err.field else str(err))
+        refuse_setting(parser, err)
     except KeyboardInterrupt:
         pass
