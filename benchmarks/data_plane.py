@@ -162,9 +162,9 @@ def measure(target_dir: Path, draft_dir: Path, proposal_top_k: int, k: int, wind
 
     start = start_processes if separate else start_in_process
     target_address, drafter_address, stop = start(target_dir, draft_dir, proposal_top_k)
+    targets = ReplicaPool("target", [target_address], target_pb2_grpc.TargetServiceStub)
+    drafters = ReplicaPool("drafter", [drafter_address], drafter_pb2_grpc.DrafterServiceStub)
     try:
-        targets = ReplicaPool("target", [target_address], target_pb2_grpc.TargetServiceStub)
-        drafters = ReplicaPool("drafter", [drafter_address], drafter_pb2_grpc.DrafterServiceStub)
         params = SamplingParams(temperature=1.0, max_new_tokens=windows * (k + 1))
         prompt = [1, 2, 3, 4]
         for _ in range(2):  # the first pass warms up connections and allocators
@@ -204,6 +204,8 @@ def measure(target_dir: Path, draft_dir: Path, proposal_top_k: int, k: int, wind
             "acceptance_rate": stats.acceptance_rate,
         }
     finally:
+        targets.close()
+        drafters.close()
         stop()
 
 

@@ -69,6 +69,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.lane = lane or ComputeLane("drafter-compute")
         self.step_cost = draft_model_step_cost(loaded.model) if loaded is not None else NgramDrafter.step_cost
 
+    def close(self) -> None:
+        """After the server stopped: the compute lane's thread."""
+        self.lane.shutdown()
+
     async def OpenSession(self, request, context):
         params = params_from_proto(request.params, default_max_new_tokens=1)
         max_context = self.loaded.max_context if self.loaded is not None else 1 << 31

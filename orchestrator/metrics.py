@@ -13,6 +13,7 @@ from mirrorspec.config import InvalidRequest
 class SpecDecodeMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._http = None  # the /metrics HTTP server, once ``serve`` runs
         r = self.registry
         self.num_drafts = Counter("mirrorspec_spec_decode_num_drafts", "Windows verified", registry=r)
         self.num_draft_tokens = Counter("mirrorspec_spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
@@ -68,8 +69,15 @@ class SpecDecodeMetrics:
         return generate_latest(self.registry).decode()
 
     def serve(self, host: str, port: int) -> None:
+        """Serves ``/metrics`` over HTTP until ``close``."""
         try:
-            start_http_server(port, addr=host, registry=self.registry)
+            self._http, _ = start_http_server(port, addr=host, registry=self.registry)
         except OSError as err:
             raise InvalidRequest(f"cannot serve metrics on {host}:{port}: {err.strerror or err}; pick another "
                                  f"metrics port, or 0 for a free one", field="metrics_port") from None
+
+    def close(self) -> None:
+        http, self._http = self._http, None
+        if http is not None:
+            http.shutdown()
+            http.server_close()

@@ -131,3 +131,9 @@ class ReplicaPool:
     def close(self) -> None:
         self.set_members([])
         self.watchdog.stop()
+
+    def __enter__(self) -> ReplicaPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

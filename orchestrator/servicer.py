@@ -143,6 +143,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.eos_ids = tuple(t for t in _eos_ids(tokenizer) if t < self.vocab_size)
         self.in_flight = 0  # requests running now (read by workers, changed on the event loop)
 
+    def close(self) -> None:
+        """After the server stopped (its RPCs cancelled): the request threads, the channels to the
+        backends with their deadline watchdogs, and the metrics endpoint."""
+        for pool in (self._workers, self._openers):
+            pool.shutdown(wait=False, cancel_futures=True)
+        self.targets.close()
+        self.drafters.close()
+        self.metrics.close()
+
     # ---- RPCs -------------------------------------------------------------------------------
     async def Generate(self, request, context):
         prepared = self.prepare(request)
@@ -415,8 +424,9 @@ async def _backend_info(pool: str, address: str, make_stub, wait_s: float = 60.0
     """A backend's Info, waiting up to ``wait_s`` for it to come up (launchers start all three
     servers at once); one that never answers, or answers as something else, is the setting's fault."""
     try:
-        return await asyncio.to_thread(make_stub(_channel(address)).Info, common_pb2.InfoRequest(), timeout=wait_s,
-                                       wait_for_ready=True)
+        with _channel(address) as channel:
+            return await asyncio.to_thread(make_stub(channel).Info, common_pb2.InfoRequest(), timeout=wait_s,
+                                           wait_for_ready=True)
     except grpc.RpcError as err:
         raise InvalidRequest(f"no {pool} server answered Info at {address} within {wait_s:.0f} s "
                              f"({err.code().name}: {err.details()}); start one there (python -m {pool}_service) "

@@ -82,6 +82,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             config.max_sessions, config.session_ttl_s, on_evict=lambda s: s.verifier.session.close())
         self.lane = lane or ComputeLane("target-compute")
 
+    def close(self) -> None:
+        """After the server stopped: the compute lane's thread."""
+        self.lane.shutdown()
+
     async def OpenSession(self, request, context):
         # max_new_tokens only feeds the context check here; unset means "the prompt must fit"
         params = params_from_proto(request.params, default_max_new_tokens=1)

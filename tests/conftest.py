@@ -1,4 +1,6 @@
+import faulthandler
 import os
+import sys
 
 import pytest
 import torch
@@ -74,3 +76,11 @@ def demo_target():
     from mirrorspec.models import load_causal_lm
 
     return load_causal_lm("demo-target")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """pytest's own faulthandler stops at unconfigure; keep one on through interpreter shutdown, so a
+    crash after the summary (a thread still inside gRPC or torch while modules are torn down) prints
+    every thread's stack instead of a bare "Segmentation fault"."""
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)

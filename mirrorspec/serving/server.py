@@ -36,6 +36,16 @@ class RunningServer:
     port: int
     servicers: list[object]
 
+    async def stop(self, grace: float | None = None) -> None:
+        """Stops the server, then lets each servicer that has a ``close`` free what it holds (compute
+        lanes, channels to other servers, watchdog threads): an embedding process that starts and
+        stops servers must not be left with their threads running into interpreter shutdown."""
+        await self.server.stop(grace)
+        for servicer in self.servicers:
+            close = getattr(servicer, "close", None)
+            if close is not None:
+                close()
+
 
 @dataclass
 class Service:
@@ -137,11 +147,18 @@ class BackgroundServer:
         return self.running.servicers[0]
 
     def stop(self, grace: float = 0.5) -> None:
+        """Stops the server and its servicers, then the loop's own threads (``asyncio.to_thread``'s
+        executor) and the loop itself."""
+        if not self._thread.is_alive():
+            return
         if self.running is not None:
-            asyncio.run_coroutine_threadsafe(self.running.server.stop(grace), self._loop).result(grace + 5)
+            asyncio.run_coroutine_threadsafe(self.running.stop(grace), self._loop).result(grace + 5)
             self.running = None
+        asyncio.run_coroutine_threadsafe(self._loop.shutdown_default_executor(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._loop.close()
 
     def __enter__(self) -> BackgroundServer:
         return self.start()

@@ -86,9 +86,10 @@ def test_branches_at_every_fork_point_come_from_one_call(drafters, tiny_dir):
 
 
 @pytest.mark.parametrize("honours_forks", [True, False], ids=["current", "before-branch-forks"])
-def test_a_remote_drafter_gets_the_same_branches_from_either_vintage(drafters, tiny_dir, honours_forks):
+def test_a_remote_drafter_gets_the_same_branches_from_either_vintage(drafters, tiny_dir, honours_forks, request):
     address, servicer = drafters[honours_forks]
     pool = ReplicaPool("drafter", [address], drafter_pb2_grpc.DrafterServiceStub)
+    request.addfinalizer(pool.close)
     params = SamplingParams(temperature=1.0, max_new_tokens=16)
     prompt, window = [0, 1, 2], [5, 3, 9]
     remote = RemoteDrafter(pool, prompt, params, 7, 16, timeout_s=30)
@@ -101,4 +102,3 @@ def test_a_remote_drafter_gets_the_same_branches_from_either_vintage(drafters, t
     assert servicer.branch_calls - calls == (2 if honours_forks else 1 + 4 + 4)
     assert remote.failure is None
     remote.release()
-    pool.close()

@@ -224,6 +224,7 @@ def test_a_call_its_replica_cancels_is_answered_by_another_replica(pooled, tiny_
         assert remote.moves == 1 and session.replica.address == healthy
         remote.release()
     finally:
+        pool.close()
         cancelling.stop()
 
 

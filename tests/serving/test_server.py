@@ -1,12 +1,15 @@
 """One gRPC server per port: gRPC's default SO_REUSEPORT would let a second server share a port
 in use, and the kernel would split connections between the two."""
 
+import threading
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mirrorspec.config import InvalidRequest
 from mirrorspec.serving.server import BackgroundServer, start_grpc_server
+from support import wait_until
 
 
 def test_a_second_server_on_a_port_in_use_is_refused_and_the_first_keeps_it():
@@ -23,3 +26,24 @@ def test_a_second_server_on_a_port_in_use_is_refused_and_the_first_keeps_it():
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         first.stop()
+
+
+def test_a_stopped_stack_leaves_none_of_its_threads_running(tiny_dir):
+    """Compute lanes, request workers, deadline watchdogs, ``asyncio.to_thread``'s executors and
+    the event loops all end with the servers: an embedding process (a test run, a notebook) that
+    starts and stops stacks must not carry their threads into interpreter shutdown, where a
+    thread still inside gRPC or torch can crash the exit."""
+    from served_stack import start_stack
+    from mirrorspec.client import Client
+
+    start_stack(tiny_dir["target16"], tiny_dir["draft16"]).stop()  # gRPC's process-wide threads start once
+    before = set(threading.enumerate())
+    stack = start_stack(tiny_dir["target16"], tiny_dir["draft16"], metrics_port=0)
+    with Client(stack.address) as client:
+        assert len(client.generate([1, 2, 3], max_tokens=8, k=3).token_ids) == 8
+    started = set(threading.enumerate()) - before
+    assert {t.name.split("_")[0] for t in started} >= {"target-compute", "drafter-compute", "request",
+                                                      "target-deadlines", "drafter-deadlines"}
+    stack.stop()
+    assert wait_until(lambda: not (set(threading.enumerate()) - before), timeout=10), \
+        sorted(t.name for t in set(threading.enumerate()) - before)

@@ -107,14 +107,14 @@ def test_every_way_to_verify_gives_the_same_verdicts(targets):
 def decode_through(address, tiny_dir, params):
     """Tokens of one request decoded with an in-process draft and the target at ``address``, and
     whether its verifier still verifies on a stream, and by VerifyWindow, at the end."""
-    pool = ReplicaPool("target", [address], target_pb2_grpc.TargetServiceStub)
     prompt = [2, 7, 7]
-    verifier = RemoteVerifier(pool, prompt, params, 9, 16, timeout_s=30)
-    drafter = DraftModelDrafter(load(tiny_dir["draft16"]))
-    tokens = [t for event in decode_windows(drafter, verifier, prompt, params,
-                                            SpeculationConfig(num_speculative_tokens=3), 9, GenerationStats())
-              for t in event.tokens]
-    verifier.release()
+    with ReplicaPool("target", [address], target_pb2_grpc.TargetServiceStub) as pool:
+        verifier = RemoteVerifier(pool, prompt, params, 9, 16, timeout_s=30)
+        drafter = DraftModelDrafter(load(tiny_dir["draft16"]))
+        tokens = [t for event in decode_windows(drafter, verifier, prompt, params,
+                                                SpeculationConfig(num_speculative_tokens=3), 9, GenerationStats())
+                  for t in event.tokens]
+        verifier.release()
     return tokens, (verifier.streams, verifier._unary)
 
 
@@ -165,4 +165,5 @@ def test_runner_up_windows_over_the_wire_decode_what_the_target_alone_does(targe
                 assert tokens == decode(TargetVerifier(KVSession(target), runner_up=True), prompt, params,
                                         GenerationStats())
             hits[kind] += stats.runner_up_hits
+    pool.close()
     assert all(hits.values()), hits
