@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from mirrorspec.config import check_seed, check_unsigned
+from mirrorspec.config import check_address, check_seed, check_unsigned
 from mirrorspec.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
@@ -76,7 +76,8 @@ def _completion(response: generation_pb2.GenerateResponse) -> Completion:
 
 class Client:
     def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float | None = None):
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        # host:port checked here: gRPC dials a bare host at port 443 and reports only UNAVAILABLE
+        self.channel = grpc.insecure_channel(check_address(address, "address"), options=CHANNEL_OPTIONS)
         self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
         self.timeout_s = timeout_s
 
@@ -101,7 +102,7 @@ class Client:
 
 class AsyncClient:
     def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float | None = None):
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = grpc.aio.insecure_channel(check_address(address, "address"), options=CHANNEL_OPTIONS)
         self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
         self.timeout_s = timeout_s
 

@@ -46,3 +46,15 @@ def test_integer_like_values_are_sent_as_they_are():
     request = build_request([1, np.int64(2), torch.tensor(3)], seed=np.uint64(2 ** 64 - 1), max_tokens=np.int32(4))
     assert list(request.token_ids.ids) == [1, 2, 3]
     assert (request.seed, request.params.max_new_tokens) == (2 ** 64 - 1, 4)
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "http://127.0.0.1:50051", "localhost:port", "127.0.0.1:70000"])
+def test_an_address_that_is_not_host_port_is_named_before_any_call(address):
+    """gRPC would dial a bare host at port 443 and say only UNAVAILABLE on the first call."""
+    from mirrorspec.client import AsyncClient, Client
+    from mirrorspec.config import InvalidRequest
+
+    for make in (Client, AsyncClient):
+        with pytest.raises(InvalidRequest, match="expected host:port") as err:
+            make(address)
+        assert err.value.field == "address"

@@ -238,6 +238,26 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, *, chat: bool
     return list(tokenizer(prompt)["input_ids"])
 
 
+# the roles of OpenAI-style chats; a chat template prints any string it is given as a role, so a
+# typo ("usr") would reach the model as a turn header it never saw in training
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
 def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    """Refuses what the model cannot have been trained on (an unknown role, a tokenizer without a
+    chat template) and what the template itself refuses (its ``raise_exception``, e.g. roles that
+    do not alternate) as ``InvalidRequest`` on ``chat``."""
+    for i, message in enumerate(messages):
+        if message["role"] not in CHAT_ROLES:
+            raise InvalidRequest(f"chat message {i} has role {message['role']!r}; use one of "
+                                 f"{', '.join(CHAT_ROLES)}", field="chat")
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequest("this model's tokenizer has no chat template; send the prompt as raw_text or "
+                             "token_ids instead of chat", field="chat")
+    from jinja2 import TemplateError
+
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except TemplateError as err:
+        raise InvalidRequest(f"the model's chat template refuses these messages: {err}", field="chat") from None
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

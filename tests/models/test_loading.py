@@ -75,3 +75,39 @@ def test_a_model_without_a_tokenizer_is_named_when_one_is_asked_for(tmp_path):
                                              "tokenizer files") as err:
         load_causal_lm(str(tiny), device="cpu", tokenizer=True)
     assert err.value.field == "model"
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer():
+    from mirrorspec.models.loading import try_load_tokenizer
+
+    return try_load_tokenizer("demo-target")
+
+
+@pytest.mark.parametrize("messages,needle", [
+    ([{"role": "usr", "content": "hi"}], "chat message 0 has role 'usr'; use one of system, user, assistant, tool"),
+    ([{"role": "user", "content": "hi"}, {"role": "", "content": "x"}], "chat message 1 has role ''"),
+])
+def test_a_chat_role_the_model_never_saw_is_refused_before_the_template_prints_it(demo_tokenizer, messages, needle):
+    from mirrorspec.models.loading import encode_chat
+
+    with pytest.raises(InvalidRequest, match=needle) as err:
+        encode_chat(demo_tokenizer, messages)
+    assert err.value.field == "chat"
+
+
+def test_a_chat_the_template_refuses_or_cannot_render_is_an_invalid_request(demo_tokenizer):
+    import copy
+
+    from mirrorspec.models.loading import encode_chat
+
+    chat = [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}]
+    assert encode_chat(demo_tokenizer, chat)[-3:] == demo_tokenizer("<|im_start|>assistant\n")["input_ids"][-3:]
+    strict = copy.deepcopy(demo_tokenizer)
+    strict.chat_template = ("{% for m in messages %}{% if loop.index0 > 0 and m.role == messages[loop.index0 - 1].role %}"
+                            "{{ raise_exception('roles must alternate') }}{% endif %}{{ m.content }}{% endfor %}")
+    with pytest.raises(InvalidRequest, match="chat template refuses these messages: roles must alternate"):
+        encode_chat(strict, chat)
+    strict.chat_template = None
+    with pytest.raises(InvalidRequest, match="no chat template; send the prompt as raw_text or token_ids"):
+        encode_chat(strict, chat)

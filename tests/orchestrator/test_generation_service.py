@@ -789,3 +789,17 @@ def test_a_front_door_refuses_a_drafter_whose_vocabulary_is_not_the_targets(stac
         with pytest.raises(InvalidRequest, match=r"the draft's vocabulary \(8 ids\) differs from the target's \(16\)") as err:
             asyncio.run(serve(front))
     assert err.value.field == "drafter"
+
+
+def test_a_chat_with_an_unknown_role_is_refused_over_the_wire(tiny_dir):
+    """The front door encodes chats with the tokenizer it was given (here the demo target's, over
+    a tiny target): a role the template would print verbatim is INVALID_ARGUMENT, not a prompt."""
+    s = start_stack(tiny_dir["target16"], strategy=None, tokenizer="demo-target")
+    try:
+        with Client(s.address) as client:
+            with pytest.raises(grpc.RpcError) as err:
+                client.generate([{"role": "usr", "content": "hi"}], max_tokens=3)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "chat message 0 has role 'usr'; use one of system, user" in err.value.details()
+    finally:
+        s.stop()
