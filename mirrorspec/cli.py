@@ -31,7 +31,6 @@ from mirrorspec.config import (
     MirrorConfig,
     SamplingParams,
     SpeculationConfig,
-    check_address,
     check_max_sessions,
     check_seed,
     default_k,
@@ -387,9 +386,9 @@ def speculation_summary(stats) -> str:
 def _generate_remote(args: argparse.Namespace) -> int:
     import grpc
 
-    from mirrorspec.client import Client
+    from mirrorspec.client import Client, check_target
 
-    check_address(args.server, "server")
+    check_target(args.server, "server")
     options = dict(raw=args.raw, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, k=0 if args.no_speculate else args.k,
                    mirror=True if args.mirror else None)

@@ -17,6 +17,15 @@ from mirrorspec.config import check_address, check_seed, check_unsigned
 from mirrorspec.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+# gRPC's own name schemes (a front door behind a Unix socket, DNS with a resolver authority) pass as
+# they are; anything else must be host:port, as servers print it
+GRPC_TARGET_SCHEMES = ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:")
+
+
+def check_target(address: str, field: str = "address") -> str:
+    """gRPC dials a bare host at port 443 and reads a URL as a host name; either would surface only
+    as UNAVAILABLE on the first call."""
+    return address if address.startswith(GRPC_TARGET_SCHEMES) else check_address(address, field)
 
 
 @dataclass
@@ -76,8 +85,7 @@ def _completion(response: generation_pb2.GenerateResponse) -> Completion:
 
 class Client:
     def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float | None = None):
-        # host:port checked here: gRPC dials a bare host at port 443 and reports only UNAVAILABLE
-        self.channel = grpc.insecure_channel(check_address(address, "address"), options=CHANNEL_OPTIONS)
+        self.channel = grpc.insecure_channel(check_target(address), options=CHANNEL_OPTIONS)
         self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
         self.timeout_s = timeout_s
 
@@ -102,7 +110,7 @@ class Client:
 
 class AsyncClient:
     def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float | None = None):
-        self.channel = grpc.aio.insecure_channel(check_address(address, "address"), options=CHANNEL_OPTIONS)
+        self.channel = grpc.aio.insecure_channel(check_target(address), options=CHANNEL_OPTIONS)
         self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
         self.timeout_s = timeout_s
 

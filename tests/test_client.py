@@ -58,3 +58,10 @@ def test_an_address_that_is_not_host_port_is_named_before_any_call(address):
         with pytest.raises(InvalidRequest, match="expected host:port") as err:
             make(address)
         assert err.value.field == "address"
+
+
+def test_grpc_target_schemes_pass_as_they_are():
+    from mirrorspec.client import Client
+
+    for target in ("unix:/tmp/mirrorspec.sock", "dns:///localhost:50051", "ipv4:127.0.0.1:50051"):
+        Client(target).close()
