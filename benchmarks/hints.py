@@ -39,6 +39,7 @@ from mirrorspec.config import (
     MirrorConfig,
     check_draft_confidence,
     check_prompt_lookup,
+    refuse_setting,
 )
 from mirrorspec.drafting.draft_model import declared_vocabulary
 from mirrorspec.engine import GenerationStats, TargetVerifier, decode_windows, make_drafter
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_models(args.target, args.draft)  # names --target or --draft
     except InvalidRequest as err:
-        parser.error(f"--{err.field}: {err}")
+        refuse_setting(parser, err)
     target = load_causal_lm(args.target, dtype="float32")
     vocab = declared_vocabulary(args.draft)
     if vocab is None:

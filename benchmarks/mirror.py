@@ -50,6 +50,7 @@ from mirrorspec.config import (
     MirrorConfig,
     check_draft_confidence,
     check_prompt_lookup,
+    refuse_setting,
 )
 from mirrorspec.models.loading import check_models, device_flag
 from mirrorspec.serving.server import BackgroundServer
@@ -190,7 +191,7 @@ def main(argv=None) -> int:
         check_prompt_lookup(args.prompt_lookup)
         check_draft_confidence(args.draft_confidence)
     except InvalidRequest as err:
-        parser.error(f"--{err.field.replace('_', '-')}: {err}")
+        refuse_setting(parser, err)
     try:
         mirror = MirrorConfig(max_branches=args.max_branches, alternatives=args.alternatives)
     except InvalidRequest as err:
@@ -198,7 +199,7 @@ def main(argv=None) -> int:
     try:
         check_models(args.target, args.draft)  # here, not as a server process's exit status
     except InvalidRequest as err:
-        parser.error(f"--{err.field}: {err}")
+        refuse_setting(parser, err)
 
     target_args = ("--device", args.target_device, "--dtype", args.dtype)
     if args.hint_layer:

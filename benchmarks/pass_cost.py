@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from mirrorspec.config import DTYPE_HELP, InvalidRequest, field_named
+from mirrorspec.config import DTYPE_HELP, InvalidRequest, field_named, refuse_setting
 from mirrorspec.models import KVSession, encode_prompt, load_causal_lm
 from mirrorspec.models.loading import device_flag
 from mirrorspec.models.prepack import prepack_linears
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         with field_named("target"):
             target = load_causal_lm(args.target, prepack=False, device=args.device, dtype=args.dtype)
     except InvalidRequest as err:
-        p.error(f"--{err.field}: {err}")
+        refuse_setting(p, err)
     context = encode_prompt(target.tokenizer, "Write a Python function that merges two sorted lists.")
     runs = {"plain": measure(target.model, context, args.max_k, args.reps)}
     if prepack_linears(target.model):

@@ -5,10 +5,10 @@ import argparse
 from drafter_service.servicer import DrafterConfig, serve
 from mirrorspec.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, DEFAULT_PROMPT_LOOKUP,
                                DEFAULT_PROPOSAL_TOP_K, QUANTIZATIONS,
-                               InvalidRequest)
+                               InvalidRequest, refuse_setting)
 from mirrorspec.models.loading import device_flag
 from mirrorspec.serving.placement import add_placement_args, apply_placement
-from mirrorspec.serving.server import refuse_setting, run_until_terminated
+from mirrorspec.serving.server import run_until_terminated
 
 parser = argparse.ArgumentParser(prog="python -m drafter_service")
 parser.add_argument("--strategy", default="ngram", choices=["ngram", "draft-model"])

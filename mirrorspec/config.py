@@ -6,6 +6,7 @@ servers) rejects the same bad values with the same message, naming the field and
 
 from __future__ import annotations
 
+import argparse
 import math
 import operator
 from contextlib import contextmanager
@@ -21,6 +22,13 @@ class InvalidRequest(ValueError):
     def __init__(self, message: str, *, field: str | None = None):
         super().__init__(message)
         self.field = field
+
+
+def refuse_setting(parser: argparse.ArgumentParser, err: InvalidRequest, flags: dict[str, str] | None = None):
+    """For a command line: a refused setting named by its flag (``--max-sessions`` for a
+    ``max_sessions`` field, unless ``flags`` names another), exiting 2 like any bad flag."""
+    flag = (flags or {}).get(err.field) or (f"--{err.field.replace('_', '-')}" if err.field else None)
+    parser.error(f"{flag}: {err}" if flag else str(err))
 
 
 @contextmanager

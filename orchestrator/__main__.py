@@ -2,8 +2,8 @@
 
 import argparse
 
-from mirrorspec.config import AdaptiveKConfig, InvalidRequest, MirrorConfig
-from mirrorspec.serving.server import refuse_setting, run_until_terminated
+from mirrorspec.config import AdaptiveKConfig, InvalidRequest, MirrorConfig, refuse_setting
+from mirrorspec.serving.server import run_until_terminated
 from orchestrator.servicer import OrchestratorConfig, serve
 
 parser = argparse.ArgumentParser(prog="python -m orchestrator")

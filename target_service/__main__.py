@@ -2,10 +2,10 @@
 
 import argparse
 
-from mirrorspec.config import HINT_LENSES, InvalidRequest
+from mirrorspec.config import HINT_LENSES, InvalidRequest, refuse_setting
 from mirrorspec.models.loading import device_flag
 from mirrorspec.serving.placement import add_placement_args, apply_placement
-from mirrorspec.serving.server import refuse_setting, run_until_terminated
+from mirrorspec.serving.server import run_until_terminated
 from target_service.servicer import TargetConfig, serve
 
 parser = argparse.ArgumentParser(prog="python -m target_service")

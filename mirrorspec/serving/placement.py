@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from mirrorspec.config import InvalidRequest
+from mirrorspec.config import InvalidRequest, refuse_setting
 
 
 def add_placement_args(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +37,7 @@ def apply_placement(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         if args.cpus is not None:
             pin_process(parse_cpu_list(args.cpus), args.threads)
     except InvalidRequest as err:
-        parser.error(f"--{err.field}: {err}")
+        refuse_setting(parser, err)
     torch.set_num_threads(args.threads)
 
 

@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from mirrorspec.config import InvalidRequest, check_port
+from mirrorspec.config import InvalidRequest, check_port, refuse_setting
 from mirrorspec.serving.errors import ExceptionToStatusInterceptor
 
 # Dense q rows of a 49k vocabulary are ~200 KB each; leave room for K = 16 of them.
@@ -165,13 +165,6 @@ class BackgroundServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def refuse_setting(parser: argparse.ArgumentParser, err: InvalidRequest, flags: dict[str, str] | None = None):
-    """For ``python -m <service>``: a refused setting named by its flag (``--max-sessions`` for a
-    ``max_sessions`` field, unless ``flags`` names another), exiting 2 like any bad flag."""
-    flag = (flags or {}).get(err.field) or (f"--{err.field.replace('_', '-')}" if err.field else None)
-    parser.error(f"{flag}: {err}" if flag else str(err))
 
 
 def run_until_terminated(factory: Callable[[], Awaitable[RunningServer]], banner: str,
