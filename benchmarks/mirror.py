@@ -11,8 +11,9 @@ Modes, all greedy, through front doors in this process, interleaved prompt by pr
 untimed warm-up each: ``target-only`` (K=0), ``serial`` (K drafts, then verify), ``mirror``
 (branches drafted during the verify) and, with ``--hint-layer``, ``mirror+hints`` (the target
 streams early-exit hints and the branches follow them; scored over the draft's sub-vocabulary
-unless ``--hint-vocab full``). Greedy output must be identical in
-every mode; the run checks it.
+unless ``--hint-vocab full``). Windows offer the draft's runner-up as ``mirrorspec serve`` does
+(``--no-runner-up``: chains only; hinted windows verify the chain alone). Greedy output must be
+identical in every mode; the run checks it.
 
 Bounds from the measured figures (per dataset): with m tokens per target pass, t1 the
 target-only time per token, tv the verify time per window and td the draft time per drafted
@@ -75,6 +76,7 @@ class ModeTotals:
     network_s: float = 0.0  # call time beyond the servers' compute, both services
     mirror_windows: int = 0
     branch_hits: int = 0
+    runner_up_hits: int = 0
     outputs: list[list[int]] = field(default_factory=list)
 
     def add(self, token_ids: list[int], wall_s: float, stats) -> None:
@@ -90,6 +92,7 @@ class ModeTotals:
         self.network_s += stats.network_time_s
         self.mirror_windows += stats.mirror_windows
         self.branch_hits += stats.branch_hits
+        self.runner_up_hits += stats.runner_up_hits
         self.outputs.append(list(token_ids))
 
     def summary(self) -> dict:
@@ -100,6 +103,7 @@ class ModeTotals:
             "tokens_per_pass": ratio(self.tokens, self.windows),
             "branch_hit_rate": ratio(self.branch_hits, self.mirror_windows),
             "branched_share": ratio(self.mirror_windows, self.windows),  # windows that drafted branches
+            "runner_up_share": ratio(self.runner_up_hits, self.windows),  # windows the runner-up won
             "verify_s_per_window": ratio(self.verify_s, self.windows),
             # what the calls cost beyond compute: tells a slow verify's transport from its pass
             "network_s_per_window": ratio(self.network_s, self.windows),
@@ -116,9 +120,9 @@ def bounds(base: dict, serial: dict, hit_rate: float, k: int) -> dict:
             "mirror_all_hits": m * t1 / tv}
 
 
-def front_door(target: str, drafter: str, mirror: MirrorConfig, k: int) -> BackgroundServer:
+def front_door(target: str, drafter: str, mirror: MirrorConfig, k: int, runner_up: bool) -> BackgroundServer:
     config = OrchestratorConfig(target=target, drafter=drafter, port=0, num_speculative_tokens=k, mirror=mirror,
-                                default_max_new_tokens=64)
+                                default_max_new_tokens=64, runner_up=runner_up)
     return BackgroundServer(lambda: serve(config), "orchestrator").start(timeout=300)
 
 
@@ -175,6 +179,9 @@ def main(argv=None) -> int:
                         help="branches drafted per window at most (default %(default)s)")
     parser.add_argument("--alternatives", type=int, default=MirrorConfig.alternatives,
                         help="the drafter's runner-up tokens guessed per rejection point (default %(default)s)")
+    parser.add_argument("--no-runner-up", action="store_true",
+                        help="windows verify chains only (default: they offer the draft's runner-up too, as "
+                             "`mirrorspec serve` does)")
     parser.add_argument("--target-device", default="auto", type=device_flag,
                         help="where the target server runs: auto (CUDA if present), cpu, cuda, cuda:1 ...")
     parser.add_argument("--drafter-device", default="auto", type=device_flag,
@@ -212,9 +219,10 @@ def main(argv=None) -> int:
                                             prompt_lookup=args.prompt_lookup, draft_confidence=args.draft_confidence,
                                             quantize=args.draft_quantize,
                                             drafter_args=("--device", args.drafter_device, "--dtype", args.dtype))
-    doors = {"plain": front_door(target, drafter, replace(mirror, use_hints=False), args.k)}
+    runner_up = not args.no_runner_up
+    doors = {"plain": front_door(target, drafter, replace(mirror, use_hints=False), args.k, runner_up)}
     if args.hint_layer:
-        doors["hinted"] = front_door(target, drafter, mirror, args.k)
+        doors["hinted"] = front_door(target, drafter, mirror, args.k, runner_up)
     modes = [m for m in MODES if m != "mirror+hints" or args.hint_layer]
     request = {"target-only": ("plain", dict(k=0)), "serial": ("plain", dict(mirror=False)),
                "mirror": ("plain", dict(mirror=True)), "mirror+hints": ("hinted", dict(mirror=True))}
@@ -256,13 +264,14 @@ def main(argv=None) -> int:
         stop()
 
     print(f"{'dataset':10s} {'mode':13s} {'tok/s':>6s} {'x base':>6s} {'x serial':>8s} {'alpha':>5s} "
-          f"{'tok/pass':>8s} {'branched':>8s} {'hits':>5s} {'bound':>6s} {'verify ms':>9s} {'net ms':>6s} identical")
+          f"{'tok/pass':>8s} {'branched':>8s} {'hits':>5s} {'r-up':>5s} {'bound':>6s} {'verify ms':>9s} {'net ms':>6s} identical")
     for dataset, summary in results.items():
         for mode, s in summary.items():
             bound = s.get("bounds", {}).get("mirror") if mode.startswith("mirror") else None
             print(f"{dataset:10s} {mode:13s} {s['tokens_per_s']:6.1f} {s['x_target_only']:6.2f} "
                   f"{s.get('x_serial', 1.0 if mode == 'serial' else 0.0):8.2f} {s['alpha']:5.2f} "
                   f"{s['tokens_per_pass']:8.2f} {s['branched_share']:8.2f} {s['branch_hit_rate']:5.2f} "
+                  f"{s['runner_up_share']:5.2f} "
                   f"{bound if bound is not None else float('nan'):6.2f} {1e3 * s['verify_s_per_window']:9.1f} "
                   f"{1e3 * s['network_s_per_window']:6.1f} {s['identical_to_target_only']}")
     if busy is not None and busy > 0.1:

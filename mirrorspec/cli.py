@@ -149,8 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "without --local: asks the server for it)")
     gen.add_argument("--no-runner-up", action="store_true",
                      help="with --local: verify chains only. By default windows also offer the draft's runner-up "
-                          "for their first draft, in the same target pass (same output distribution; not with "
-                          "--mirror)")
+                          "for their first draft, in the same target pass (same output distribution)")
     gen.add_argument("--hint-layer", type=int, default=None,
                      help="with --local --mirror: the target sends early-exit hints read off this layer")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -188,8 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--adaptive", action="store_true", help="choose K per window in [0, K] from acceptance")
     srv.add_argument("--no-runner-up", action="store_true",
                      help="verify chains only. By default windows also offer the targets the draft's runner-up "
-                          "for their first draft, in the same pass (same output distribution; not for mirror "
-                          "requests)")
+                          "for their first draft, in the same pass (same output distribution)")
     srv.add_argument("--mirror", action="store_true",
                      help="by default, draft the next window's likely branches while the target verifies "
                           "(a request's `mirror` field overrides; the output is the same either way)")

@@ -60,6 +60,9 @@ class Verifier(Protocol):
     def verify(self, context: Sequence[int], proposal: Proposal, params: SamplingParams, seed: int,
                on_hint: Callable[[EarlyExitHint], None] | None = None) -> WindowVerdict: ...
 
+    def offered_runner_up(self, proposal: Proposal, hinting: bool = False) -> int | None:
+        """The runner-up ``verify`` scores beside ``proposal``'s first draft (None: a chain only)."""
+
 
 class TargetVerifier:
     """Scores a window in one target forward pass and runs exact rejection sampling on it; with
@@ -86,7 +89,7 @@ class TargetVerifier:
                on_hint: Callable[[EarlyExitHint], None] | None = None) -> WindowVerdict:
         k, start = len(proposal), len(context)
         hinting = self.probe.watching(k + 1, on_hint) if on_hint is not None and self.probe else nullcontext()
-        runner_up = self._runner_up(proposal) if on_hint is None else None
+        runner_up = self.offered_runner_up(proposal, hinting=on_hint is not None)
         window = [*context, *proposal.tokens]
         with hinting:
             if runner_up is None:
@@ -131,8 +134,9 @@ class TargetVerifier:
             return int(logits[0].argmax())
         return int(sample_categorical(target_probs(logits, params), uniforms(seed, [start + 1], Stream.NEXT)).item())
 
-    def _runner_up(self, proposal: Proposal) -> int | None:
-        return proposal.runner_up() if self.runner_up else None
+    def offered_runner_up(self, proposal: Proposal, hinting: bool = False) -> int | None:
+        """Not beside hints: the probe reads the chain's pass, which has no sibling row."""
+        return proposal.runner_up() if self.runner_up and not hinting else None
 
 
 @dataclass
@@ -270,7 +274,7 @@ def decode_windows(
     prefetch = None
     while True:
         k = capped(policy.next_k() if policy else spec.num_speculative_tokens, produced)
-        proposal = prefetch.take(*last, k) if prefetch is not None else None
+        proposal = prefetch.take(last, k) if prefetch is not None else None
         stats.branch_hits += proposal is not None
         if prefetch is not None and prefetch.branches:
             mirror.observe_hit(proposal is not None)
@@ -307,7 +311,7 @@ def decode_windows(
         stats.record(len(proposal), verdict.num_accepted)
         if policy:
             policy.observe(len(proposal), verdict.num_accepted)
-        last = (verdict.num_accepted, verdict.next_token)
+        last = verdict
 
         tokens = [*verdict.accepted_tokens(proposal.tokens), verdict.next_token]
         stats.runner_up_hits += verdict.runner_up is not None
@@ -434,7 +438,8 @@ def generate(
         on_tokens: called with each window's committed tokens as soon as they are known.
         runner_up: windows also offer the target the drafter's runner-up for their first draft,
             in the same pass (``TargetVerifier``); greedy output is the same, sampled output has
-            the same distribution. Not with mirror.
+            the same distribution. With mirror too: a window the runner-up wins has no branch
+            (its context is not a chain verdict's), so it drafts afresh.
 
     Greedy output is token-identical to target-only greedy decoding; sampled output has exactly
     the target's distribution for any draft.
@@ -466,7 +471,7 @@ def generate(
              if hint_layer is not None and pipeline is not None else None)
     started = time.perf_counter()
     try:
-        verifier = TargetVerifier(session, probe, runner_up=runner_up and pipeline is None)
+        verifier = TargetVerifier(session, probe, runner_up=runner_up)
         for event in decode_windows(drafter, verifier, prompt, params, spec, seed, stats,
                                     pipeline):
             tokens += event.tokens

@@ -70,9 +70,13 @@ class Prefetch:
     draft_span: tuple[float, float] = (0.0, 0.0)
     branched: bool = True  # False: this window skipped branching (it did not pay; see should_branch)
 
-    def take(self, num_accepted: int, next_token: int, k: int) -> Proposal | None:
-        """The branch matching the verdict, by key alone; None on a miss."""
-        branch = self.branches.get((num_accepted, next_token))
+    def take(self, verdict: WindowVerdict, k: int) -> Proposal | None:
+        """The branch matching the verdict, by key alone; None on a miss. A branch is keyed on a
+        chain verdict (the window's own first j drafts, then c): where the runner-up took the first
+        slot, the context is another one, and no branch was drafted for it."""
+        if verdict.runner_up is not None:
+            return None
+        branch = self.branches.get((verdict.num_accepted, verdict.next_token))
         return branch.proposal if branch is not None and branch.k == k else None
 
 
@@ -229,6 +233,10 @@ class MirrorPipeline:
         started = time.perf_counter()
         rates = self.acceptance.rates(kinds, alpha)
         pending = guesses(with_runners_up(drafter, context, proposal), rates, self.config.alternatives)
+        # a runner-up the target scores in this window takes the first slot itself where it wins:
+        # then the verdict is no chain verdict, and its guess (0, runner-up) can never hit
+        offered = verifier.offered_runner_up(proposal, hinting=wants_hints)
+        pending = [g for g in pending if (g[1], g[2]) != (0, offered)]
         drafting_s = 0.0  # in propose calls, not waiting for hints
         groups = 0
         while len(branches) < self.config.max_branches:

@@ -405,7 +405,7 @@ class RemoteVerifier(PooledSession):
                         self._unary = False
             return _verdict_of(replica.stub.Verify(request, timeout=self.timeout_s), on_hint)
 
-        runner_up = proposal.runner_up() if self.runner_up and on_hint is None else None
+        runner_up = self.offered_runner_up(proposal, hinting=on_hint is not None)
         started = time.perf_counter()
         verdict = self.call(context, rpc)
         self.times.call_s += time.perf_counter() - started
@@ -413,6 +413,10 @@ class RemoteVerifier(PooledSession):
         return WindowVerdict(num_accepted=verdict.num_accepted, next_token=verdict.next_token,
                              next_kind=TOKEN_KIND_FROM_PROTO[verdict.next_kind],
                              runner_up=verdict.runner_up if verdict.HasField("runner_up") else None)
+
+    def offered_runner_up(self, proposal: Proposal, hinting: bool = False) -> int | None:
+        """As ``TargetVerifier``'s: the chain alone where hints stream from the pass."""
+        return proposal.runner_up() if self.runner_up and not hinting else None
 
 
 def _verdict_of(events, on_hint: Callable[[EarlyExitHint], None] | None) -> target_pb2.Verdict:

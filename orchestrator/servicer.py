@@ -71,7 +71,7 @@ class OrchestratorConfig:
     # False leaves lookup to the replicas.
     front_door_lookup: bool = True
     # windows also offer the targets the drafter's runner-up for their first draft, in the same
-    # pass (TargetVerifier); not for mirror requests, whose branches key on chain verdicts
+    # pass (TargetVerifier); mirror requests too (a window the runner-up wins has no branch)
     runner_up: bool = False
 
     def __post_init__(self) -> None:
@@ -267,7 +267,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                                       timeout_s=timeout,
                                       replacement_wait_s=min(timeout, self.config.replacement_wait_s),
                                       gives_hints=self.target_info.hint_layer > 0, defer_prefill=defer_prefill,
-                                      runner_up=self.config.runner_up and prepared.mirror is None)
+                                      runner_up=self.config.runner_up)
         except BaseException:
             if (opened := drafting.result()) is not None:
                 opened.remote.release()

@@ -49,6 +49,8 @@ def test_a_short_run_writes_json_and_a_timeline_and_every_mode_is_identical(tmp_
     assert set(modes) == {"target-only", "serial", "mirror", "mirror+hints"}
     assert all(m["identical_to_target_only"] and m["tokens"] > 0 for m in modes.values())
     assert modes["serial"]["alpha"] == modes["mirror"]["alpha"]  # same windows, drafted at other times
+    # windows offer the runner-up in both (as `serve` does), and it wins the same ones
+    assert modes["serial"]["runner_up_share"] == modes["mirror"]["runner_up_share"]
     serial = modes["serial"]
     window_s = serial["wall_s"] * serial["tokens_per_pass"] / serial["tokens"]
     assert 0 < serial["network_s_per_window"] < window_s  # real calls cost something beyond compute

@@ -233,7 +233,7 @@ def test_greedy_runner_up_windows_are_identical_to_target_only_and_take_runner_u
 
     def trusting(self, context, proposal, params, seed, on_hint=None):
         verdict = original(self, context, proposal, params, seed, on_hint)
-        runner_up = self._runner_up(proposal)
+        runner_up = self.offered_runner_up(proposal)
         if verdict.num_accepted == 0 and runner_up is not None and verdict.runner_up is None:
             self.session.rollback(len(context))
             return type(verdict)(1, verdict.next_token, verdict.next_kind, runner_up)  # unchecked

@@ -51,28 +51,59 @@ def test_guesses_weigh_runner_ups_by_the_drafters_probabilities():
 def test_a_branch_is_taken_by_its_key_alone():
     branch = Proposal(tokens=(7,), q=ProposalRows.one_hot([7]))
     prefetch = Prefetch(WindowVerdict(1, 4, TokenKind.RECOVERED), 0.0, 0.0, {(1, 4): Branch(1, 4, 2, branch)})
-    assert prefetch.take(1, 4, k=2) is branch
-    assert prefetch.take(1, 5, k=2) is None and prefetch.take(0, 4, k=2) is None
-    assert prefetch.take(1, 4, k=3) is None  # drafted for another K: redraft
+    verdict = WindowVerdict(1, 4, TokenKind.RECOVERED)
+    assert prefetch.take(verdict, k=2) is branch
+    assert prefetch.take(replace(verdict, next_token=5), k=2) is None
+    assert prefetch.take(replace(verdict, num_accepted=0), k=2) is None
+    assert prefetch.take(verdict, k=3) is None  # drafted for another K: redraft
+    # the runner-up took the first slot, then 4: the context holds the runner-up, not the first
+    # draft the branch was drafted after
+    assert prefetch.take(replace(verdict, next_kind=TokenKind.BONUS, runner_up=9), k=2) is None
 
 
+@pytest.mark.parametrize("runner_up", [False, True], ids=["chain", "runner-up"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_mirror_output_equals_serial_output(tiny_dir, temperature):
+def test_mirror_output_equals_serial_output(tiny_dir, temperature, runner_up):
     import support
 
     target, draft = support.load(tiny_dir["target16"]), support.load(tiny_dir["draft16"])
     params = SamplingParams(temperature=temperature, max_new_tokens=30)
-    hits = 0
+    hits = runner_up_hits = 0
     for seed in range(8):
-        serial = generate(target, draft, [0, 3, 5, 2], params, num_speculative_tokens=3, seed=seed)
+        serial = generate(target, draft, [0, 3, 5, 2], params, num_speculative_tokens=3, seed=seed,
+                          runner_up=runner_up)
         mirror = generate(target, draft, [0, 3, 5, 2], params, num_speculative_tokens=3, seed=seed,
-                          mirror=EVERY_BRANCH)
+                          mirror=EVERY_BRANCH, runner_up=runner_up)
         assert mirror.token_ids == serial.token_ids
         s = mirror.stats
         assert s.mirror_windows > 0 and s.branches_drafted <= EVERY_BRANCH.max_branches * s.mirror_windows
+        assert s.runner_up_hits == serial.stats.runner_up_hits
         hits += s.branch_hits
+        runner_up_hits += s.runner_up_hits
     if temperature > 0:  # (greedy: every seed is the same run, and this random pair misses)
         assert hits > 0
+        assert runner_up_hits > 0 if runner_up else runner_up_hits == 0
+
+
+def test_a_runner_up_the_target_scores_is_never_guessed_as_a_recovered_token(tiny_dir):
+    """Where the window offers its runner-up b, the target's choice of b at the first slot is the
+    runner-up winning, which no chain branch fits: the chain guess (0, b) is never drafted."""
+    import support
+
+    target, draft = support.load(tiny_dir["target16"]), support.load(tiny_dir["draft16"])
+    context, params = [0, 3, 5, 2], SamplingParams(max_new_tokens=16)
+    proposal = Proposal(tokens=(5, 6), q=ProposalRows.one_hot([5, 6]), alternatives=((5, 1, 2), (6, 3, 4)))
+    keys = {}
+    for runner_up in (False, True):
+        pipeline = MirrorPipeline(MirrorConfig(max_branches=8, alternatives=2, stop_at_verdict=False))
+        try:
+            verifier = TargetVerifier(KVSession(target), runner_up=runner_up)
+            prefetch = pipeline.verify_while_drafting(verifier, DraftModelDrafter(draft), context, proposal,
+                                                      params, 0, 0.5, lambda n, m: 2)
+        finally:
+            pipeline.close()
+        keys[runner_up] = set(prefetch.branches)
+    assert (0, 1) in keys[False] and keys[True] == keys[False] - {(0, 1)}
 
 
 def test_mirror_greedy_is_identical_to_target_only_with_adaptive_k_and_ngram(tiny_target, tiny_draft):
@@ -146,6 +177,7 @@ class OracleHints:
     def __init__(self, model):
         self.inner = TargetVerifier(KVSession(model))
         self.vocab_size = self.inner.vocab_size
+        self.offered_runner_up = self.inner.offered_runner_up
 
     def verify(self, context, proposal, params, seed, on_hint=None):
         verdict = self.inner.verify(context, proposal, params, seed)

@@ -502,17 +502,20 @@ def test_drafter_drafts_branches_that_fork_at_one_point_together(stack):
 @pytest.fixture(scope="module")
 def mirror_stack(tiny_dir):
     """Mirror on by default, every branch drafted whatever the timing: branch counts are then
-    reproducible, and the test does not depend on how fast this machine is."""
-    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, mirror=MirrorConfig(stop_at_verdict=False))
+    reproducible, and the test does not depend on how fast this machine is. Windows offer their
+    runner-up too, as `mirrorspec serve` does by default."""
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, mirror=MirrorConfig(stop_at_verdict=False),
+                    runner_up=True)
     yield s
     s.stop()
 
 
 def test_mirror_over_the_network_is_identical_to_target_only_and_to_serial(mirror_stack, tiny_dir):
     """The orchestrator overlaps the Verify RPC with the branches' Draft RPCs; a branch is taken by
-    its key alone, so greedy output is target-only's and seeded samples are serial's."""
+    its key alone, so greedy output is target-only's and seeded samples are serial's, runner-up
+    windows included (one the runner-up wins drafts afresh)."""
     model = load(tiny_dir["target16"])
-    hits = 0
+    hits = runner_up_hits = 0
     with Client(mirror_stack.address) as client:
         for prompt in prompts(4, seed=3):
             served = client.generate(prompt, max_tokens=24)
@@ -526,8 +529,11 @@ def test_mirror_over_the_network_is_identical_to_target_only_and_to_serial(mirro
                 serial = client.generate(prompt, max_tokens=24, temperature=1.0, seed=seed, mirror=False)
                 assert mirrored.token_ids == serial.token_ids
                 assert mirrored.stats.mirror_windows > 0 and serial.stats.mirror_windows == 0
+                assert mirrored.stats.runner_up_hits == serial.stats.runner_up_hits
                 hits += mirrored.stats.branch_hits
+                runner_up_hits += mirrored.stats.runner_up_hits
     assert hits > 0  # branches were really used, not just drafted
+    assert runner_up_hits > 0  # and runner-ups won windows beside them
     with Client(mirror_stack.address) as client:
         traced = client.generate([0, 4, 2], max_tokens=16, timeline=True).stats
         untraced = client.generate([0, 4, 2], max_tokens=16).stats
