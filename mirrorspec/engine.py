@@ -438,8 +438,8 @@ def generate(
         on_tokens: called with each window's committed tokens as soon as they are known.
         runner_up: windows also offer the target the drafter's runner-up for their first draft,
             in the same pass (``TargetVerifier``); greedy output is the same, sampled output has
-            the same distribution. With mirror too: a window the runner-up wins has no branch
-            (its context is not a chain verdict's), so it drafts afresh.
+            the same distribution. With mirror too: a runner-up's win has branches of its own
+            (``mirrorspec.mirror.runner_up_guesses``).
 
     Greedy output is token-identical to target-only greedy decoding; sampled output has exactly
     the target's distribution for any draft.

@@ -71,7 +71,7 @@ class OrchestratorConfig:
     # False leaves lookup to the replicas.
     front_door_lookup: bool = True
     # windows also offer the targets the drafter's runner-up for their first draft, in the same
-    # pass (TargetVerifier); mirror requests too (a window the runner-up wins has no branch)
+    # pass (TargetVerifier); mirror requests too (a runner-up's win has branches of its own)
     runner_up: bool = False
 
     def __post_init__(self) -> None:

@@ -11,7 +11,7 @@ shows the test has the power to catch that class of error.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -20,7 +20,7 @@ import mirrorspec.sampling.rejection as rejection_module
 from mirrorspec import SamplingParams, generate
 import mirrorspec.engine as engine_module
 from mirrorspec.config import AdaptiveKConfig, MirrorConfig
-from mirrorspec.mirror import Branch, MirrorPipeline
+from mirrorspec.mirror import MirrorPipeline
 import mirrorspec.drafting.hybrid as hybrid_module
 from mirrorspec.drafting import DraftModelDrafter, Drafter, HybridDrafter, NgramDrafter, Proposal
 from mirrorspec.models import KVSession
@@ -125,7 +125,7 @@ class PeekingPipeline(MirrorPipeline):
             head = [*context, *proposal.tokens[:branch.num_accepted], branch.next_token]
             copies = [branch.proposal] + [drafter.propose(head, branch.k, params, seed + 7919 * i) for i in range(1, 8)]
             surest = max(copies, key=lambda p: float(p.q.dense(8)[0, p.tokens[0]]) if p.tokens else 0.0)
-            fair.branches[key] = Branch(branch.num_accepted, branch.next_token, branch.k, surest)
+            fair.branches[key] = replace(branch, proposal=surest)
         return fair
 
 

@@ -57,8 +57,13 @@ def test_a_branch_is_taken_by_its_key_alone():
     assert prefetch.take(replace(verdict, num_accepted=0), k=2) is None
     assert prefetch.take(verdict, k=3) is None  # drafted for another K: redraft
     # the runner-up took the first slot, then 4: the context holds the runner-up, not the first
-    # draft the branch was drafted after
-    assert prefetch.take(replace(verdict, next_kind=TokenKind.BONUS, runner_up=9), k=2) is None
+    # draft the chain branch was drafted after; a branch drafted after the runner-up fits it
+    won = replace(verdict, next_kind=TokenKind.BONUS, runner_up=9)
+    assert prefetch.take(won, k=2) is None
+    after_runner_up = Proposal(tokens=(8,), q=ProposalRows.one_hot([8]))
+    prefetch.branches[(1, 4, 9)] = Branch(1, 4, 2, after_runner_up, runner_up=9)
+    assert prefetch.take(won, k=2) is after_runner_up and prefetch.take(verdict, k=2) is branch
+    assert prefetch.take(replace(won, runner_up=3), k=2) is None
 
 
 @pytest.mark.parametrize("runner_up", [False, True], ids=["chain", "runner-up"])
@@ -85,9 +90,37 @@ def test_mirror_output_equals_serial_output(tiny_dir, temperature, runner_up):
         assert runner_up_hits > 0 if runner_up else runner_up_hits == 0
 
 
-def test_a_runner_up_the_target_scores_is_never_guessed_as_a_recovered_token(tiny_dir):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_windows_after_a_runner_up_win_are_fed_by_branches_drafted_after_it(tiny_target, near_draft, temperature,
+                                                                            monkeypatch):
+    """A draft that agrees with the target now and then (the tiny random pair above almost never
+    does), so the guess of the target's token after a winning runner-up comes true: the next
+    window is then a branch, and the output is still serial's."""
+    params = SamplingParams(temperature=temperature, max_new_tokens=30)
+    fed = []  # verdicts the runner-up won whose next window a branch fed
+    take = Prefetch.take
+
+    def counting_take(self, verdict, k):
+        proposal = take(self, verdict, k)
+        if verdict.runner_up is not None and proposal is not None:
+            fed.append(verdict)
+        return proposal
+
+    monkeypatch.setattr(Prefetch, "take", counting_take)
+    for seed in range(8):
+        prompt = [0, 3, 5, 2, seed % 8]
+        serial = generate(tiny_target, near_draft, prompt, params, num_speculative_tokens=3, seed=seed, runner_up=True)
+        mirror = generate(tiny_target, near_draft, prompt, params, num_speculative_tokens=3, seed=seed,
+                          runner_up=True, mirror=EVERY_BRANCH)
+        assert mirror.token_ids == serial.token_ids
+    assert fed
+
+
+def test_a_runner_up_the_target_scores_is_guessed_to_win_its_slot(tiny_dir):
     """Where the window offers its runner-up b, the target's choice of b at the first slot is the
-    runner-up winning, which no chain branch fits: the chain guess (0, b) is never drafted."""
+    runner-up winning, which no chain branch fits: the chain guess (0, b) becomes a branch after b
+    and the drafter's own next token c, keyed (1, c, b), the very proposal a fresh draft of that
+    context makes."""
     import support
 
     target, draft = support.load(tiny_dir["target16"]), support.load(tiny_dir["draft16"])
@@ -103,7 +136,12 @@ def test_a_runner_up_the_target_scores_is_never_guessed_as_a_recovered_token(tin
         finally:
             pipeline.close()
         keys[runner_up] = set(prefetch.branches)
-    assert (0, 1) in keys[False] and keys[True] == keys[False] - {(0, 1)}
+    [after_runner_up] = keys[True] - keys[False]
+    assert (0, 1) in keys[False] and keys[True] - {after_runner_up} == keys[False] - {(0, 1)}
+    greedy_next = DraftModelDrafter(draft).propose([*context, 1], 1, SamplingParams(max_new_tokens=1), 0).tokens[0]
+    assert after_runner_up == (1, greedy_next, 1)
+    fresh = DraftModelDrafter(draft).propose([*context, 1, greedy_next], 2, params, 0)
+    assert prefetch.branches[after_runner_up].proposal.tokens == fresh.tokens
 
 
 def test_mirror_greedy_is_identical_to_target_only_with_adaptive_k_and_ngram(tiny_target, tiny_draft):
