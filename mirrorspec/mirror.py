@@ -295,9 +295,10 @@ class MirrorPipeline:
             if k <= 0:  # no next window after these verdicts (or not one worth drafting)
                 continue
             group_started = time.perf_counter()
-            window, tag = (proposal.tokens, ()) if runner_up is None else ((runner_up,), (runner_up,))
+            window = proposal.tokens if runner_up is None else (runner_up,)  # what the group's branches follow
+            same_head = {(b.num_accepted, b.next_token) for b in branches.values() if b.runner_up == runner_up}
             drafted_group = self._draft_group(drafter, context, window, [(g[1], g[2]) for g in group], k, params,
-                                              seed, exclude={key[:2] for key in branches if key[2:] == tag})
+                                              seed, exclude=same_head)
             for (j, c), drafted in drafted_group:
                 branch = Branch(j, c, k, drafted, runner_up)
                 branches[branch.key] = branch
