@@ -135,8 +135,13 @@ class TargetVerifier:
         return int(sample_categorical(target_probs(logits, params), uniforms(seed, [start + 1], Stream.NEXT)).item())
 
     def offered_runner_up(self, proposal: Proposal, hinting: bool = False) -> int | None:
-        """Not beside hints: the probe reads the chain's pass, which has no sibling row."""
-        return proposal.runner_up() if self.runner_up and not hinting else None
+        return runner_up_to_offer(self.runner_up, proposal, hinting)
+
+
+def runner_up_to_offer(enabled: bool, proposal: Proposal, hinting: bool) -> int | None:
+    """The runner-up a window offers, local or remote verifier alike: none beside hints, since the
+    probe reads the chain's pass, which has no sibling row."""
+    return proposal.runner_up() if enabled and not hinting else None
 
 
 @dataclass

@@ -20,6 +20,7 @@ import grpc
 from mirrorspec.config import InvalidRequest, SamplingParams
 from mirrorspec.drafting import Drafter, NgramDrafter, Proposal, RankedTokens
 from mirrorspec.drafting.base import fork_points_or_end
+from mirrorspec.engine import runner_up_to_offer
 from mirrorspec.models import common_prefix_length
 from mirrorspec.models.early_exit import EarlyExitHint
 from mirrorspec.sampling import WindowVerdict
@@ -415,8 +416,7 @@ class RemoteVerifier(PooledSession):
                              runner_up=verdict.runner_up if verdict.HasField("runner_up") else None)
 
     def offered_runner_up(self, proposal: Proposal, hinting: bool = False) -> int | None:
-        """As ``TargetVerifier``'s: the chain alone where hints stream from the pass."""
-        return proposal.runner_up() if self.runner_up and not hinting else None
+        return runner_up_to_offer(self.runner_up, proposal, hinting)
 
 
 def _verdict_of(events, on_hint: Callable[[EarlyExitHint], None] | None) -> target_pb2.Verdict:

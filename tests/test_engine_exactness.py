@@ -91,7 +91,7 @@ CASES = [
     # sparse q: the residual the runner-up is judged against is built from a top-3 q row
     Case("t0.7-k3-runner-up-sparse", 0.7, 3, proposal_top_k=3, runner_up=True, bug="runner_up_kept_with_p"),
     # both at once: windows offer the runner-up while the next window is drafted on branches; a
-    # window the runner-up wins has no branch and drafts afresh. (Not the mirror prompt above: there
+    # runner-up's win is guessed too, by a branch drafted after it. (Not the mirror prompt above: there
     # the runner-up never wins; on this one it wins ~3% of samples and branches hit in most.)
     Case("t1.0-k1-mirror-runner-up-dense", 1.0, 1, runner_up=True, bug="runner_up_kept_with_p",
          mirror=MirrorConfig(max_branches=8, alternatives=7, stop_at_verdict=False)),

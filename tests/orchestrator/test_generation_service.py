@@ -513,7 +513,7 @@ def mirror_stack(tiny_dir):
 def test_mirror_over_the_network_is_identical_to_target_only_and_to_serial(mirror_stack, tiny_dir):
     """The orchestrator overlaps the Verify RPC with the branches' Draft RPCs; a branch is taken by
     its key alone, so greedy output is target-only's and seeded samples are serial's, runner-up
-    windows included (one the runner-up wins drafts afresh)."""
+    windows included (a runner-up's win has branches of its own)."""
     model = load(tiny_dir["target16"])
     hits = runner_up_hits = 0
     with Client(mirror_stack.address) as client:
