@@ -6,7 +6,9 @@ enumerated from the target's logits with an independent reference implementation
 temperature / top-k / top-p. Seeds are fixed, so each test is deterministic: no flakes.
 
 Every configuration is also run with a planted bug, and the same test must reject it, which
-shows the test has the power to catch that class of error.
+shows the test has the power to catch that class of error. A planted bug's samples are tested as
+they grow (2,500, 5,000, 10,000, 20,000), each look at a Bonferroni share of the threshold, so a
+bug that shows early is caught early.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ DEPTH = 3
 PROMPT = [0, 3, 5, 2]
 PASS_ABOVE = 1e-4  # a correct sampler; deterministic seeds, so this is not a flake budget
 CAUGHT_BELOW = 1e-6  # a planted bug must be rejected decisively
+# A planted bug is tested at growing sample counts and caught at the first look that rejects it,
+# each look held to CAUGHT_BELOW / len(BUG_LOOKS), so all the looks together still promise
+# p < CAUGHT_BELOW (Bonferroni): most bugs show within the first few thousand samples, and the
+# planted-bug twins were half the suite's time at a fixed 20,000.
+BUG_LOOKS = (2_500, 5_000, 10_000, SAMPLES)
 
 
 @dataclass(frozen=True)
@@ -180,12 +187,14 @@ def make_drafter(case: Case, target: MemoSession, draft: MemoSession) -> Drafter
                              confidence=case.draft_confidence)
 
 
-def sample_first_tokens(target, drafter: Drafter, case: Case, samples: int = SAMPLES) -> list[tuple[int, ...]]:
+def sample_first_tokens(target, drafter: Drafter, case: Case, samples: int = SAMPLES,
+                        first_seed: int = 0) -> list[tuple[int, ...]]:
+    """The first DEPTH tokens of ``samples`` generations, seeded first_seed, first_seed + 1, ..."""
     # max_new_tokens = K + 1 lets the first window draft a full K (the loop caps K at remaining - 1)
     params = SamplingParams(temperature=case.temperature, top_k=case.top_k, top_p=case.top_p,
                             max_new_tokens=max(case.k + 1, DEPTH))
     out, runner_up_hits = [], 0
-    for seed in range(samples):
+    for seed in range(first_seed, first_seed + samples):
         result = generate(target, drafter, case.prompt, params, num_speculative_tokens=case.k, seed=seed,
                           adaptive=case.adaptive, mirror=case.mirror, runner_up=case.runner_up)
         out.append(tuple(result.token_ids[:DEPTH]))
@@ -194,9 +203,25 @@ def sample_first_tokens(target, drafter: Drafter, case: Case, samples: int = SAM
     return out
 
 
+def expected_for(case: Case, memo_target: MemoSession) -> dict:
+    return exact_joint(memo_target, case.prompt, DEPTH, case.temperature, case.top_k, case.top_p)
+
+
 def pvalue_for(case: Case, target, drafter: Drafter, memo_target: MemoSession) -> float:
-    expected = exact_joint(memo_target, case.prompt, DEPTH, case.temperature, case.top_k, case.top_p)
-    return chi_square_pvalue(sample_first_tokens(target, drafter, case), expected)
+    return chi_square_pvalue(sample_first_tokens(target, drafter, case), expected_for(case, memo_target))
+
+
+def planted_bug_caught(case: Case, target, drafter: Drafter, expected: dict) -> tuple[bool, float, int]:
+    """(caught, p-value at the last look, samples drawn): the samples grow look by look (BUG_LOOKS)
+    and the first look with p < CAUGHT_BELOW / len(BUG_LOOKS) catches the bug."""
+    samples: list[tuple[int, ...]] = []
+    pvalue = 1.0
+    for look in BUG_LOOKS:
+        samples += sample_first_tokens(target, drafter, case, look - len(samples), first_seed=len(samples))
+        pvalue = chi_square_pvalue(samples, expected)
+        if pvalue < CAUGHT_BELOW / len(BUG_LOOKS):
+            return True, pvalue, len(samples)
+    return False, pvalue, len(samples)
 
 
 @pytest.mark.slow
@@ -224,8 +249,8 @@ def test_planted_bug_is_caught(case, sessions, monkeypatch):
         monkeypatch.setattr(DraftModelDrafter, "_draw", argmax_when_unsure)
     else:
         monkeypatch.setattr(rejection_module, "recovery_distribution", residual_is_p)
-    pvalue = pvalue_for(case, target, drafter, target)
-    assert pvalue < CAUGHT_BELOW, f"{case.name}: planted bug {case.bug} went unnoticed (p={pvalue:.2e})"
+    caught, pvalue, drawn = planted_bug_caught(case, target, drafter, expected_for(case, target))
+    assert caught, f"{case.name}: planted bug {case.bug} went unnoticed (p={pvalue:.2e} after {drawn} samples)"
 
 
 def test_quick_exactness_smoke(sessions):
@@ -288,9 +313,10 @@ def test_exactness_of_a_sub_vocabulary_draft(tiny_dir, planted):
         drafter = ColumnAddressedQ(drafter)
     case = Case("sub-vocab-t1.0-k3-sparse", 1.0, 3, proposal_top_k=4)
     expected = exact_joint(MemoSession(target_model), PROMPT, DEPTH, case.temperature)
-    pvalue = chi_square_pvalue(sample_first_tokens(KVSession(target_model), drafter, case), expected)
     if planted:
-        assert pvalue < CAUGHT_BELOW, f"column-addressed q went unnoticed (p={pvalue:.2e})"
+        caught, pvalue, drawn = planted_bug_caught(case, KVSession(target_model), drafter, expected)
+        assert caught, f"column-addressed q went unnoticed (p={pvalue:.2e} after {drawn} samples)"
     else:
+        pvalue = chi_square_pvalue(sample_first_tokens(KVSession(target_model), drafter, case), expected)
         assert pvalue > PASS_ABOVE, f"chi-square p={pvalue:.2e}"
 
