@@ -2,7 +2,7 @@
 
     python -m benchmarks.hints [--hint-layer 27] [--datasets humaneval,mtbench] [--num-prompts 3]
                                [--max-tokens 64] [--k 4] [--max-branches 4] [--alternatives 7]
-                               [--prompt-lookup 2] [--draft-confidence 0.3] [--reps 60]
+                               [--prompt-lookup 2] [--draft-confidence 0.3] [--runner-up] [--reps 60]
 
 Part 1 times the very call a hinted verify makes (``KVSession.logits_for`` over K + 1 positions
 inside ``EarlyExitProbe.watching``) with no hint, a hint over the whole vocabulary, one over
@@ -12,11 +12,13 @@ stretch of a shared machine hits all four alike; one torch thread, as a target r
 
 Part 2 decodes the same prompts greedily in process with mirror always branching (up to
 ``--max-branches`` per window) and counts how many windows' verdicts a branch held, with the
-draft's own guesses alone and with either hint. The drafter is what the servers run by default:
-prompt lookup in front of the draft model (``--prompt-lookup 0``: the model alone), its windows
-ending at its first unsure token (``--draft-confidence 0``: always K). Greedy
-decoding makes these counts exact and repeatable, so the vocabularies compare without timing
-noise.
+draft's own guesses alone and with either hint, and sorts the misses: the rejection point was
+guessed but not the target's token there, or not even the point (``--runner-up``: windows also
+offer the draft's runner-up, as ``serve`` does, and its wins are counted apart). The drafter is
+what the servers run by default: prompt lookup in front of the draft model (``--prompt-lookup
+0``: the model alone), its windows ending at its first unsure token (``--draft-confidence 0``:
+always K). Greedy decoding makes these counts exact and repeatable, so the vocabularies compare
+without timing noise.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import argparse
 import json
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -43,7 +46,7 @@ from mirrorspec.config import (
 )
 from mirrorspec.drafting.draft_model import declared_vocabulary
 from mirrorspec.engine import GenerationStats, TargetVerifier, decode_windows, make_drafter
-from mirrorspec.mirror import MirrorPipeline
+from mirrorspec.mirror import MirrorPipeline, Prefetch, branch_key
 from mirrorspec.models import KVSession, LoadedModel, encode_prompt, load_causal_lm
 from mirrorspec.models.loading import check_models
 from mirrorspec.models.early_exit import EarlyExitProbe
@@ -72,27 +75,62 @@ def verify_cost(model: torch.nn.Module, context: list[int], probes: dict[str, Ea
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+OUTCOMES = ("held", "length guessed, token missed", "length not guessed", "runner-up won, held",
+            "runner-up won, missed")
+
+
+def window_outcome(prefetch: Prefetch) -> str:
+    """Why a branched window's verdict was or was not held: where the misses come from says
+    whether better guesses of the rejection point or of the target's token there would pay."""
+    verdict = prefetch.verdict
+    held = branch_key(verdict.num_accepted, verdict.next_token, verdict.runner_up) in prefetch.branches
+    if verdict.runner_up is not None:
+        return "runner-up won, held" if held else "runner-up won, missed"
+    if held:
+        return "held"
+    lengths = {branch.num_accepted for branch in prefetch.branches.values() if branch.runner_up is None}
+    return "length guessed, token missed" if verdict.num_accepted in lengths else "length not guessed"
+
+
+class CountingPipeline(MirrorPipeline):
+    """A mirror pipeline that also counts its branched windows by ``window_outcome``."""
+
+    def __init__(self, config: MirrorConfig, outcomes: Counter):
+        super().__init__(config)
+        self.outcomes = outcomes
+
+    def verify_while_drafting(self, *args, **kwargs) -> Prefetch:
+        prefetch = super().verify_while_drafting(*args, **kwargs)
+        if prefetch.branched:
+            self.outcomes[window_outcome(prefetch)] += 1
+        return prefetch
+
+
 def branch_hits(target: LoadedModel, draft: torch.nn.Module, prompts: list[list[int]],
-                probe: EarlyExitProbe | None, args: argparse.Namespace) -> tuple[int, int]:
-    """(windows whose verdict a branch held, windows that branched) over ``prompts``."""
+                probe: EarlyExitProbe | None, args: argparse.Namespace) -> tuple[int, int, Counter]:
+    """(windows whose verdict a branch held, windows that branched, branched windows by
+    ``window_outcome``) over ``prompts``."""
     hits = windows = 0
+    outcomes: Counter = Counter()
     params = SamplingParams(max_new_tokens=args.max_tokens, stop_token_ids=target.stop_token_ids())
     for ids in prompts:
         stats = GenerationStats()
-        pipeline = MirrorPipeline(MirrorConfig(stop_at_verdict=False, max_branches=args.max_branches,
-                                               alternatives=args.alternatives, use_hints=probe is not None))
+        pipeline = CountingPipeline(MirrorConfig(stop_at_verdict=False, max_branches=args.max_branches,
+                                                 alternatives=args.alternatives, use_hints=probe is not None),
+                                    outcomes)
         drafter = make_drafter(draft, proposal_top_k=DEFAULT_PROPOSAL_TOP_K, prompt_lookup=args.prompt_lookup,
                                draft_confidence=args.draft_confidence)
+        verifier = TargetVerifier(KVSession(target.model), probe, runner_up=args.runner_up)
         try:
-            for _ in decode_windows(drafter, TargetVerifier(KVSession(target.model), probe), ids, params,
-                                    SpeculationConfig(num_speculative_tokens=args.k), 0, stats, pipeline):
+            for _ in decode_windows(drafter, verifier, ids, params, SpeculationConfig(num_speculative_tokens=args.k),
+                                    0, stats, pipeline):
                 pass
         finally:
             pipeline.close()
             drafter.release()
         hits += stats.branch_hits
         windows += stats.mirror_windows
-    return hits, windows
+    return hits, windows, outcomes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="prompt lookup before the draft model, as the servers run it (0 = the model alone)")
     parser.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE, metavar="P",
                         help="a draft window ends after the draft's first token below P (0 = off)")
+    parser.add_argument("--runner-up", action="store_true",
+                        help="windows also offer the draft's runner-up for their first draft, as `serve` does "
+                             "(a window with hints offers none)")
     parser.add_argument("--reps", type=int, default=60)
     parser.add_argument("--target", default="demo-target")
     parser.add_argument("--draft", default="demo-draft")
@@ -150,10 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     for d in datasets:
         hits[d] = {}
         for name, probe in probes.items():
-            hit, windows = branch_hits(target, draft, prompts[d], probe, args)
-            hits[d][name] = {"hits": hit, "windows": windows, "hit_rate": hit / max(windows, 1)}
+            hit, windows, outcomes = branch_hits(target, draft, prompts[d], probe, args)
+            hits[d][name] = {"hits": hit, "windows": windows, "hit_rate": hit / max(windows, 1),
+                             "outcomes": {o: outcomes[o] for o in OUTCOMES}}
+            shares = ", ".join(f"{o} {outcomes[o] / max(windows, 1):.2f}" for o in OUTCOMES[1:] if outcomes[o])
             print(f"  {d:10s} {'own guesses' if probe is None else name + ' hints':28s} "
-                  f"{hit:4d}/{windows:<4d} = {hit / max(windows, 1):.2f}")
+                  f"{hit:4d}/{windows:<4d} = {hit / max(windows, 1):.2f}   misses: {shares}")
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"hints-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"config": vars(args) | {"out": str(args.out)},

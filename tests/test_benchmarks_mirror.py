@@ -71,3 +71,24 @@ def test_hint_benchmark_flags_are_named(argv, flag, capsys):
     with pytest.raises(SystemExit):
         hints_main(argv)
     assert f"error: {flag}" in capsys.readouterr().err
+
+
+def test_hint_benchmark_sorts_each_branched_window_by_why_it_was_or_was_not_held():
+    from benchmarks.hints import window_outcome
+    from mirrorspec.drafting import Proposal
+    from mirrorspec.mirror import Branch, Prefetch
+    from mirrorspec.sampling import TokenKind, WindowVerdict
+
+    drafted = [Branch(2, 7, 4, Proposal.empty()), Branch(0, 5, 4, Proposal.empty()),
+               Branch(1, 9, 4, Proposal.empty(), runner_up=3)]
+    branches = {b.key: b for b in drafted}
+
+    def outcome(num_accepted, next_token, runner_up=None):
+        verdict = WindowVerdict(num_accepted, next_token, TokenKind.RECOVERED, runner_up)
+        return window_outcome(Prefetch(verdict, 0.0, 0.0, branches))
+
+    assert outcome(2, 7) == "held"
+    assert outcome(2, 8) == outcome(0, 6) == "length guessed, token missed"
+    assert outcome(1, 9) == "length not guessed"  # (1, 9) is drafted only after the runner-up 3
+    assert outcome(1, 9, runner_up=3) == "runner-up won, held"
+    assert outcome(1, 8, runner_up=3) == outcome(1, 9, runner_up=4) == "runner-up won, missed"
