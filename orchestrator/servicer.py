@@ -39,7 +39,7 @@ from mirrorspec.v1 import (
 )
 from orchestrator.lookup import FrontDoorNgram, front_door_drafter, looks_up_whole_window
 from orchestrator.metrics import SpecDecodeMetrics
-from orchestrator.pool import ReplicaPool, parse_addresses
+from orchestrator.pool import NoReplicaAvailable, ReplicaPool, parse_addresses
 from orchestrator.remote import RemoteDrafter, RemoteVerifier, replica_step_cost
 
 log = logging.getLogger(__name__)
@@ -193,6 +193,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                                  adaptive=self.config.adaptive)
         if any(not s for s in request.stop):
             raise InvalidRequest("stop strings must be non-empty", field="stop")
+        if request.stop and self.tokenizer is None:
+            raise InvalidRequest("stop strings need a tokenizer; this deployment has none (send stop_token_ids "
+                                 "instead, or start the front door with a tokenizer)", field="stop")
         kind, prompt = self._prompt_ids(request)
         prompt = validate_prompt(prompt, self.vocab_size, self.max_context, params, field=kind)
         seed = request.seed if request.HasField("seed") else fresh_seed()
@@ -231,6 +234,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
         def work() -> None:
+            if cancelled.is_set():  # the client left (or its deadline passed) while this queued
+                return
             try:
                 self._drive(prepared, outcome, timeout, cancelled, emit)
                 emit(_DONE)
@@ -272,12 +277,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if (opened := drafting.result()) is not None:
                 opened.remote.release()
             raise
-        opened = drafting.result()
-        remote, drafter = (opened.remote, opened.drafter) if opened is not None else (None, None)
-        stop_check = _StopStrings(self.tokenizer, prepared.stop_strings) if prepared.stop_strings else None
-        # the verify RPC runs in the pipeline's thread while this one sends the branches' Draft RPCs
-        pipeline = MirrorPipeline(prepared.mirror) if prepared.mirror is not None and drafter is not None else None
-        try:
+        remote = pipeline = None
+        try:  # from here on the sessions are released whatever happens
+            opened = drafting.result()
+            remote, drafter = (opened.remote, opened.drafter) if opened is not None else (None, None)
+            stop_check = _StopStrings(self.tokenizer, prepared.stop_strings) if prepared.stop_strings else None
+            # the verify RPC runs in the pipeline's thread while this one sends the branches' Draft RPCs
+            pipeline = MirrorPipeline(prepared.mirror) if prepared.mirror is not None and drafter is not None else None
+            if cancelled.is_set():  # the client left during the prefill
+                outcome.finish_reason = "cancelled"
+                return
             for event in decode_windows(drafter, verifier, prepared.prompt, prepared.params, prepared.spec,
                                         prepared.seed, outcome.stats, pipeline,
                                         opened.drafted_ahead if opened is not None else None):
@@ -361,7 +370,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         """The drafter pool's Info, asked of its first replica once one exists: a deployment
         started with no drafter starts drafting as soon as the pool is scaled up."""
         if self.drafter_info is None and self.drafters.addresses:
-            replica = self.drafters.acquire()
+            try:
+                replica = self.drafters.acquire()
+            except NoReplicaAvailable:  # it emptied (or every member failed) since: no drafting for now
+                return None
             try:
                 self.drafter_info = replica.stub.Info(common_pb2.InfoRequest(), timeout=10)
             except grpc.RpcError as err:
@@ -399,9 +411,7 @@ class _StopStrings:
     whose text completes a match."""
 
     def __init__(self, tokenizer, stops: tuple[str, ...]):
-        if tokenizer is None:
-            raise InvalidRequest("stop strings need a tokenizer; this deployment has none", field="stop")
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # prepare() refuses stop strings where there is none
         self.stops = stops
 
     def cut(self, before: list[int], tokens: list[int]) -> tuple[list[int], bool]:
