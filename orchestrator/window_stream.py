@@ -133,8 +133,10 @@ class WindowStream:
                                    f"no answer to the window within {timeout_s:g} s") from None
             raise
         finally:
-            if armed is not None:
-                self._watchdog.disarm(armed)
+            # a deadline that fired just as the answer came still cancels this stream: the next
+            # window must open a new one, not read CANCELLED from it as if the replica were gone
+            if armed is not None and self._watchdog.disarm(armed):
+                self.close()
 
     def close(self) -> None:
         """Half-close: the server finishes the stream once it has answered what it was sent."""

@@ -3,6 +3,7 @@ deadline, and a stream that reopens after an error, over real loopback gRPC serv
 
 import asyncio
 import threading
+import time
 
 import grpc
 import pytest
@@ -41,6 +42,44 @@ def test_the_watchdog_cancels_only_the_calls_whose_deadline_passed():
         assert not answered.cancelled.is_set() and not pending.cancelled.is_set()
         assert watchdog.disarm(armed_pending) is False
     finally:
+        watchdog.stop()
+
+
+class SlowAnswers:
+    """A stream that answers each request after ``delay_s``, whether or not it was cancelled
+    meanwhile: the answer and the watchdog's cancel cross."""
+
+    def __init__(self, requests, delay_s: float):
+        self.requests, self.delay_s = requests, delay_s
+        self.cancelled = threading.Event()
+
+    def __next__(self):
+        request = next(self.requests)
+        time.sleep(self.delay_s)
+        return request
+
+    def cancel(self):
+        self.cancelled.set()
+
+
+def test_a_deadline_that_fires_as_the_answer_comes_leaves_the_next_window_a_new_stream():
+    """The answer is returned; the stream the watchdog cancelled is not used again (the next
+    window would read CANCELLED from it and take a healthy replica for gone)."""
+    opened: list[SlowAnswers] = []
+
+    def open_stream(requests):
+        opened.append(SlowAnswers(requests, delay_s=0.2))
+        return opened[-1]
+
+    watchdog = Watchdog("test-deadlines")
+    stream = WindowStream(open_stream, watchdog)
+    try:
+        assert stream.call("first", timeout_s=0.01) == "first"
+        assert opened[0].cancelled.is_set()  # the deadline fired before the answer came
+        assert stream.call("second", timeout_s=30) == "second"
+        assert len(opened) == 2 and not opened[1].cancelled.is_set()
+    finally:
+        stream.close()
         watchdog.stop()
 
 
