@@ -310,7 +310,11 @@ class RemoteDrafter(Drafter):
             raise InvalidRequest(f"the drafter answered {len(drafts)} branches for {len(branch_tokens)} asked",
                                  field="branch_tokens")
         forked = bool(fork_points) and response.forked
-        return [proposal_from_proto(d.tokens, d.q, self.vocab_size, d.alternatives) for d in drafts], forked
+        proposals = [proposal_from_proto(d.tokens, d.q, self.vocab_size, d.alternatives) for d in drafts]
+        if any(len(p) > k for p in proposals):  # the target would refuse the window: fall back instead
+            raise InvalidRequest(f"the drafter answered {max(len(p) for p in proposals)} drafts for k={k}",
+                                 field="k")
+        return proposals, forked
 
     def _call(self, method: str, context: Sequence[int], k: int, branch_tokens: list[int] | None = None,
               fork_points: list[int] | None = None):

@@ -47,6 +47,10 @@ def proposal_from_proto(tokens, q: common_pb2.ProposalDistribution, vocab_size: 
     rows = decode_proposal(q.probs.frame, q.ids.frame or None, num_tokens=len(tokens), vocab_size=vocab_size,
                            draft_tokens=list(tokens))
     ranked = ranked_from_proto(alternatives)
+    outside = sorted({t for row in ranked.ids for t in row if not 0 <= t < vocab_size})
+    if outside:  # a runner-up among them would reach the target's verify
+        raise InvalidRequest(f"alternatives hold ids {outside[:8]} outside the vocabulary of {vocab_size}",
+                             field="alternatives")
     return Proposal(tokens=tokens, q=rows, alternatives=ranked.ids, alternative_probs=ranked.probs)
 
 

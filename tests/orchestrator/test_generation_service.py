@@ -316,6 +316,33 @@ def test_drafter_failure_mid_request_falls_back_without_losing_it(tiny_dir, mirr
         s.stop()
 
 
+def test_a_drafter_that_answers_out_of_the_vocabulary_is_dropped_and_the_request_goes_on(tiny_dir, monkeypatch):
+    """Its answer would reach the target (a runner-up is taken from the alternatives) and fail the
+    request there with INVALID_ARGUMENT, blaming the client; refused at the front door, it turns
+    drafting off instead, as a drafter that fails does."""
+    import drafter_service.servicer as drafter_module
+
+    honest = drafter_module._draft_response
+
+    def out_of_vocabulary(proposal):
+        response = honest(proposal)
+        if response.alternatives:  # 16 is the runner-up now: the first of them after the draft
+            ids = list(response.alternatives[0].ids)
+            response.alternatives[0].ids[:] = [response.tokens[0], 16, *(t for t in ids if t != response.tokens[0])]
+            del response.alternatives[0].probs[:]
+        return response
+
+    monkeypatch.setattr(drafter_module, "_draft_response", out_of_vocabulary)
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=2, runner_up=True)
+    try:
+        with Client(s.address) as client:
+            result = client.generate([0, 7, 3], max_tokens=20)
+        assert list(result.token_ids) == target_only(load(tiny_dir["target16"]), [0, 7, 3], 20)
+        assert result.stats.drafter_fallback and result.stats.drafted == 0
+    finally:
+        s.stop()
+
+
 def test_expired_target_session_is_reopened_from_the_token_log(stack, tiny_dir):
     """Evicting the target session behind the orchestrator's back, as a TTL would."""
     model = load(tiny_dir["target16"])
@@ -345,12 +372,14 @@ def test_expired_target_session_is_reopened_from_the_token_log(stack, tiny_dir):
     (dict(prompt=[0, 1], stop=[""]), grpc.StatusCode.INVALID_ARGUMENT, "stop strings"),
     (dict(prompt=[0, 1], stop_token_ids=[16]), grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids holds ids [16]"),
     (dict(prompt="hello"), grpc.StatusCode.INVALID_ARGUMENT, "no tokenizer"),
+    (dict(prompt=[0, 1], stop=["x"], max_tokens=3), grpc.StatusCode.INVALID_ARGUMENT, "stop strings need a tokenizer"),
 ])
 def test_bad_requests_get_clear_statuses_and_the_server_stays_up(stack, kwargs, code, needle):
     with Client(stack.address) as client:
         with pytest.raises(grpc.RpcError) as err:
             client.generate(**kwargs)
         assert err.value.code() == code and needle in err.value.details()
+        assert open_sessions(stack) == (0, 0)  # refused before any session opened: none is left to its TTL
         assert client.generate([0, 1], max_tokens=3).token_ids  # still serving
 
 

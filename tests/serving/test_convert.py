@@ -19,3 +19,22 @@ def test_a_row_whose_probabilities_do_not_match_its_ids_is_ranked_by_order_alone
     ranked = ranked_from_proto(rows)
     assert ranked.ids == ((4, 1, 7), (9, 2))
     assert ranked.probs_at(0) is None and ranked.probs_at(1) == (0.5, 0.25)
+
+
+def test_a_proposal_whose_alternatives_leave_the_vocabulary_is_refused():
+    """A runner-up among them would reach the target's verify; refused at the front door, the
+    drafter's answer turns drafting off for the request (target-only) instead of failing it."""
+    import pytest
+    import torch
+
+    from mirrorspec.codec import encode_tensor
+    from mirrorspec.config import InvalidRequest
+    from mirrorspec.serving.convert import proposal_from_proto
+    from mirrorspec.v1 import common_pb2
+
+    q = common_pb2.ProposalDistribution(probs=common_pb2.TensorFrame(frame=encode_tensor(torch.eye(16)[[3]])))
+    good = [drafter_pb2.TokenAlternatives(ids=[3, 5])]
+    assert proposal_from_proto([3], q, 16, good).runner_up() == 5
+    with pytest.raises(InvalidRequest) as err:
+        proposal_from_proto([3], q, 16, [drafter_pb2.TokenAlternatives(ids=[3, 16])])
+    assert err.value.field == "alternatives" and "[16]" in str(err.value)
