@@ -65,7 +65,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.loaded = loaded
         self.vocab_size = int(loaded.model.config.vocab_size) if loaded else 1 << 31
         self.sessions: SessionStore[DraftSession] = SessionStore(
-            config.max_sessions, config.session_ttl_s, on_evict=lambda s: s.drafter.release())
+            config.max_sessions, config.session_ttl_s, on_evict=lambda s: self.lane.later(s.drafter.release))
         self.lane = lane or ComputeLane("drafter-compute")
         self.step_cost = draft_model_step_cost(loaded.model) if loaded is not None else NgramDrafter.step_cost
 

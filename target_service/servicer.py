@@ -79,7 +79,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             self.probe = EarlyExitProbe(loaded.model, config.hint_layer, config.hint_top_k, vocab_ids, lens)
         self.new_session = new_session or (lambda: KVSession(loaded.model))
         self.sessions: SessionStore[TargetSession] = SessionStore(
-            config.max_sessions, config.session_ttl_s, on_evict=lambda s: s.verifier.session.close())
+            config.max_sessions, config.session_ttl_s, on_evict=lambda s: self.lane.later(s.verifier.session.close))
         self.lane = lane or ComputeLane("target-compute")
 
     def close(self) -> None:

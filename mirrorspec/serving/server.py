@@ -120,6 +120,16 @@ class ComputeLane:
     async def run(self, fn: Callable, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    def later(self, fn: Callable, *args) -> None:
+        """Run ``fn`` after the work already queued, without waiting for it: closing a session
+        this way frees its cache after its own forwards, never in the middle of one, and never
+        blocks the event loop on a forward of another session (a tensor-parallel driver holds
+        its lock for a whole step). After ``shutdown``, at once."""
+        try:
+            self._pool.submit(fn, *args)
+        except RuntimeError:  # shut down: nothing runs on the lane any more
+            fn(*args)
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 

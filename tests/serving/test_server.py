@@ -8,7 +8,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mirrorspec.config import InvalidRequest
-from mirrorspec.serving.server import BackgroundServer, start_grpc_server
+from mirrorspec.serving.server import BackgroundServer, ComputeLane, start_grpc_server
 from support import wait_until
 
 
@@ -47,3 +47,18 @@ def test_a_stopped_stack_leaves_none_of_its_threads_running(tiny_dir):
     stack.stop()
     assert wait_until(lambda: not (set(threading.enumerate()) - before), timeout=10), \
         sorted(t.name for t in set(threading.enumerate()) - before)
+
+
+def test_work_put_on_the_lane_for_later_runs_after_what_is_queued_and_at_once_after_shutdown():
+    """Session closes go this way: after that session's forwards, off the event loop."""
+    lane = ComputeLane("test-lane")
+    order: list[str] = []
+    release, done = threading.Event(), threading.Event()
+    lane._pool.submit(lambda: (release.wait(30), order.append("forward")))
+    lane.later(lambda: (order.append("close"), done.set()))
+    assert order == []  # not run on the caller's thread
+    release.set()
+    assert done.wait(30) and order == ["forward", "close"]
+    lane.shutdown()
+    lane.later(order.append, "after shutdown")
+    assert order[-1] == "after shutdown"
