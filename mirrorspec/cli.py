@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -104,6 +105,7 @@ FLAG_FOR_FIELD = {
     "target_gpus": "--target-gpus",
     "start_timeout": "--start-timeout",
     "num_cpus": "--num-cpus",
+    "wait": "--wait",
     "max_sessions": "--max-sessions",
     "seed": "--seed",
     "port": "--port",
@@ -495,9 +497,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.detach and not args.address:
         raise InvalidRequest("needs --address: a local Ray ends with this process", field="detach")
     for flag, value in (("replica_cpus", args.replica_cpus), ("drafter_gpus", args.drafter_gpus),
-                        ("target_gpus", args.target_gpus), ("speculation_off_above", args.speculation_off_above)):
-        if value is not None and value < 0:
-            raise InvalidRequest(f"must be >= 0, got {value}", field=flag)
+                        ("target_gpus", args.target_gpus), ("speculation_off_above", args.speculation_off_above),
+                        ("start_timeout", args.start_timeout)):
+        check_finite_amount(value, flag)
+    if args.num_cpus is not None and args.num_cpus < 1:
+        raise InvalidRequest(f"must be >= 1 (or left out for this machine's), got {args.num_cpus}", field="num_cpus")
     spec = _stack_spec(args, target_gpus=0.0)  # validates counts before Ray starts
     from mirrorspec.models.loading import parse_device, resolve_device
 
@@ -577,10 +581,15 @@ def _target_gpus(requested: float | None) -> float:
     return 1.0 if ray.cluster_resources().get("GPU", 0) > 0 or torch.cuda.is_available() else 0.0
 
 
+def check_finite_amount(value: float | None, field: str) -> None:
+    """A count, resource share or wait that must be a finite number >= 0 (``nan`` passes ``< 0``
+    and ``inf`` overflows Ray's and threading's arithmetic, both as tracebacks)."""
+    if value is not None and not (math.isfinite(value) and value >= 0):
+        raise InvalidRequest(f"must be a finite number >= 0, got {value}", field=field)
+
+
 def _local_cpus(args: argparse.Namespace, spec) -> int:
     """A local Ray big enough for what was asked (CPUs are Ray's accounting, threads are ours)."""
-    import math
-
     wanted = spec.drafters * spec.drafter_resources.cpus + spec.targets * spec.tp * spec.target_resources.cpus
     return args.num_cpus or max(len(os.sched_getaffinity(0)), math.ceil(wanted))
 
@@ -641,6 +650,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
     if args.replicas < (1 if args.pool == "target" else 0):
         raise InvalidRequest(f"the {args.pool} pool cannot go below {1 if args.pool == 'target' else 0} replicas, "
                              f"got {args.replicas}", field="replicas")
+    check_finite_amount(args.wait, "wait")
     connect(args.address)
     rows = ray.get(find_controller(args.name).scale.remote(args.pool, args.replicas, args.wait))
     print(format_status(rows))

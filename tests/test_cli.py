@@ -31,6 +31,12 @@ from support import save_tiny_llama
     (["scale", "target", "0"], "REPLICAS"),
     (["serve", "--target-gpus", "-1"], "--target-gpus"),
     (["serve", "--replica-cpus", "-1"], "--replica-cpus"),
+    (["serve", "--replica-cpus", "nan"], "--replica-cpus"),  # a ValueError from math.ceil before
+    (["serve", "--drafter-gpus", "inf"], "--drafter-gpus"),
+    (["serve", "--target-gpus", "nan"], "--target-gpus"),
+    (["serve", "--start-timeout", "inf"], "--start-timeout"),  # an OverflowError in the controller, after Ray
+    (["serve", "--num-cpus", "0"], "--num-cpus"),  # silently "this machine's" before
+    (["scale", "drafter", "3", "--wait", "nan"], "--wait"),  # after the scale was applied, before
     (["serve", "--tp", "2", "--hint-layer", "20"], "--hint-layer"),
     (["serve", "--speculation-off-above", "-1"], "--speculation-off-above"),
     (["generate", "hi", "--hint-layer", "20"], "--hint-layer"),
