@@ -67,6 +67,7 @@ class ReplicaPool:
             for address in list(self._members):
                 if address not in wanted:
                     self._retire(self._members.pop(address))
+                    self._failed_at.pop(address, None)  # replacements come on new ports: no pile of old ones
             for address in wanted:
                 if address not in self._members:
                     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
@@ -104,7 +105,7 @@ class ReplicaPool:
         if not self._members:
             return f"no {self.name} replica is registered; scale the {self.name} pool up (mirrorspec scale {self.name} 1)"
         return (f"all {len(self._members)} {self.name} replicas failed recently or were tried already "
-                f"({', '.join(sorted(avoid | set(self._failed_at)))}); retry shortly")
+                f"({', '.join(sorted((avoid | set(self._failed_at)) & set(self._members)))}); retry shortly")
 
     def release(self, replica: Replica) -> None:
         with self._changed:

@@ -58,6 +58,18 @@ def test_failed_replicas_cool_down_and_an_empty_pool_says_how_to_fix_it():
         stub_pool().acquire()
 
 
+def test_a_failed_replica_that_left_is_forgotten_and_not_named_among_the_failed():
+    """Replacements come on new ports; the failures of replicas long gone used to pile up in the
+    pool and be listed as if they were its members."""
+    pool = stub_pool("a:1", cooldown=60)
+    pool.report_failure(pool.acquire())
+    pool.set_members(["b:2"])
+    pool.report_failure(pool.acquire())
+    with pytest.raises(NoReplicaAvailable, match=r"all 1 target replicas failed recently or were tried already "
+                                                 r"\(b:2\)"):
+        pool.acquire()
+
+
 def test_acquire_waits_for_a_replacement_to_join():
     pool = stub_pool()
     threading.Timer(0.3, lambda: pool.set_members(["new:1"])).start()
