@@ -7,6 +7,7 @@ it`` with exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -509,12 +510,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     (resolve_device if args.address is None else parse_device)(args.device)
     from cluster.deploy import connect, deploy, teardown
 
-    connect(args.address, num_cpus=_local_cpus(args, spec))
-    spec = _stack_spec(args, target_gpus=_target_gpus(args.target_gpus))
-    try:
-        controller, address = deploy(spec, timeout_s=args.start_timeout)
-    except TimeoutError as err:
-        raise InvalidRequest(str(err), field="start_timeout") from None
+    with interrupted_by_termination():  # a stop while replicas start tears the deployment down
+        connect(args.address, num_cpus=_local_cpus(args, spec))
+        spec = _stack_spec(args, target_gpus=_target_gpus(args.target_gpus))
+        try:
+            controller, address = deploy(spec, timeout_s=args.start_timeout)
+        except TimeoutError as err:
+            raise InvalidRequest(str(err), field="start_timeout") from None
     print(f"mirrorspec: serving on {address} (Ray; deployment {spec.name!r}: {spec.drafters} drafter x "
           f"{spec.targets} target replicas, tp={spec.tp}, target {spec.target}, draft {spec.draft}, K={spec.num_speculative_tokens}{' adaptive' if spec.adaptive else ''}{' mirror' if spec.mirror else ''}); "
           + ("detached" if args.detach else "Ctrl-C stops"), flush=True)
@@ -592,6 +594,25 @@ def _local_cpus(args: argparse.Namespace, spec) -> int:
     """A local Ray big enough for what was asked (CPUs are Ray's accounting, threads are ours)."""
     wanted = spec.drafters * spec.drafter_resources.cpus + spec.targets * spec.tp * spec.target_resources.cpus
     return args.num_cpus or max(len(os.sched_getaffinity(0)), math.ceil(wanted))
+
+
+@contextlib.contextmanager
+def interrupted_by_termination():
+    """SIGTERM and SIGHUP (a service manager's stop, a closed terminal) raise KeyboardInterrupt
+    inside, as Ctrl-C does. ``deploy`` tears its detached controller down on any exception; killed
+    by the default handlers instead, a deployment still starting stayed on the cluster, and the next
+    ``serve`` found its name taken."""
+    import signal
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    before = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def _wait_for_stop() -> None:

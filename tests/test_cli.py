@@ -260,3 +260,19 @@ def test_the_summary_line_names_runner_up_wins_where_there_were_any():
     assert speculation_summary(local).endswith("tokens/pass, runner-up won 2 windows")
     served = generation_pb2.RequestStats(acceptance_rate=0.5, mean_accepted_length=2.0)
     assert speculation_summary(served) == "acceptance 0.50, 2.00 tokens/pass"
+
+
+def test_a_termination_signal_while_a_deployment_starts_interrupts_it_like_ctrl_c():
+    """So ``deploy`` tears down the detached controller rather than the process dying with it left
+    on the cluster; the handlers before are back afterwards."""
+    import os
+    import signal
+
+    from mirrorspec.cli import interrupted_by_termination
+
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        with pytest.raises(KeyboardInterrupt), interrupted_by_termination():
+            os.kill(os.getpid(), sig)
+            time.sleep(30)  # the handler raises at once, ending the sleep
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)) == before
