@@ -457,13 +457,23 @@ def start_local_stack(target: TargetConfig, drafter: DrafterConfig | None, *, ta
     from orchestrator.servicer import serve as serve_orchestrator
     from target_service.servicer import serve as serve_target
 
-    targets = [BackgroundServer(lambda: serve_target(target, loaded=target_model), "target").start()
-               for _ in range(target_replicas)]
-    drafters = [BackgroundServer(lambda: serve_drafter(drafter, loaded=draft_model), "drafter").start()
-                for _ in range(drafter_replicas if drafter is not None else 0)]
-    front = OrchestratorConfig(target=",".join(f"127.0.0.1:{t.port}" for t in targets),
-                               drafter=",".join(f"127.0.0.1:{d.port}" for d in drafters) or None, **front_options)
-    return LocalStack(targets, drafters, BackgroundServer(lambda: serve_orchestrator(front), "orchestrator").start())
+    started: list[BackgroundServer] = []
+
+    def start(factory, name: str) -> BackgroundServer:
+        started.append(BackgroundServer(factory, name))
+        return started[-1].start()
+
+    try:
+        targets = [start(lambda: serve_target(target, loaded=target_model), "target") for _ in range(target_replicas)]
+        drafters = [start(lambda: serve_drafter(drafter, loaded=draft_model), "drafter")
+                    for _ in range(drafter_replicas if drafter is not None else 0)]
+        front = OrchestratorConfig(target=",".join(f"127.0.0.1:{t.port}" for t in targets),
+                                   drafter=",".join(f"127.0.0.1:{d.port}" for d in drafters) or None, **front_options)
+        return LocalStack(targets, drafters, start(lambda: serve_orchestrator(front), "orchestrator"))
+    except BaseException:  # one that failed to start: the rest stop too, rather than serve on, unreachable
+        for server in reversed(started):
+            server.stop()
+        raise
 
 
 # serve's flags that place replicas on Ray; --in-process runs one target and one drafter server

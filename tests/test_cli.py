@@ -276,3 +276,21 @@ def test_a_termination_signal_while_a_deployment_starts_interrupts_it_like_ctrl_
             os.kill(os.getpid(), sig)
             time.sleep(30)  # the handler raises at once, ending the sleep
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)) == before
+
+
+def test_a_local_stack_whose_drafter_fails_to_start_leaves_no_server_running(tiny_dir, tmp_path):
+    """The target started first; it used to keep serving (its model loaded, its port bound) with no
+    handle left to stop it."""
+    import threading
+
+    from drafter_service.servicer import DrafterConfig
+    from mirrorspec.cli import start_local_stack
+    from mirrorspec.config import InvalidRequest
+    from target_service.servicer import TargetConfig
+
+    before = set(threading.enumerate())
+    with pytest.raises(InvalidRequest):
+        start_local_stack(TargetConfig(model=str(tiny_dir["target16"])),
+                          DrafterConfig(strategy="draft-model", model=str(tmp_path)), port=0)
+    left = [t for t in threading.enumerate() if t not in before and t.name in ("target", "drafter", "orchestrator")]
+    assert not [t for t in left if (t.join(5), t.is_alive())[1]]

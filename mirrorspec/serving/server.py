@@ -145,7 +145,11 @@ class BackgroundServer:
 
     def start(self, timeout: float = 120.0) -> BackgroundServer:
         self._thread.start()
-        self.running = asyncio.run_coroutine_threadsafe(self._factory(), self._loop).result(timeout)
+        try:
+            self.running = asyncio.run_coroutine_threadsafe(self._factory(), self._loop).result(timeout)
+        except BaseException:  # a server that did not come up leaves no loop thread behind
+            self.stop()
+            raise
         return self
 
     @property
