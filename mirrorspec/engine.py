@@ -335,8 +335,10 @@ def decode_windows(
 
 
 def window_policy(spec: SpeculationConfig, drafter: Drafter | None) -> AdaptiveK | None:
-    """The request's adaptive-K state, or None for a fixed K."""
-    return AdaptiveK(spec.adaptive, spec.num_speculative_tokens, drafter.step_cost) if spec.adaptive and drafter else None
+    """The request's adaptive-K state, or None for a fixed K (K = 0 is fixed: target-only decoding,
+    which no probe window may turn back on)."""
+    adaptive = spec.adaptive and drafter and spec.num_speculative_tokens > 0
+    return AdaptiveK(spec.adaptive, spec.num_speculative_tokens, drafter.step_cost) if adaptive else None
 
 
 def capped_k(k: int, params: SamplingParams, produced: int) -> int:

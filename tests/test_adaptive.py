@@ -89,6 +89,21 @@ def test_adaptive_greedy_output_is_identical_to_target_only(tiny_target, tiny_dr
     assert len(set(drafter.ks)) > 1  # K really varied
 
 
+@pytest.mark.parametrize("mirror", [False, True], ids=["serial", "mirror"])
+def test_adaptive_k_with_k_zero_is_target_only_past_the_probe_gap(tiny_target, tiny_draft, mirror):
+    """K = 0 asks for no drafts; adaptive K used to crash at its first probe window (``probe_k``
+    over an empty range of K) once ``probe_every`` windows had passed."""
+    from mirrorspec.config import MirrorConfig
+    from mirrorspec.drafting import DraftModelDrafter
+
+    params = SamplingParams(max_new_tokens=AdaptiveKConfig().probe_every + 8)
+    reference = generate(tiny_target, None, [0, 3, 5], params).token_ids
+    drafter = CountingDrafter(DraftModelDrafter(tiny_draft))
+    result = generate(tiny_target, drafter, [0, 3, 5], params, num_speculative_tokens=0, adaptive=AdaptiveKConfig(),
+                      mirror=MirrorConfig(stop_at_verdict=False) if mirror else None)
+    assert result.token_ids == reference and result.stats.drafted == 0
+
+
 def test_a_useless_drafter_is_switched_off(tiny_target):
     reference = generate(tiny_target, None, [0, 3, 5], SamplingParams(max_new_tokens=60))
     drafter = CountingDrafter(WrongDrafter(tiny_target))
