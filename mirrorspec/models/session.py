@@ -174,10 +174,15 @@ class KVSession:
             masking = {"attention_mask": runner_up_mask(keep, len(fed), first, next(self.model.parameters()).dtype,
                                                         self.device),
                        "position_ids": torch.tensor([[*range(keep, len(context)), first]], device=self.device)}
+        new = torch.tensor([fed], dtype=torch.long, device=self.device)
+        try:
+            logits = self.forward(new, self._cache, num_positions + (runner_up is not None), **masking)
+        except BaseException:  # a forward that failed part-way leaves layers of unknown length: start over
+            self._cache, self.tokens = DynamicCache(), []
+            raise
         # with a runner-up, as long as the cache but not a sequence: the caller rolls back before reuse
         self.tokens = [*context[:keep], *fed]
-        new = torch.tensor([fed], dtype=torch.long, device=self.device)
-        return self.forward(new, self._cache, num_positions + (runner_up is not None), **masking)
+        return logits
 
     def forward(self, input_ids: torch.Tensor, cache: DynamicCache, num_positions: int,
                 **masking: torch.Tensor) -> torch.Tensor:

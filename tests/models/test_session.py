@@ -53,6 +53,18 @@ def test_explicit_rollback_then_rescoring_is_consistent(tiny_target):
     torch.testing.assert_close(session.logits_for([0, 1, 2, 3, 4, 5], 3), full)
 
 
+def test_a_forward_that_fails_leaves_the_session_consistent(tiny_target):
+    """The session used to record the fed tokens before the forward ran: after a failure (here an
+    id outside the vocabulary) it claimed cache entries it did not hold, and the next call cropped
+    real ones, scoring later positions against the wrong context without an error."""
+    session = KVSession(tiny_target)
+    expected = KVSession(tiny_target).logits_for([0, 1, 2, 3, 4, 5], 3)
+    session.logits_for([0, 1, 2, 3], 1)
+    with pytest.raises(IndexError):
+        session.logits_for([0, 1, 2, 3, 4, 10 ** 6], 2)
+    torch.testing.assert_close(session.logits_for([0, 1, 2, 3, 4, 5], 3), expected)
+
+
 def test_rows_forked_at_different_points_see_only_their_own_prefix(tiny_dir):
     """A batch of branches that fork at different points of one cached prefix: every row's logits,
     step after step, are those of its own sequence scored alone."""
