@@ -12,6 +12,7 @@ distribution, so a wrong hint costs a branch miss, never exactness.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -72,10 +73,15 @@ class EarlyExitProbe:
 
     @contextmanager
     def watching(self, num_positions: int, on_hint: Callable[[EarlyExitHint], None]) -> Iterator[None]:
-        """While inside, each forward through the model sends one hint for its last
-        ``num_positions`` positions to ``on_hint`` (called on the forward's thread)."""
+        """While inside, each forward through the model on this thread sends one hint for its last
+        ``num_positions`` positions to ``on_hint`` (called on the forward's thread). Forwards from
+        other threads pass unheard: a draft that is the target model itself drafts branches through
+        the same block meanwhile, and its one-row forwards are no hint about this window."""
+        watcher = threading.get_ident()
 
         def hook(module, args, output):
+            if threading.get_ident() != watcher:
+                return
             hidden = output[0] if isinstance(output, tuple) else output  # [1, n, hidden]
             normed = self._to_head(hidden[0, -num_positions:])  # [num_positions, hidden]
             logits = self._head(normed).float()  # [num_positions, vocab or m]

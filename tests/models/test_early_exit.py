@@ -26,6 +26,34 @@ def test_a_hint_is_the_head_on_the_layer_output_for_the_window_positions(tiny_di
     assert len(hints) == 1  # the hook is gone outside `watching`
 
 
+def test_forwards_from_other_threads_send_no_hint(tiny_dir):
+    """A draft that is the target model itself drafts through the hooked block while the verify
+    runs; its forwards are no hint about the window (and one-row ones broke the hint's shape)."""
+    import threading
+
+    model = load(tiny_dir["target16"])
+    probe, hints = EarlyExitProbe(model, layer=1, top_k=3), []
+    with probe.watching(3, hints.append):
+        other = threading.Thread(target=lambda: KVSession(model).logits_for([0, 3], 1))
+        other.start()
+        other.join()
+        assert hints == []
+        KVSession(model).logits_for([0, 3, 5, 2, 7], 3)
+    assert len(hints) == 1 and len(hints[0].top_tokens) == 3
+
+
+def test_mirror_with_hints_and_the_target_as_its_own_draft_is_target_only_output(tiny_dir):
+    from mirrorspec import SamplingParams, generate
+    from mirrorspec.config import MirrorConfig
+
+    model = load(tiny_dir["target16"])
+    params = SamplingParams(max_new_tokens=24)
+    reference = generate(model, None, [0, 7, 3], params).token_ids
+    result = generate(model, model, [0, 7, 3], params, num_speculative_tokens=3, hint_layer=1,
+                      mirror=MirrorConfig(stop_at_verdict=False))
+    assert result.token_ids == reference and result.stats.mirror_windows > 0
+
+
 def test_a_sub_vocabulary_hint_ranks_only_those_ids_by_the_same_logits(tiny_dir):
     model = load(tiny_dir["target16"])
     rows = torch.tensor([1, 4, 6, 9, 11, 15])
