@@ -118,8 +118,11 @@ class Controller:
                                    f"check `ray status` for pending resources")
             members, version = self._members(), self._version
         placement = NodeAffinitySchedulingStrategy(node_id=front_node, soft=False)
-        self._front = ray.remote(FrontDoor).options(num_cpus=0, scheduling_strategy=placement).remote(
-            self.spec, members, version, self.spec.controller_name)
+        # restarted by Ray on its node if its process dies (OOM, a crash): it serves again on its
+        # port with the pools as they are then; the requests it held are lost to their clients
+        self._front = ray.remote(FrontDoor).options(
+            num_cpus=0, scheduling_strategy=placement, max_restarts=-1, name=f"{self.spec.name}-front-door",
+            namespace=CONTROLLER_NAMESPACE).remote(self.spec, members, version, self.spec.controller_name)
         self._front_address = ray.get(self._front.start.remote(), timeout=max(deadline - time.monotonic(), 30))
         return self._front_address
 
@@ -177,9 +180,10 @@ class Controller:
         if self._front is not None:
             try:
                 front = ray.get(self._front.stats.remote(), timeout=5)
-            except Exception:  # noqa: BLE001 - shown as unknown, status must not fail
+            except Exception:  # noqa: BLE001 - down or restarting: shown so, status must not fail
                 front = {}
-            rows.append({"replica": "front-door", "pool": "orchestrator", "state": "serving",
+            self._front_address = front.get("address", self._front_address)  # a restart on port 0 moves it
+            rows.append({"replica": "front-door", "pool": "orchestrator", "state": "serving" if front else "unreachable",
                          "address": self._front_address, "node": "-", "resources": "CPU 0",
                          "sessions": sum(front.get("load", {}).get("target", {}).values()) if front else None,
                          "requests": front.get("requests"), "acceptance_rate": front.get("acceptance_rate")})
@@ -270,11 +274,13 @@ class Controller:
             return ReplicaRecord(pool, replica_id, actor, actor.start.remote(), group=group, resources=described)
         rank0 = on(0, TargetReplica, self.spec)
         followers = [on(rank, TargetFollower, self.spec, rank) for rank in range(1, ranks)]
-        if followers:
-            rendezvous = rank0.rendezvous.remote()
-            for follower in followers:
-                follower.follow.remote(rendezvous)
-        return ReplicaRecord(pool, replica_id, rank0, rank0.start.remote(), followers, group, resources=described)
+        rendezvous = rank0.rendezvous.remote() if followers else None
+        for follower in followers:
+            follower.follow.remote(rendezvous)
+        # the ref, not its value: rank 0 starts once its rendezvous call is done (max_concurrency=2
+        # lets the two calls run in any order)
+        return ReplicaRecord(pool, replica_id, rank0, rank0.start.remote(rendezvous), followers, group,
+                             resources=described)
 
     def _drain_and_stop(self, record: ReplicaRecord) -> None:
         deadline = time.monotonic() + self.spec.drain_timeout_s

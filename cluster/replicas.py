@@ -78,17 +78,17 @@ class TargetReplica(_ServerActor):
         torch.set_num_threads(spec.threads)
         self.spec = spec
         self.host = _bind_host(spec)
-        self._rendezvous = None
         self._driver = None
 
     def rendezvous(self) -> str:
         """The process group's init address, on this rank's node (STRICT_PACK keeps ranks together)."""
         with socket.socket() as s:
             s.bind((self.host, 0))
-            self._rendezvous = f"tcp://{self.host}:{s.getsockname()[1]}"
-        return self._rendezvous
+            return f"tcp://{self.host}:{s.getsockname()[1]}"
 
-    def start(self) -> str:
+    def start(self, rendezvous: str | None = None) -> str:
+        """``rendezvous``: with tp > 1, ``rendezvous()``'s address, passed as its ObjectRef so Ray
+        runs this only once that call is done (a threaded actor keeps no order between calls)."""
         from mirrorspec.serving.server import BackgroundServer
         from target_service.servicer import TargetConfig, serve
 
@@ -101,7 +101,7 @@ class TargetReplica(_ServerActor):
         else:
             from mirrorspec.models.tensor_parallel import ShardDriver, load_shard
 
-            loaded = load_shard(spec.target, 0, spec.tp, self._rendezvous, spec.dtype, spec.device)
+            loaded = load_shard(spec.target, 0, spec.tp, rendezvous, spec.dtype, spec.device)
             self._driver = ShardDriver(loaded.model)
             self.server = BackgroundServer(lambda: serve(config, loaded, new_session=self._driver.session),
                                            "target").start(timeout=600)
@@ -140,6 +140,12 @@ class FrontDoor:
     def __init__(self, spec: StackSpec, members: dict[str, list[str]], version: int, controller_name: str):
         from orchestrator.servicer import OrchestratorConfig
 
+        self._controller = ray.get_actor(controller_name, namespace=CONTROLLER_NAMESPACE)
+        # Ray restarts this actor where its process died (the controller asks for restarts): then the
+        # pools are as they are now, not as at the first start, and nobody calls ``start`` again
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        if restarted:
+            version, members = ray.get(self._controller.membership.remote())
         self._config = OrchestratorConfig(
             target=",".join(members["target"]), drafter=",".join(members["drafter"]) or None, host=spec.host,
             port=spec.port, num_speculative_tokens=spec.num_speculative_tokens, adaptive=spec.adaptive,
@@ -148,7 +154,9 @@ class FrontDoor:
         self.server = None
         self.host = spec.host
         self._version = version
-        self._controller = ray.get_actor(controller_name, namespace=CONTROLLER_NAMESPACE)
+        if restarted:
+            log.warning("front door restarted after its process died; serving again on %s:%s", spec.host, spec.port)
+            self.start()
 
     def start(self) -> str:
         from mirrorspec.serving.server import BackgroundServer
@@ -178,7 +186,7 @@ class FrontDoor:
     def stats(self) -> dict:
         servicer = self.server.servicer
         return {"load": {"target": servicer.targets.load(), "drafter": servicer.drafters.load()},
-                **servicer.metrics.summary()}
+                "address": self.address(), **servicer.metrics.summary()}
 
     def ping(self) -> bool:
         return True

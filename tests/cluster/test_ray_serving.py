@@ -146,6 +146,36 @@ def test_killing_a_replica_actor_mid_request_loses_nothing_and_it_is_replaced(de
                       and victim not in {r["replica"] for r in rows(controller, pool)}, timeout=120, every=0.25)
 
 
+def test_a_front_door_whose_process_dies_is_restarted_and_serves_again_at_its_address(cluster_ray, tiny_dir,
+                                                                                     reference):
+    """Requests it held are lost to their clients (it held their token logs); new ones are served
+    at the same address, where before every client got UNAVAILABLE for good and status said
+    "serving"."""
+    import socket
+
+    import grpc
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    controller, address = deploy(small_spec(tiny_dir, name="front", port=port, drafters=1))
+
+    def serves() -> bool:
+        try:
+            with Client(address, timeout_s=10) as client:
+                return client.generate([0, 7, 3], max_tokens=20).token_ids == reference([0, 7, 3], 20)
+        except grpc.RpcError:
+            return False
+
+    try:
+        assert serves()
+        ray.kill(ray.get_actor("front-front-door", namespace=CONTROLLER_NAMESPACE), no_restart=False)
+        assert wait_until(serves, timeout=120, every=0.5)
+        assert [(r["state"], r["address"]) for r in rows(controller, "orchestrator")] == [("serving", address)]
+    finally:
+        teardown(controller)
+
+
 def test_a_tp2_target_replica_on_ray_is_identical_to_tp1(cluster_ray, tiny_dir, reference):
     controller, address = deploy(small_spec(tiny_dir, name="tp", tp=2, drafters=1))
     try:
