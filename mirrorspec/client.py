@@ -16,7 +16,13 @@ import grpc
 from mirrorspec.config import check_address, check_seed, check_unsigned
 from mirrorspec.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    # a front door that restarts (Ray restarts its actor on a crash) is back within seconds; gRPC's
+    # reconnect backoff, shared by every channel of the process to that address, grows to 120 s
+    # by default, and a client kept failing fast with UNAVAILABLE for minutes after it was back
+    ("grpc.max_reconnect_backoff_ms", 5_000),
+]
 # gRPC's own name schemes (a front door behind a Unix socket, DNS with a resolver authority) pass as
 # they are; anything else must be host:port, as servers print it
 GRPC_TARGET_SCHEMES = ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:")
