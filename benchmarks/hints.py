@@ -77,6 +77,7 @@ def verify_cost(model: torch.nn.Module, context: list[int], probes: dict[str, Ea
 
 OUTCOMES = ("held", "length guessed, token missed", "length not guessed", "runner-up won, held",
             "runner-up won, missed")
+HELD = ("held", "runner-up won, held")
 
 
 def window_outcome(prefetch: Prefetch) -> str:
@@ -194,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             hit, windows, outcomes = branch_hits(target, draft, prompts[d], probe, args)
             hits[d][name] = {"hits": hit, "windows": windows, "hit_rate": hit / max(windows, 1),
                              "outcomes": {o: outcomes[o] for o in OUTCOMES}}
-            shares = ", ".join(f"{o} {outcomes[o] / max(windows, 1):.2f}" for o in OUTCOMES[1:] if outcomes[o])
+            shares = ", ".join(f"{o} {outcomes[o] / max(windows, 1):.2f}" for o in OUTCOMES
+                               if o not in HELD and outcomes[o])
             print(f"  {d:10s} {'own guesses' if probe is None else name + ' hints':28s} "
                   f"{hit:4d}/{windows:<4d} = {hit / max(windows, 1):.2f}   misses: {shares}")
     args.out.mkdir(parents=True, exist_ok=True)
