@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -174,3 +175,10 @@ def assert_flag_refused(main, argv: Sequence[str], flag: str, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+
+
+def free_port() -> int:
+    """A loopback port free right now (a server started soon after can bind it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -14,7 +14,7 @@ from cluster.spec import CONTROLLER_NAMESPACE, PoolResources, StackSpec
 from mirrorspec import SamplingParams, generate
 from mirrorspec.client import Client
 from mirrorspec.config import InvalidRequest
-from support import load, wait_until
+from support import free_port, load, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -151,14 +151,9 @@ def test_a_front_door_whose_process_dies_is_restarted_and_serves_again_at_its_ad
     """Requests it held are lost to their clients (it held their token logs); new ones are served
     at the same address, where before every client got UNAVAILABLE for good and status said
     "serving"."""
-    import socket
-
     import grpc
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    controller, address = deploy(small_spec(tiny_dir, name="front", port=port, drafters=1))
+    controller, address = deploy(small_spec(tiny_dir, name="front", port=free_port(), drafters=1))
 
     def serves() -> bool:
         try:

@@ -6,7 +6,6 @@ would. The model splits unevenly on purpose (3 KV groups, 17 vocabulary rows, 51
 """
 
 import multiprocessing
-import socket
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from mirrorspec import SamplingParams, generate
 from mirrorspec.drafting import DraftModelDrafter
 from mirrorspec.models import KVSession
 from mirrorspec.models import tensor_parallel as tp
-from support import MemoSession, chi_square_pvalue, exact_joint, load
+from support import MemoSession, chi_square_pvalue, exact_joint, free_port, load
 
 PROMPT = [0, 3, 5, 2]
 
@@ -55,12 +54,6 @@ def save_uneven_llama(path):
         model.lm_head.weight.mul_(1.5 / model.lm_head.weight.std())
     model.save_pretrained(path)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
