@@ -18,6 +18,9 @@ from cluster.spec import CONTROLLER_NAMESPACE, StackSpec
 
 log = logging.getLogger(__name__)
 
+# Under the controller's PING_TIMEOUT_S, so a wedged server is reported as such, not as a timeout.
+HEALTH_TIMEOUT_S = 5.0
+
 
 def _bind_host(spec: StackSpec) -> str:
     return ray.util.get_node_ip_address() if spec.replica_host == "auto" else spec.replica_host
@@ -44,8 +47,19 @@ class _ServerActor:
         store.evict_expired()
         return len(store)
 
-    def ping(self) -> bool:
+    def ping(self, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
+        """Raises unless the server answers its gRPC health check: the actor answering is not
+        enough, since its server can have stopped or its event loop be wedged while it does."""
+        from mirrorspec.serving.server import check_health
+
+        if self.server is None or self.server.running is None:
+            raise RuntimeError("the replica's server is not running")
+        check_health(self.address(), timeout_s)
         return True
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
 
 
 class DrafterReplica(_ServerActor):
@@ -109,8 +123,7 @@ class TargetReplica(_ServerActor):
 
     def stop(self) -> None:
         """Stop serving and release the followers (they leave their loop and exit)."""
-        if self.server is not None:
-            self.server.stop()
+        super().stop()
         if self._driver is not None:
             self._driver.stop()
 
@@ -121,14 +134,25 @@ class TargetFollower:
     def __init__(self, spec: StackSpec, rank: int):
         self.spec = spec
         self.rank = rank
+        self._ended: str | None = None
 
     def follow(self, rendezvous: str) -> None:
+        """Runs for the replica's whole life. Nobody waits on it, so how it ended is kept for
+        ``ping``: a follower that failed while its process lives would leave rank 0 waiting in
+        a collective for good."""
         from mirrorspec.models.tensor_parallel import run_follower
 
-        run_follower(self.spec.target, self.rank, self.spec.tp, rendezvous, self.spec.threads, self.spec.dtype,
-                     self.spec.device)
+        try:
+            run_follower(self.spec.target, self.rank, self.spec.tp, rendezvous, self.spec.threads, self.spec.dtype,
+                         self.spec.device)
+        except BaseException as err:
+            self._ended = f"failed: {type(err).__name__}: {err}"
+            raise
+        self._ended = "ended (its rank 0 stopped)"
 
     def ping(self) -> bool:
+        if self._ended is not None:
+            raise RuntimeError(f"rank {self.rank}'s follower loop {self._ended}")
         return True
 
 
@@ -187,6 +211,3 @@ class FrontDoor:
         servicer = self.server.servicer
         return {"load": {"target": servicer.targets.load(), "drafter": servicer.drafters.load()},
                 "address": self.address(), **servicer.metrics.summary()}
-
-    def ping(self) -> bool:
-        return True

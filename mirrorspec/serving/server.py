@@ -104,6 +104,17 @@ async def start_grpc_server(services: list[Service], host: str, port: int) -> Ru
     return RunningServer(server, bound, [s.servicer for s in services])
 
 
+def check_health(address: str, timeout_s: float = 5.0) -> None:
+    """Raises unless the server at ``address`` answers gRPC's own health check with SERVING in
+    ``timeout_s``. A supervisor asks this, not the process hosting the server: a process can answer
+    while its server has stopped or its event loop is wedged, and clients see only the server."""
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        raise RuntimeError(f"the server at {address} answers its health check with {status}")
+
+
 class ComputeLane:
     """One thread for model work per server, like a GPU stream: forwards run one at a time, and
     the event loop stays free for health checks, new sessions and cancellations.

@@ -146,6 +146,20 @@ def test_killing_a_replica_actor_mid_request_loses_nothing_and_it_is_replaced(de
                       and victim not in {r["replica"] for r in rows(controller, pool)}, timeout=120, every=0.25)
 
 
+def test_a_replica_whose_server_stopped_while_its_actor_lives_is_replaced(deployment, reference):
+    """The controller pings the server's health check, not the actor: before, an actor that
+    answered kept its place in the pool however dead its server was."""
+    controller, address = deployment
+    (victim,) = [r["replica"] for r in rows(controller, "drafter") if r["state"] == "serving"]
+    ray.get(ray.get_actor(f"mirrorspec-{victim}-rank0", namespace=CONTROLLER_NAMESPACE).stop.remote(), timeout=30)
+    assert wait_until(lambda: [r["state"] for r in rows(controller, "drafter")] == ["serving"]
+                      and victim not in {r["replica"] for r in rows(controller, "drafter")}, timeout=120, every=0.25)
+    with Client(address) as client:
+        completion = client.generate([3, 1, 4, 1, 5], max_tokens=40)
+    assert completion.token_ids == reference([3, 1, 4, 1, 5], 40)
+    assert not completion.stats.drafter_fallback
+
+
 def test_a_front_door_whose_process_dies_is_restarted_and_serves_again_at_its_address(cluster_ray, tiny_dir,
                                                                                      reference):
     """Requests it held are lost to their clients (it held their token logs); new ones are served

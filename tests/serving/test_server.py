@@ -2,13 +2,13 @@
 in use, and the kernel would split connections between the two."""
 
 import threading
+import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mirrorspec.config import InvalidRequest
-from mirrorspec.serving.server import BackgroundServer, ComputeLane, start_grpc_server
+from mirrorspec.serving.server import BackgroundServer, ComputeLane, check_health, start_grpc_server
 from support import wait_until
 
 
@@ -21,11 +21,28 @@ def test_a_second_server_on_a_port_in_use_is_refused_and_the_first_keeps_it():
             second.start()
         assert err.value.field == "port"
         second.stop()
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
-        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        check_health(f"127.0.0.1:{port}", timeout_s=10)
     finally:
         first.stop()
+
+
+def test_the_health_check_fails_for_a_wedged_event_loop_and_a_stopped_server():
+    """What the Ray supervisor asks each replica: its actor can answer while its server cannot."""
+    server = BackgroundServer(lambda: start_grpc_server([], "127.0.0.1", 0)).start()
+    address = f"127.0.0.1:{server.port}"
+    try:
+        check_health(address, timeout_s=10)
+        server._loop.call_soon_threadsafe(time.sleep, 3.0)  # a coroutine that blocks the loop
+        with pytest.raises(grpc.RpcError) as err:
+            check_health(address, timeout_s=1.0)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        time.sleep(2.5)
+        check_health(address, timeout_s=10)  # the loop is free again
+    finally:
+        server.stop()
+    with pytest.raises(grpc.RpcError) as err:
+        check_health(address, timeout_s=2.0)
+    assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 def test_a_stopped_stack_leaves_none_of_its_threads_running(tiny_dir):

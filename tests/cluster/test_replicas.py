@@ -1,0 +1,36 @@
+"""What a replica actor answers the controller's pings, checked on the actor classes themselves
+(no Ray needed): an actor that answers is not a replica that serves."""
+
+import pytest
+import torch
+
+from cluster.replicas import DrafterReplica, TargetFollower
+from cluster.spec import StackSpec
+
+
+def spec(tiny_dir, **overrides) -> StackSpec:
+    # the classes set the process's torch threads: keep the test process's own count
+    return StackSpec(target=str(tiny_dir["target16"]), draft=str(tiny_dir["draft16"]), replica_host="127.0.0.1",
+                     threads=torch.get_num_threads(), **overrides)
+
+
+def test_a_replica_pings_through_its_servers_health_check_and_fails_once_the_server_stopped(tiny_dir):
+    replica = DrafterReplica(spec(tiny_dir))
+    replica.start()
+    try:
+        assert replica.ping()
+    finally:
+        replica.stop()
+    with pytest.raises(RuntimeError, match="the replica's server is not running"):
+        replica.ping()
+
+
+def test_a_follower_whose_loop_failed_fails_its_ping_with_the_reason(tiny_dir):
+    """Its process lives on, so only the ping can tell the controller that rank 0 now waits in a
+    collective that will never complete."""
+    follower = TargetFollower(spec(tiny_dir, tp=2), rank=1)
+    assert follower.ping()
+    with pytest.raises(Exception) as err:
+        follower.follow("nosuchscheme://127.0.0.1:1")
+    with pytest.raises(RuntimeError, match=f"rank 1's follower loop failed: {type(err.value).__name__}"):
+        follower.ping()
