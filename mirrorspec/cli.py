@@ -105,6 +105,7 @@ FLAG_FOR_FIELD = {
     "drafter_gpus": "--drafter-gpus",
     "target_gpus": "--target-gpus",
     "start_timeout": "--start-timeout",
+    "timeout": "--timeout",
     "num_cpus": "--num-cpus",
     "wait": "--wait",
     "max_sessions": "--max-sessions",
@@ -123,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the user message (chat template applied for instruct models)")
     gen.add_argument("--local", action="store_true", help="run the in-process engine instead of calling a server")
     gen.add_argument("--server", default="127.0.0.1:50051", help="front door address (without --local)")
+    gen.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                     help="without --local: the request's gRPC deadline; past it the request is cancelled on the "
+                          "server and its sessions freed (default: none)")
     gen.add_argument("--target", default="demo-target", help="target model: hub id, path, .gguf, or demo-target")
     gen.add_argument("--draft", default="auto", help=DRAFT_HELP)
     gen.add_argument("--max-tokens", type=int, default=128, help="maximum new tokens")
@@ -332,6 +336,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     SpeculationConfig(num_speculative_tokens=DEFAULT_K if args.k is None else args.k, proposal_top_k=args.proposal_top_k,
                       prompt_lookup=args.prompt_lookup, draft_confidence=args.draft_confidence)
     check_threads(args.threads)
+    if args.timeout is not None:
+        if args.local:
+            raise InvalidRequest("is a server request's deadline; the in-process engine (--local) has none: "
+                                 "drop one of the two", field="timeout")
+        if not (math.isfinite(args.timeout) and args.timeout > 0):
+            raise InvalidRequest(f"must be a finite number of seconds > 0, got {args.timeout}", field="timeout")
     if args.hint_layer is not None and not (args.local and args.mirror):
         raise InvalidRequest("needs --local and --mirror (a server's targets send hints if they were started "
                              "with `mirrorspec serve --hint-layer`)", field="hint_layer")
@@ -394,7 +404,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
                    top_p=args.top_p, seed=args.seed, k=0 if args.no_speculate else args.k,
                    mirror=True if args.mirror else None)
     try:
-        with Client(args.server) as client:
+        with Client(args.server, timeout_s=args.timeout) as client:
             if args.json:
                 c = client.generate(args.prompt, **options)
                 from google.protobuf.json_format import MessageToDict
@@ -413,6 +423,11 @@ def _generate_remote(args: argparse.Namespace) -> int:
         if err.code() == grpc.StatusCode.UNAVAILABLE:
             raise InvalidRequest(f"no mirrorspec server answers at {args.server}; start one with "
                                  f"`mirrorspec serve`, or pass --local", field="server") from None
+        if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and args.timeout is not None:
+            raise InvalidRequest(f"{args.server} did not finish the request within {args.timeout:g} s (any output "
+                                 f"above is its start) and it was cancelled, which frees its sessions on the server. "
+                                 f"Raise --timeout, or lower "
+                                 f"--max-tokens", field="timeout") from None
         if err.code() == grpc.StatusCode.UNIMPLEMENTED:
             raise InvalidRequest(f"{args.server} answers gRPC but is not a mirrorspec front door (a drafter or "
                                  f"target server?); pass the address `mirrorspec serve` printed", field="server") from None

@@ -23,6 +23,9 @@ from support import save_tiny_llama
     (["generate", "hi", "--server", "127.0.0.1:1"], "--server"),
     (["generate", "hi", "--server", "127.0.0.1"], "--server"),  # gRPC would dial port 443
     (["generate", "hi", "--server", "http://127.0.0.1:50051"], "--server"),
+    (["generate", "hi", "--local", "--timeout", "5"], "--timeout"),  # the engine has no deadline: refused, not ignored
+    (["generate", "hi", "--timeout", "0"], "--timeout"),
+    (["generate", "hi", "--timeout", "nan"], "--timeout"),
     (["serve", "--k", "-1"], "--k"),
     (["serve", "--tp", "0"], "--tp"),
     (["serve", "--targets", "0"], "--targets"),
@@ -294,3 +297,20 @@ def test_a_local_stack_whose_drafter_fails_to_start_leaves_no_server_running(tin
                           DrafterConfig(strategy="draft-model", model=str(tmp_path)), port=0)
     left = [t for t in threading.enumerate() if t not in before and t.name in ("target", "drafter", "orchestrator")]
     assert not [t for t in left if (t.join(5), t.is_alive())[1]]
+
+
+def test_a_request_past_its_timeout_is_a_timeout_flag_error(tiny_dir, capsys):
+    """A gRPC deadline on the request, named by its flag; before, `generate` had no deadline, and a
+    server that stalled held the terminal for good."""
+    from served_stack import start_stack
+
+    stack = start_stack(tiny_dir["target16"], tiny_dir["draft16"])
+    try:
+        address = f"127.0.0.1:{stack.front.port}"
+        stack.front._loop.call_soon_threadsafe(time.sleep, 3.0)  # the front door stalls
+        with pytest.raises(SystemExit) as exit_info:
+            main(["generate", "hi", "--server", address, "--timeout", "0.5"])
+    finally:
+        stack.stop()
+    assert exit_info.value.code == 2
+    assert f"error: --timeout: {address} did not finish the request within 0.5 s" in capsys.readouterr().err
