@@ -367,18 +367,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         return limit is not None and self.in_flight > limit
 
     def _describe_drafters(self):
-        """The drafter pool's Info, asked of its first replica once one exists: a deployment
-        started with no drafter starts drafting as soon as the pool is scaled up."""
-        if self.drafter_info is None and self.drafters.addresses:
+        """The drafter pool's Info, asked of its replicas in turn once one exists: a deployment
+        started with no drafter starts drafting as soon as the pool is scaled up. A replica that
+        does not answer, or drafts another vocabulary, is reported failed and the next one asked:
+        each request would otherwise ask that same replica again, and go without drafts."""
+        tried: set[str] = set()
+        while self.drafter_info is None and self.drafters.addresses:
             try:
-                replica = self.drafters.acquire()
-            except NoReplicaAvailable:  # it emptied (or every member failed) since: no drafting for now
+                replica = self.drafters.acquire(avoid=tried)
+            except NoReplicaAvailable:  # it emptied, or every member failed or was tried: no drafting for now
                 return None
+            tried.add(replica.address)
             try:
-                self.drafter_info = replica.stub.Info(common_pb2.InfoRequest(), timeout=10)
-            except grpc.RpcError as err:
-                log.warning("drafter %s did not describe itself (%s); drafting off for now", replica.address,
-                            err.code().name)
+                info = replica.stub.Info(common_pb2.InfoRequest(), timeout=10)
+                check_shared_vocabulary(info.model.vocab_size, self.vocab_size, field="drafter")
+                self.drafter_info = info
+            except (grpc.RpcError, InvalidRequest) as err:
+                why = err.code().name if isinstance(err, grpc.RpcError) else str(err)
+                log.warning("drafter %s cannot draft for this front door (%s); asking another", replica.address, why)
+                self.drafters.report_failure(replica)
             finally:
                 self.drafters.release(replica)
         return self.drafter_info

@@ -838,3 +838,24 @@ def test_a_chat_with_an_unknown_role_is_refused_over_the_wire(tiny_dir):
             assert "chat message 0 has role 'usr'; use one of system, user" in err.value.details()
     finally:
         s.stop()
+
+
+def test_a_drafter_pool_that_joins_later_is_described_by_a_replica_that_can_draft(stack, tiny_dir):
+    """A front door started without drafters asks the pool that joins later for its Info. A
+    replica that does not answer, or drafts another vocabulary, is passed over for the next one;
+    before, every request asked that same replica again and went without drafts."""
+    from drafter_service.servicer import DrafterConfig
+    from drafter_service.servicer import serve as serve_drafter
+    from mirrorspec.serving.server import BackgroundServer
+    from orchestrator.servicer import serve
+    from support import free_port
+
+    other_vocab = DrafterConfig(strategy="draft-model", model=str(tiny_dir["draft"]))  # vocab 8; the target's 16
+    front = OrchestratorConfig(target=f"127.0.0.1:{stack.targets[0].port}", drafter=None, port=0)
+    with BackgroundServer(lambda: serve_drafter(other_vocab)) as wrong, BackgroundServer(lambda: serve(front)) as door:
+        door.servicer.drafters.set_members([f"127.0.0.1:{free_port()}", f"127.0.0.1:{wrong.port}",
+                                            f"127.0.0.1:{stack.drafters[0].port}"])
+        with Client(f"127.0.0.1:{door.port}") as client:
+            completion = client.generate([0, 7, 3], max_tokens=20)
+        assert door.servicer.drafter_info.model.vocab_size == 16
+    assert completion.stats.drafted > 0 and not completion.stats.drafter_fallback
