@@ -143,10 +143,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             raise OutOfRange(f"k={request.k} exceeds this drafter's max_speculative_tokens "
                              f"({self.config.max_speculative_tokens})", field="k")
         commit = check_token_ids(request.commit_tokens, self.vocab_size, "commit_tokens")
-        seq = session.sequence
-        if request.HasField("keep"):
-            seq.rewind(int(request.keep))
-        seq.commit(commit, int(request.context_length))
+        keep = int(request.keep) if request.HasField("keep") else None
+        session.sequence.commit(commit, int(request.context_length), keep)
         return int(request.k)
 
     def _advance(self, session: DraftSession, request, reserve: int = 0) -> int:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from mirrorspec.config import SamplingParams
+from mirrorspec.config import InvalidRequest, SamplingParams
 from mirrorspec.serving.errors import ContextMismatch, SessionLimitReached, SessionNotFound
 
 S = TypeVar("S")
@@ -81,18 +81,22 @@ class SequenceState:
     params: SamplingParams
     seed: int
 
-    def rewind(self, keep: int) -> None:
-        """Forget all but the first ``keep`` tokens: mirror branches fork from a shorter prefix."""
-        if keep > len(self.context):
+    def commit(self, tokens: list[int], expected_length: int, keep: int | None = None) -> None:
+        """Append ``tokens``, first forgetting all but ``keep`` tokens where given (mirror branches
+        fork from a shorter prefix). Everything is checked before anything changes: a refused call
+        leaves the session as it was, and a session never ends up empty (a draft needs a context)."""
+        held = len(self.context)
+        base = held if keep is None else keep
+        if base > held:
+            raise ContextMismatch(f"keep={keep} exceeds the {held} tokens this session holds; "
+                                  f"reopen the session with the full context")
+        if base + len(tokens) != expected_length:
+            kept = "" if keep is None else f" keeping {keep}"
             raise ContextMismatch(
-                f"keep={keep} exceeds the {len(self.context)} tokens this session holds; "
-                f"reopen the session with the full context")
-        del self.context[keep:]
-
-    def commit(self, tokens: list[int], expected_length: int) -> None:
-        if len(self.context) + len(tokens) != expected_length:
-            raise ContextMismatch(
-                f"session holds {len(self.context)} tokens; committing {len(tokens)} gives "
-                f"{len(self.context) + len(tokens)}, but the caller expects {expected_length}; "
-                f"reopen the session with the full context")
+                f"session holds {held} tokens;{kept} committing {len(tokens)} gives {base + len(tokens)}, but "
+                f"the caller expects {expected_length}; reopen the session with the full context")
+        if expected_length < 1:
+            raise InvalidRequest("the session would hold no tokens; keep at least the first prompt token",
+                                 field="keep")
+        del self.context[base:]
         self.context += tokens

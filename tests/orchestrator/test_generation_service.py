@@ -499,6 +499,12 @@ def test_drafter_rewinds_a_session_for_a_branch(stack):
     with pytest.raises(grpc.RpcError) as err:
         stub.Draft(drafter_pb2.DraftRequest(session_id=forked, keep=7, context_length=7, k=1))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "keep=7" in err.value.details()
+    for call, branches in ((stub.Draft, []), (stub.DraftBranches, [1, 2])):  # INTERNAL from the model before
+        with pytest.raises(grpc.RpcError) as err:
+            call(drafter_pb2.DraftRequest(session_id=forked, keep=0, context_length=0, k=1, branch_tokens=branches))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "would hold no tokens" in err.value.details()
+    again = stub.Draft(drafter_pb2.DraftRequest(session_id=forked, context_length=3, k=3))  # refusals changed nothing
+    assert list(again.tokens) == list(branch.tokens)
 
 
 

@@ -1,6 +1,7 @@
 import pytest
 
 from mirrorspec import SamplingParams
+from mirrorspec.config import InvalidRequest
 from mirrorspec.serving.errors import ContextMismatch, SessionLimitReached, SessionNotFound
 from mirrorspec.serving.sessions import SequenceState, SessionStore
 
@@ -28,3 +29,19 @@ def test_sequence_commit_checks_the_callers_view():
     with pytest.raises(ContextMismatch, match="reopen"):
         seq.commit([5], expected_length=9)
     assert seq.context == [1, 2, 3, 4]
+
+
+def test_a_refused_commit_with_keep_leaves_the_session_as_it_was():
+    """The drafter's forks rewind to ``keep`` first; they used to rewind before the length check,
+    so a refused call had already cut the session, and the caller's next correct call failed too."""
+    seq = SequenceState([1, 2, 3, 4], SamplingParams(), seed=0)
+    with pytest.raises(ContextMismatch, match="keeping 1 committing 0 gives 1, but the caller expects 9"):
+        seq.commit([], expected_length=9, keep=1)
+    with pytest.raises(ContextMismatch, match="keep=7 exceeds the 4 tokens"):
+        seq.commit([], expected_length=7, keep=7)
+    with pytest.raises(InvalidRequest, match="would hold no tokens") as err:
+        seq.commit([], expected_length=0, keep=0)
+    assert err.value.field == "keep"
+    assert seq.context == [1, 2, 3, 4]
+    seq.commit([9], expected_length=3, keep=2)
+    assert seq.context == [1, 2, 9]
