@@ -8,6 +8,8 @@ exactness: wrong shape, NaN, negative mass, rows not summing to 1, ids outside t
 
 from __future__ import annotations
 
+import math
+
 import msgpack
 import numpy as np
 import torch
@@ -39,11 +41,15 @@ def decode_array(frame: bytes, *, name: str = "tensor") -> np.ndarray:
     except Exception as err:  # noqa: BLE001 - any garbage from the wire is the caller's error
         raise InvalidRequest(f"{name} is not a valid tensor frame ({err}); encode it with mirrorspec.codec",
                              field=name) from None
-    if dtype not in _DTYPES:
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
         raise InvalidRequest(f"{name} has unsupported dtype {dtype!r}; use one of {sorted(_DTYPES)}", field=name)
+    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) and isinstance(data, bytes)):
+        raise InvalidRequest(f"{name} frame needs a shape of non-negative ints and its data as bytes, got shape "
+                             f"{shape!r} and data of type {type(data).__name__}; encode it with mirrorspec.codec",
+                             field=name)
     np_dtype = np.dtype(_DTYPES[dtype]).newbyteorder("<")
-    count = int(np.prod(shape)) if shape else 1
-    if any(int(d) < 0 for d in shape) or count * np_dtype.itemsize != len(data):
+    count = math.prod(shape)  # Python ints: a huge shape cannot wrap around to match the bytes
+    if count * np_dtype.itemsize != len(data):
         raise InvalidRequest(f"{name} frame says shape {shape} of {dtype} but carries {len(data)} bytes", field=name)
     return np.frombuffer(data, dtype=np_dtype).astype(_DTYPES[dtype]).reshape(shape)
 
@@ -75,7 +81,10 @@ def decode_proposal(probs_frame: bytes, ids_frame: bytes | None, *, num_tokens: 
                              f"{[round(float(s), 6) for s in sums]}", field="q")
     ids = None
     if ids_frame:
-        ids = decode_array(ids_frame, name="q.ids").astype(np.int64, copy=False)
+        ids = decode_array(ids_frame, name="q.ids")
+        if ids.dtype.kind != "i":  # a float id would be truncated to another token without a word
+            raise InvalidRequest(f"q.ids must be int32 or int64, got {ids.dtype}", field="q")
+        ids = ids.astype(np.int64, copy=False)
         if ids.shape != probs.shape:
             raise InvalidRequest(f"q.ids shape {list(ids.shape)} must equal q.probs shape {list(probs.shape)}",
                                  field="q")

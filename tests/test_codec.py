@@ -36,6 +36,14 @@ def frame(array: torch.Tensor) -> bytes:
     (frame(torch.tensor([[0.5, 0.5]])), frame(torch.tensor([[1, 9]], dtype=torch.int32)), 1, "q.ids must lie"),
     (frame(torch.tensor([[0.5, 0.5]])), None, 1, "columns"),
     (frame(torch.tensor([[1.0, 0.0, 0.0, 0.0]])), None, 1, "zero probability"),  # draft token 2 has q = 0
+    # malformed headers: each was INTERNAL with a Python error (and a server traceback) before
+    (msgpack.packb({"dtype": ["float32"], "shape": [1, 4], "data": b""}), None, 1, "unsupported dtype"),
+    (msgpack.packb({"dtype": "float32", "shape": 4, "data": b"\0" * 16}), None, 1, "shape of non-negative ints"),
+    (msgpack.packb({"dtype": "float32", "shape": [1, 4], "data": "x" * 16}), None, 1, "data of type str"),
+    (msgpack.packb({"dtype": "float32", "shape": [1.0, 4], "data": b"\0" * 16}), None, 1, "shape of non-negative"),
+    (msgpack.packb({"dtype": "float32", "shape": [1 << 32, 1 << 32], "data": b""}), None, 1, "carries 0 bytes"),
+    # a float ids frame was truncated to other ids without a word
+    (frame(torch.tensor([[0.5, 0.5]])), frame(torch.tensor([[2.9, 3.7]])), 1, "q.ids must be int32 or int64"),
 ])
 def test_malformed_q_is_rejected_with_a_reason(probs, ids, num_tokens, message):
     with pytest.raises(InvalidRequest, match=message):
