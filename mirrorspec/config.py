@@ -47,6 +47,11 @@ class OutOfRange(InvalidRequest):
     """A value is well-formed but exceeds a configured limit (context window, K bound, ...)."""
 
 
+# vLLM's greedy epsilon: far above where logits / T overflow float32 (~1e-37 for logits of ~30), and
+# colder than anyone samples on purpose. Below it a request is refused rather than bent to greedy.
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How the *target* distribution p is formed, and when generation stops.
@@ -67,6 +72,10 @@ class SamplingParams:
                                  field="temperature")
         if self.temperature < 0 or math.isinf(self.temperature):
             raise InvalidRequest(f"temperature must be finite and >= 0 (0 = greedy), got {self.temperature}",
+                                 field="temperature")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise InvalidRequest(f"temperature {self.temperature} is below {MIN_TEMPERATURE}, where logits / "
+                                 f"temperature overflow float32 and p becomes NaN; use 0 for greedy",
                                  field="temperature")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequest(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}", field="top_k")

@@ -15,6 +15,7 @@ from support import save_tiny_llama
 
 @pytest.mark.parametrize("argv,flag", [
     (["generate", "hi", "--local", "--temperature", "-1"], "--temperature"),
+    (["generate", "hi", "--local", "--temperature", "1e-40"], "--temperature"),  # p was NaN: token 0 forever
     (["generate", "hi", "--local", "--top-p", "1.5"], "--top-p"),
     (["generate", "hi", "--local", "--top-k", "-2"], "--top-k"),
     (["generate", "hi", "--local", "--k", "99"], "--k"),

@@ -363,6 +363,8 @@ def test_expired_target_session_is_reopened_from_the_token_log(stack, tiny_dir):
     (dict(prompt=[]), grpc.StatusCode.INVALID_ARGUMENT, "token_ids is empty"),
     (dict(prompt=[0, 99]), grpc.StatusCode.INVALID_ARGUMENT, "outside the vocabulary"),
     (dict(prompt=[0, 1], temperature=float("nan")), grpc.StatusCode.INVALID_ARGUMENT, "temperature is NaN"),
+    # logits / T overflowed float32: p was NaN and the target emitted token 0 forever, with OK
+    (dict(prompt=[0, 1], temperature=1e-40), grpc.StatusCode.INVALID_ARGUMENT, "use 0 for greedy"),
     (dict(prompt=[0, 1], temperature=-0.5), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
     (dict(prompt=[0, 1], top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
     (dict(prompt=[0, 1], top_p=-0.1), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
