@@ -44,7 +44,7 @@ def frame(array: torch.Tensor) -> bytes:
     (msgpack.packb({"dtype": "float32", "shape": [1 << 32, 1 << 32], "data": b""}), None, 1, "carries 0 bytes"),
     # a float ids frame was truncated to other ids without a word
     (frame(torch.tensor([[0.5, 0.5]])), frame(torch.tensor([[2.9, 3.7]])), 1, "q.ids must be int32 or int64"),
-])
+], ids=lambda value: "frame" if isinstance(value, bytes) else None)
 def test_malformed_q_is_rejected_with_a_reason(probs, ids, num_tokens, message):
     with pytest.raises(InvalidRequest, match=message):
         decode_proposal(probs, ids, num_tokens=num_tokens, vocab_size=4, draft_tokens=[2] * num_tokens)
