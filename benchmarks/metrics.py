@@ -66,11 +66,11 @@ def _spec_fields(stats: list[dict], k: int) -> dict:
     draft_time = sum(s["draft_time_s"] for s in stats)
     verify_time = sum(s["verify_time_s"] for s in stats)
     mirror_windows = sum(s.get("mirror_windows", 0) for s in stats)
-    out: dict = {"mean_accepted_length": (accepted + windows) / windows if windows else None,
+    runner_up_hits = sum(s.get("runner_up_hits", 0) for s in stats)  # tokens kept beside the chain's drafts
+    out: dict = {"mean_accepted_length": (accepted + runner_up_hits + windows) / windows if windows else None,
                  "verify_s_per_window": verify_time / windows if windows else None,
                  "branch_hit_rate": (sum(s.get("branch_hits", 0) for s in stats) / mirror_windows
                                      if mirror_windows else None)}
-    runner_up_hits = sum(s.get("runner_up_hits", 0) for s in stats)
     if runner_up_hits and windows:
         out["runner_up_hit_rate"] = runner_up_hits / windows
     if k == 0 or drafted == 0:

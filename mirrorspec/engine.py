@@ -203,8 +203,8 @@ class GenerationStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens committed per target pass, counting the recovered/bonus token."""
-        return (self.accepted + self.windows) / self.windows if self.windows else 0.0
+        """Tokens committed per target pass, counting the recovered/bonus token and runner-up wins."""
+        return (self.accepted + self.runner_up_hits + self.windows) / self.windows if self.windows else 0.0
 
     @property
     def per_position_acceptance(self) -> list[float]:
@@ -313,9 +313,9 @@ def decode_windows(
             ended = time.perf_counter()
             stats.verify_time_s += ended - started
             stats.span("verify", started, ended)
-        stats.record(len(proposal), verdict.num_accepted)
+        stats.record(len(proposal), verdict.drafts_accepted)
         if policy:
-            policy.observe(len(proposal), verdict.num_accepted)
+            policy.observe(len(proposal), verdict.drafts_accepted)
         last = verdict
 
         tokens = [*verdict.accepted_tokens(proposal.tokens), verdict.next_token]

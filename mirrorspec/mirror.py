@@ -240,7 +240,7 @@ class MirrorPipeline:
         if not self.should_branch():  # a serial window: verify right here, no thread hop
             verdict, span = _timed(verifier.verify, context, proposal, params, seed)
             self.alone_s.add(span[1] - span[0])
-            self.acceptance.observe(kinds, verdict.num_accepted)
+            self.acceptance.observe(kinds, verdict.drafts_accepted)
             return Prefetch(verdict, span[1] - span[0], 0.0, {}, span, (span[0], span[0]), branched=False)
         hints: list[EarlyExitHint] = []
         heard = threading.Event()  # a hint came, or the verify is over
@@ -306,7 +306,7 @@ class MirrorPipeline:
             groups += 1
         drafted = time.perf_counter()
         verdict, verify_span = future.result()
-        self.acceptance.observe(kinds, verdict.num_accepted)
+        self.acceptance.observe(kinds, verdict.drafts_accepted)
         self.verify_s.add(verify_span[1] - verify_span[0])
         if groups:
             self.group_s.add(drafting_s / groups)

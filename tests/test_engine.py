@@ -97,6 +97,21 @@ def test_a_first_window_drafted_ahead_is_taken_only_for_the_k_the_loop_asks(tiny
     assert run((k - 1, other)) == (fresh, calls)  # another k: drafted afresh
 
 
+def test_a_runner_up_win_counts_as_a_rejected_first_draft_and_its_token_apart(tiny_target, near_draft):
+    """Acceptance statistics and adaptive K measure the chain's drafts; a runner-up win follows a
+    rejected first draft. It used to count as an accepted draft (alpha read 0.92 where the first
+    drafts passed 0.76 of their tests, in a review's run)."""
+    result = generate(tiny_target, near_draft, [0, 2, 6], SamplingParams(temperature=1.0, max_new_tokens=120),
+                      num_speculative_tokens=1, seed=3, runner_up=True)
+    s = result.stats
+    assert s.runner_up_hits > 0
+    assert s.accepted + s.rejected == s.windows  # K = 1: each window tests one draft
+    assert s.rejected >= s.runner_up_hits  # every win came after its first draft failed
+    committed = s.accepted + s.runner_up_hits + s.windows  # drafts, runner-ups, recovered/bonus tokens
+    assert committed - len(result.token_ids) in (0, 1)  # the last window may be cut at max_new_tokens
+    assert s.mean_accepted_length == pytest.approx(committed / s.windows)
+
+
 def test_statistics_add_up(tiny_target, tiny_draft):
     result = generate(tiny_target, tiny_draft, [0, 2, 6], SamplingParams(temperature=0.8, max_new_tokens=40),
                       num_speculative_tokens=4, seed=1)
@@ -104,7 +119,7 @@ def test_statistics_add_up(tiny_target, tiny_draft):
     assert 0 <= s.accepted <= s.drafted
     assert sum(s.drafted_per_position) == s.drafted and sum(s.accepted_per_position) == s.accepted
     assert s.accepted + s.windows >= len(result.token_ids)  # truncation at the end may drop a few
-    assert s.mean_accepted_length == pytest.approx((s.accepted + s.windows) / s.windows)
+    assert s.mean_accepted_length == pytest.approx((s.accepted + s.runner_up_hits + s.windows) / s.windows)
     assert s.per_position_acceptance == sorted(s.per_position_acceptance, reverse=True)  # prefix acceptance
     assert s.draft_time_s > 0 and s.verify_time_s > 0
     # every window either accepted all its drafts or ended at one rejection

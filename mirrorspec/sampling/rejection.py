@@ -46,6 +46,13 @@ class WindowVerdict:
     # num_accepted is 1 and next_token is the target's token after it)
     runner_up: int | None = None
 
+    @property
+    def drafts_accepted(self) -> int:
+        """The chain's drafts that passed their test, what acceptance statistics and adaptive K
+        count: none where the runner-up took the first slot, since the first draft failed there
+        (the drafter's token kept is counted apart, as a runner-up win)."""
+        return 0 if self.runner_up is not None else self.num_accepted
+
     def accepted_tokens(self, drafts: Sequence[int]) -> list[int]:
         """The drafts this verdict keeps, in order (the runner-up where it won the first slot)."""
         return [self.runner_up] if self.runner_up is not None else list(drafts[:self.num_accepted])
