@@ -60,7 +60,7 @@ class Verifier(Protocol):
     def verify(self, context: Sequence[int], proposal: Proposal, params: SamplingParams, seed: int,
                on_hint: Callable[[EarlyExitHint], None] | None = None) -> WindowVerdict: ...
 
-    def offered_runner_up(self, proposal: Proposal, hinting: bool = False) -> int | None:
+    def offered_runner_up(self, proposal: Proposal) -> int | None:
         """The runner-up ``verify`` scores beside ``proposal``'s first draft (None: a chain only)."""
 
 
@@ -88,8 +88,9 @@ class TargetVerifier:
     def verify(self, context: Sequence[int], proposal: Proposal, params: SamplingParams, seed: int,
                on_hint: Callable[[EarlyExitHint], None] | None = None) -> WindowVerdict:
         k, start = len(proposal), len(context)
-        hinting = self.probe.watching(k + 1, on_hint) if on_hint is not None and self.probe else nullcontext()
-        runner_up = self.offered_runner_up(proposal, hinting=on_hint is not None)
+        runner_up = self.offered_runner_up(proposal)
+        hinting = (self.probe.watching(k + 1, on_hint, trailing=int(runner_up is not None))
+                   if on_hint is not None and self.probe else nullcontext())
         window = [*context, *proposal.tokens]
         with hinting:
             if runner_up is None:
@@ -134,14 +135,15 @@ class TargetVerifier:
             return int(logits[0].argmax())
         return int(sample_categorical(target_probs(logits, params), uniforms(seed, [start + 1], Stream.NEXT)).item())
 
-    def offered_runner_up(self, proposal: Proposal, hinting: bool = False) -> int | None:
-        return runner_up_to_offer(self.runner_up, proposal, hinting)
+    def offered_runner_up(self, proposal: Proposal) -> int | None:
+        return runner_up_to_offer(self.runner_up, proposal)
 
 
-def runner_up_to_offer(enabled: bool, proposal: Proposal, hinting: bool) -> int | None:
-    """The runner-up a window offers, local or remote verifier alike: none beside hints, since the
-    probe reads the chain's pass, which has no sibling row."""
-    return proposal.runner_up() if enabled and not hinting else None
+def runner_up_to_offer(enabled: bool, proposal: Proposal) -> int | None:
+    """The runner-up a window offers, local or remote verifier alike. Every window of a request
+    offers it, hinted or not: which windows gather hints depends on timing (mirror branches only
+    while it pays), and a seeded request's tokens must not."""
+    return proposal.runner_up() if enabled else None
 
 
 @dataclass

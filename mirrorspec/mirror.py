@@ -260,7 +260,8 @@ class MirrorPipeline:
         # a runner-up the target scores in this window takes the first slot itself where the
         # target picks it: the guess (0, runner-up) becomes "the runner-up won, then the drafter's
         # own next token"
-        pending = runner_up_guesses(pending, verifier.offered_runner_up(proposal, hinting=wants_hints))
+        offered = verifier.offered_runner_up(proposal)
+        pending = runner_up_guesses(pending, offered)
         drafting_s = 0.0  # in propose calls, not waiting for hints
         groups = 0
         while len(branches) < self.config.max_branches:
@@ -270,7 +271,8 @@ class MirrorPipeline:
                 wants_hints = False
                 heard.wait()
                 if hints:
-                    pending = sorted([*pending, *hint_guesses(proposal, hints[0], rates)], key=lambda g: -g[0])
+                    hinted = runner_up_guesses(hint_guesses(proposal, hints[0], rates), offered)
+                    pending = sorted([*pending, *hinted], key=lambda g: -g[0])
                 continue
             if not pending:
                 break

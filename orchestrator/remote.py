@@ -410,7 +410,7 @@ class RemoteVerifier(PooledSession):
                         self._unary = False
             return _verdict_of(replica.stub.Verify(request, timeout=self.timeout_s), on_hint)
 
-        runner_up = self.offered_runner_up(proposal, hinting=on_hint is not None)
+        runner_up = self.offered_runner_up(proposal)
         started = time.perf_counter()
         verdict = self.call(context, rpc)
         self.times.call_s += time.perf_counter() - started
@@ -419,8 +419,8 @@ class RemoteVerifier(PooledSession):
                              next_kind=TOKEN_KIND_FROM_PROTO[verdict.next_kind],
                              runner_up=verdict.runner_up if verdict.HasField("runner_up") else None)
 
-    def offered_runner_up(self, proposal: Proposal, hinting: bool = False) -> int | None:
-        return runner_up_to_offer(self.runner_up, proposal, hinting)
+    def offered_runner_up(self, proposal: Proposal) -> int | None:
+        return runner_up_to_offer(self.runner_up, proposal)
 
 
 def _verdict_of(events, on_hint: Callable[[EarlyExitHint], None] | None) -> target_pb2.Verdict:

@@ -72,9 +72,11 @@ class EarlyExitProbe:
         self._to_head = lens if lens is not None else norm
 
     @contextmanager
-    def watching(self, num_positions: int, on_hint: Callable[[EarlyExitHint], None]) -> Iterator[None]:
+    def watching(self, num_positions: int, on_hint: Callable[[EarlyExitHint], None],
+                 trailing: int = 0) -> Iterator[None]:
         """While inside, each forward through the model on this thread sends one hint for its last
-        ``num_positions`` positions to ``on_hint`` (called on the forward's thread). Forwards from
+        ``num_positions`` positions before ``trailing`` more (a runner-up's row, fed after the
+        window's) to ``on_hint`` (called on the forward's thread). Forwards from
         other threads pass unheard: a draft that is the target model itself drafts branches through
         the same block meanwhile, and its one-row forwards are no hint about this window."""
         watcher = threading.get_ident()
@@ -83,7 +85,8 @@ class EarlyExitProbe:
             if threading.get_ident() != watcher:
                 return
             hidden = output[0] if isinstance(output, tuple) else output  # [1, n, hidden]
-            normed = self._to_head(hidden[0, -num_positions:])  # [num_positions, hidden]
+            end = hidden.shape[1] - trailing
+            normed = self._to_head(hidden[0, end - num_positions:end])  # [num_positions, hidden]
             logits = self._head(normed).float()  # [num_positions, vocab or m]
             top = logits.softmax(dim=-1).topk(min(self.top_k, logits.shape[-1]), dim=-1)  # [num_positions, κ]
             ids = top.indices if self._vocab_ids is None else self._vocab_ids[top.indices]

@@ -26,6 +26,20 @@ def test_a_hint_is_the_head_on_the_layer_output_for_the_window_positions(tiny_di
     assert len(hints) == 1  # the hook is gone outside `watching`
 
 
+def test_a_runner_up_row_after_the_window_leaves_the_hint_the_chains(tiny_dir):
+    """A runner-up window feeds the runner-up after the window's tokens: the hint reads the rows
+    before it, the same hint the chain's pass gives."""
+    model = load(tiny_dir["target16"])
+    probe, ids = EarlyExitProbe(model, layer=1, top_k=3), [0, 3, 5, 2, 7]
+    chain, with_runner_up = [], []
+    with probe.watching(3, chain.append):
+        KVSession(model).logits_for(ids, 3)
+    with probe.watching(3, with_runner_up.append, trailing=1):
+        KVSession(model).logits_with_runner_up(ids, 3, runner_up=9)
+    assert len(with_runner_up) == 1 and with_runner_up[0].top_tokens == chain[0].top_tokens
+    assert torch.allclose(torch.tensor(with_runner_up[0].top_probs), torch.tensor(chain[0].top_probs), atol=1e-5)
+
+
 def test_forwards_from_other_threads_send_no_hint(tiny_dir):
     """A draft that is the target model itself drafts through the hooked block while the verify
     runs; its forwards are no hint about the window (and one-row ones broke the hint's shape)."""
