@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="a draft window ends after the draft's first token below P (0 = off)")
     parser.add_argument("--runner-up", action="store_true",
                         help="windows also offer the draft's runner-up for their first draft, as `serve` does "
-                             "(a window with hints offers none)")
+                             "(hinted windows too)")
     parser.add_argument("--reps", type=int, default=60)
     parser.add_argument("--target", default="demo-target")
     parser.add_argument("--draft", default="demo-draft")
