@@ -83,16 +83,20 @@ class PooledSession:
     def open_request(self, context: Sequence[int], params: SamplingParams):
         raise NotImplementedError
 
-    def open(self, context: Sequence[int], avoid: set[str] | None = None) -> None:
-        """Open on the least-loaded replica, trying others while replicas refuse or are down."""
-        tried = set(avoid or ())
+    def open(self, context: Sequence[int]) -> None:
+        """Open on the least-loaded replica, trying others while replicas refuse or are down, for
+        up to ``replacement_wait_s``. A replica that is down is kept off for the pool's failure
+        cooldown only, not for the rest of the request: one restarted at its own address (a
+        single-target deployment) serves the session again."""
+        tried: set[str] = set()  # replicas that refused (full), or were down when time ran out
+        deadline = time.monotonic() + self.replacement_wait_s
         # the budget left to this request, so a replayed (longer) prompt passes the context check
         params = replace(self.params, max_new_tokens=max(self.params.max_new_tokens
                                                          - (len(context) - self.prompt_length), 1))
         full: set[str] = set()
         while True:
             try:  # wait for a replacement replica only if none refused for being full
-                replica = self.pool.acquire(tried, wait_s=0.0 if full else self.replacement_wait_s)
+                replica = self.pool.acquire(tried, wait_s=0.0 if full else max(deadline - time.monotonic(), 0.0))
             except NoReplicaAvailable:
                 if full:
                     raise SessionLimitReached(
@@ -105,10 +109,12 @@ class PooledSession:
                 self.pool.release(replica)
                 if err.code() in _REPLICA_GONE:
                     self.pool.report_failure(replica)
-                elif err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    full.add(replica.address)
-                else:
+                    if time.monotonic() >= deadline:  # out of time: not this one again
+                        tried.add(replica.address)
+                    continue
+                if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise
+                full.add(replica.address)
                 tried.add(replica.address)
                 continue
             self.replica, self.session_id, self.held = replica, response.session_id, list(context)
@@ -131,8 +137,8 @@ class PooledSession:
                 if err.code() in _REPLICA_GONE:
                     log.warning("%s replica %s is unreachable; replaying the session elsewhere",
                                 self.pool.name, self.replica.address)
-                    self.pool.report_failure(self.replica)
-                    self.move(context, avoid={self.replica.address})
+                    self.pool.report_failure(self.replica)  # kept off for the cooldown: another first
+                    self.move(context)
                 elif err.code() == _SESSION_GONE:
                     log.info("%s session %s is gone; reopening it from the token log", self.pool.name, self.session_id)
                     self.move(context)
@@ -166,10 +172,10 @@ class PooledSession:
             self._stream.close()
         self._stream = None
 
-    def move(self, context: Sequence[int], avoid: set[str] | None = None) -> None:
+    def move(self, context: Sequence[int]) -> None:
         self._let_go()
         self.moves += 1
-        self.open(context, avoid)
+        self.open(context)
 
     def _let_go(self) -> None:
         if self.replica is None:
@@ -343,6 +349,9 @@ class RemoteDrafter(Drafter):
         except (grpc.RpcError, InvalidRequest, NoReplicaAvailable, SessionLimitReached) as err:
             detail = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else str(err)
             self.failure = detail
+            replica = self.session.replica
+            if replica is not None and isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self.session.pool.report_failure(replica)  # a drafter that hangs: new sessions go elsewhere
             log.warning("drafter failed (%s); continuing target-only", detail)
             return None
 

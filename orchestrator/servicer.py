@@ -57,6 +57,9 @@ class OrchestratorConfig:
     default_max_new_tokens: int = 128
     max_concurrent_requests: int = 64
     backend_timeout_s: float = 120.0
+    # a drafter call's deadline (at most half the request's own): drafts are optional, so a drafter
+    # that hangs costs a request this long before it goes on target-only, not its whole budget
+    drafter_timeout_s: float = 30.0
     replacement_wait_s: float = 60.0  # how long a request waits for a target replica to (re)appear
     metrics_port: int | None = None  # Prometheus text endpoint on host:metrics_port
     adaptive: AdaptiveKConfig | None = None  # K per window in [0, requested K]; None = fixed K
@@ -85,6 +88,9 @@ class OrchestratorConfig:
         for field_name in ("target", "drafter"):
             for address in parse_addresses(getattr(self, field_name)):
                 check_address(address, field_name)
+        for field_name in ("backend_timeout_s", "drafter_timeout_s"):
+            if not getattr(self, field_name) > 0:  # nan too
+                raise InvalidRequest(f"must be > 0 seconds, got {getattr(self, field_name)}", field=field_name)
 
 
 @dataclass
@@ -325,8 +331,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             ngram = FrontDoorNgram(paused=self._saturated)
             return OpenedDrafter(ngram, ngram, self._draft_ahead(prepared, ngram))
         remote = RemoteDrafter(self.drafters, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
-                               timeout_s=timeout, step_cost=replica_step_cost(self.drafter_info),
-                               paused=self._saturated,
+                               timeout_s=min(self.config.drafter_timeout_s, timeout / 2),
+                               step_cost=replica_step_cost(self.drafter_info), paused=self._saturated,
                                caller_lookup=self._lookup_here())
         drafter = front_door_drafter(remote)
         return OpenedDrafter(remote, drafter, self._draft_ahead(prepared, drafter))

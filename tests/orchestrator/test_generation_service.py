@@ -867,3 +867,61 @@ def test_a_drafter_pool_that_joins_later_is_described_by_a_replica_that_can_draf
             completion = client.generate([0, 7, 3], max_tokens=20)
         assert door.servicer.drafter_info.model.vocab_size == 16
     assert completion.stats.drafted > 0 and not completion.stats.drafter_fallback
+
+
+def test_a_target_restarted_at_its_own_address_serves_the_request_that_waited_for_it(tiny_dir):
+    """A single-target deployment whose target restarts on the same host:port. Its address used to
+    be avoided for the rest of the request, which then waited out replacement_wait_s and failed
+    UNAVAILABLE although the target was back; now it is kept off for the pool's failure cooldown."""
+    import threading
+
+    from mirrorspec.serving.server import BackgroundServer
+    from target_service.servicer import TargetConfig
+    from target_service.servicer import serve as serve_target
+
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], replacement_wait_s=30)
+    restarted = []
+    try:
+        port = s.targets[0].port
+        s.targets[0].stop()
+        config = TargetConfig(model=str(tiny_dir["target16"]), host="127.0.0.1", port=port)
+
+        def restart():
+            time.sleep(1.0)
+            restarted.append(BackgroundServer(lambda: serve_target(config), "target").start())
+
+        thread = threading.Thread(target=restart)
+        thread.start()
+        with Client(s.address, timeout_s=60) as client:
+            completion = client.generate([0, 7, 3], max_tokens=20)
+        thread.join()
+        assert completion.token_ids == target_only(load(tiny_dir["target16"]), [0, 7, 3], 20)
+    finally:
+        s.stop()
+        for server in restarted:
+            server.stop()
+
+
+def test_a_drafter_that_hangs_costs_a_request_its_drafter_timeout_not_its_budget(tiny_dir, caplog):
+    """Drafter calls had the request's whole budget as their deadline: a hung drafter stalled each
+    request for up to 120 s, and failed one whose client set a deadline, though the target was
+    well. Here its compute lane is stuck for 5 s: the request goes on target-only at once."""
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], drafter_timeout_s=0.5)
+    try:
+        with Client(s.address, timeout_s=30) as client:
+            assert not client.generate([0, 7, 3], max_tokens=4).stats.drafter_fallback
+            s.drafters[0].servicer.lane.later(time.sleep, 5.0)
+            completion = client.generate([0, 7, 3], max_tokens=20)
+    finally:
+        s.stop()
+    assert completion.token_ids == target_only(load(tiny_dir["target16"]), [0, 7, 3], 20)
+    assert completion.stats.drafter_fallback
+    assert "drafter failed (DEADLINE_EXCEEDED" in caplog.text
+
+
+@pytest.mark.parametrize("field", ["backend_timeout_s", "drafter_timeout_s"])
+@pytest.mark.parametrize("value", [0.0, float("nan")])
+def test_a_front_door_timeout_must_be_positive(field, value):
+    with pytest.raises(InvalidRequest, match="must be > 0 seconds") as err:
+        OrchestratorConfig(target="127.0.0.1:50061", drafter=None, **{field: value})
+    assert err.value.field == field
