@@ -15,7 +15,8 @@ class SpecDecodeMetrics:
         self.registry = CollectorRegistry()
         self._http = None  # the /metrics HTTP server, once ``serve`` runs
         r = self.registry
-        self.num_drafts = Counter("mirrorspec_spec_decode_num_drafts", "Windows verified", registry=r)
+        self.num_drafts = Counter("mirrorspec_spec_decode_num_drafts", "Windows verified with at least one draft "
+                                  "(as vLLM counts drafts: target-only windows are not among them)", registry=r)
         self.num_draft_tokens = Counter("mirrorspec_spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
         self.num_accepted_tokens = Counter("mirrorspec_spec_decode_num_accepted_tokens", "Draft tokens accepted",
                                            registry=r)
@@ -39,7 +40,7 @@ class SpecDecodeMetrics:
 
     def observe(self, outcome) -> None:
         s = outcome.stats
-        self.num_drafts.inc(s.windows)
+        self.num_drafts.inc(s.drafted_per_position[0] if s.drafted_per_position else 0)
         self.num_draft_tokens.inc(s.drafted)
         self.num_accepted_tokens.inc(s.accepted)
         for position, count in enumerate(s.accepted_per_position):

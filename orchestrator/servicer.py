@@ -145,8 +145,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         # a request's drafter session opens here while its worker opens the target session
         self._openers = ThreadPoolExecutor(max_workers=config.max_concurrent_requests,
                                            thread_name_prefix="drafter-open")
-        # an EOS id past the model's vocabulary can never be sampled (and requests are refused stop ids there)
-        self.eos_ids = tuple(t for t in _eos_ids(tokenizer) if t < self.vocab_size)
+        # the target's own (its generation config's and tokenizer's) and this tokenizer's; an EOS id
+        # past the model's vocabulary can never be sampled (and requests are refused stop ids there)
+        eos = {*target_info.model.stop_token_ids, *_eos_ids(tokenizer)}
+        self.eos_ids = tuple(sorted(t for t in eos if t < self.vocab_size))
         self.in_flight = 0  # requests running now (read by workers, changed on the event loop)
 
     def close(self) -> None:
@@ -240,13 +242,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
         def work() -> None:
+            """Every request is counted in the metrics, cancelled and failed ones too, and before
+            its answer goes out (so a client that reads the metrics next sees it)."""
             if cancelled.is_set():  # the client left (or its deadline passed) while this queued
+                outcome.finish_reason = "cancelled"
+                self.metrics.observe(outcome)
                 return
             try:
                 self._drive(prepared, outcome, timeout, cancelled, emit)
-                emit(_DONE)
             except BaseException as err:  # noqa: BLE001 - handed to the event loop, mapped to a status there
+                outcome.finish_reason = "cancelled" if cancelled.is_set() else "error"
+                self.metrics.observe(outcome)
                 emit(err)
+                return
+            self.metrics.observe(outcome)
+            emit(_DONE)
 
         self.in_flight += 1
         try:
@@ -257,13 +267,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     break
                 if isinstance(item, BaseException):
                     raise item
-                if outcome.first_token_at is None:
-                    outcome.first_token_at = time.perf_counter()
                 yield item
         finally:
             self.in_flight -= 1
             cancelled.set()  # client went away, deadline passed, or done: the worker stops and closes sessions
-        self.metrics.observe(outcome)
 
     def _drive(self, prepared: PreparedRequest, outcome: RequestOutcome, timeout: float,
                cancelled: threading.Event, emit) -> None:
@@ -305,6 +312,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     finish = "stop" if hit else finish
                 outcome.tokens += tokens
                 if tokens:
+                    if outcome.first_token_at is None:
+                        outcome.first_token_at = time.perf_counter()
                     emit(tokens)
                 if finish:
                     outcome.finish_reason = finish

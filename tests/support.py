@@ -21,16 +21,17 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 
 def save_tiny_llama(path: Path, seed: int, vocab: int = 8, hidden: int = 16, layers: int = 1,
-                    logit_scale: float = 3.0) -> Path:
+                    logit_scale: float = 3.0, eos_token_id: int | list[int] | None = None) -> Path:
     """A random Llama with a tiny vocabulary, saved as an ordinary checkpoint.
 
     The LM head is scaled so next-token distributions are far from uniform (default init gives
-    nearly flat ones, which would make every test weak).
+    nearly flat ones, which would make every test weak). No EOS by default: a server stops at its
+    target's EOS ids, and tests compare with target-only decoding run to max_new_tokens.
     """
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2,
                          max_position_embeddings=128, tie_word_embeddings=False,
-                         bos_token_id=0, eos_token_id=vocab - 1, pad_token_id=0)
+                         bos_token_id=0, eos_token_id=eos_token_id, pad_token_id=0)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     with torch.no_grad():

@@ -11,9 +11,9 @@ from mirrorspec.models import encode_prompt
 from support import load
 
 
-def hf_greedy(model, prompt, n):
-    """HF's own greedy decoding, stopping at the model's EOS like ours does."""
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+def hf_greedy(model, prompt, n, eos):
+    """HF's own greedy decoding, stopping at ``eos`` like ours does."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=eos)
     return out[0, len(prompt):].tolist()
 
 
@@ -25,9 +25,9 @@ def random_prompts(count, vocab, seed=0):
 @pytest.mark.parametrize("k", [1, 2, 4, 7])
 def test_greedy_is_token_identical_to_target_only_and_to_hf(tiny_target, tiny_draft, k):
     for prompt in random_prompts(8, vocab=8, seed=k):
-        params = SamplingParams(max_new_tokens=20, stop_token_ids=(7,))  # 7 is the tiny models' EOS
+        params = SamplingParams(max_new_tokens=20, stop_token_ids=(7,))  # an EOS, for HF and us alike
         baseline = generate(tiny_target, None, prompt, params).token_ids
-        assert baseline == hf_greedy(tiny_target, prompt, 20)
+        assert baseline == hf_greedy(tiny_target, prompt, 20, eos=7)
         for draft in (tiny_draft, "ngram", DraftModelDrafter(tiny_draft, proposal_top_k=2)):
             assert generate(tiny_target, draft, prompt, params, num_speculative_tokens=k).token_ids == baseline
 

@@ -96,4 +96,5 @@ def describe_model(loaded: LoadedModel) -> common_pb2.ModelDescription:
     model = loaded.model
     return common_pb2.ModelDescription(
         source=loaded.source, architecture=type(model).__name__, vocab_size=int(model.config.vocab_size),
-        max_context=loaded.max_context, device=str(model.device), dtype=loaded.dtype_name)
+        max_context=loaded.max_context, device=str(model.device), dtype=loaded.dtype_name,
+        stop_token_ids=loaded.stop_token_ids())

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amirrorspec/v1/common.proto\x12\rmirrorspec.v1\"s\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\"\x1c\n\x0bTensorFrame\x12\r\n\x05\x66rame\x18\x01 \x01(\x0c\"j\n\x14ProposalDistribution\x12)\n\x05probs\x18\x01 \x01(\x0b\x32\x1a.mirrorspec.v1.TensorFrame\x12\'\n\x03ids\x18\x02 \x01(\x0b\x32\x1a.mirrorspec.v1.TensorFrame\"\x80\x01\n\x10ModelDescription\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\'\n\x14\x43loseSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest*p\n\tTokenKind\x12\x1a\n\x16TOKEN_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13TOKEN_KIND_ACCEPTED\x10\x01\x12\x18\n\x14TOKEN_KIND_RECOVERED\x10\x02\x12\x14\n\x10TOKEN_KIND_BONUS\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amirrorspec/v1/common.proto\x12\rmirrorspec.v1\"s\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\"\x1c\n\x0bTensorFrame\x12\r\n\x05\x66rame\x18\x01 \x01(\x0c\"j\n\x14ProposalDistribution\x12)\n\x05probs\x18\x01 \x01(\x0b\x32\x1a.mirrorspec.v1.TensorFrame\x12\'\n\x03ids\x18\x02 \x01(\x0b\x32\x1a.mirrorspec.v1.TensorFrame\"\x98\x01\n\x10ModelDescription\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\'\n\x14\x43loseSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest*p\n\tTokenKind\x12\x1a\n\x16TOKEN_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13TOKEN_KIND_ACCEPTED\x10\x01\x12\x18\n\x14TOKEN_KIND_RECOVERED\x10\x02\x12\x14\n\x10TOKEN_KIND_BONUS\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mirrorspec.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TOKENKIND']._serialized_start=530
-  _globals['_TOKENKIND']._serialized_end=642
+  _globals['_TOKENKIND']._serialized_start=554
+  _globals['_TOKENKIND']._serialized_end=666
   _globals['_SAMPLINGPARAMS']._serialized_start=45
   _globals['_SAMPLINGPARAMS']._serialized_end=160
   _globals['_TENSORFRAME']._serialized_start=162
@@ -40,11 +40,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROPOSALDISTRIBUTION']._serialized_start=192
   _globals['_PROPOSALDISTRIBUTION']._serialized_end=298
   _globals['_MODELDESCRIPTION']._serialized_start=301
-  _globals['_MODELDESCRIPTION']._serialized_end=429
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=431
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=472
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=474
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=513
-  _globals['_INFOREQUEST']._serialized_start=515
-  _globals['_INFOREQUEST']._serialized_end=528
+  _globals['_MODELDESCRIPTION']._serialized_end=453
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=455
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=496
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=498
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=537
+  _globals['_INFOREQUEST']._serialized_start=539
+  _globals['_INFOREQUEST']._serialized_end=552
 # @@protoc_insertion_point(module_scope)

@@ -47,20 +47,22 @@ class ProposalDistribution(_message.Message):
     def __init__(self, probs: _Optional[_Union[TensorFrame, _Mapping]] = ..., ids: _Optional[_Union[TensorFrame, _Mapping]] = ...) -> None: ...
 
 class ModelDescription(_message.Message):
-    __slots__ = ("source", "architecture", "vocab_size", "max_context", "device", "dtype")
+    __slots__ = ("source", "architecture", "vocab_size", "max_context", "device", "dtype", "stop_token_ids")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     source: str
     architecture: str
     vocab_size: int
     max_context: int
     device: str
     dtype: str
-    def __init__(self, source: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, source: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)

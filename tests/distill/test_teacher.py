@@ -8,11 +8,12 @@ PROMPTS = [[0, 3, 5, 2], [1, 4], [2, 6, 1, 3, 3, 5, 4]]
 
 
 def test_greedy_rows_match_hf_generate_despite_left_padding(tiny_target):
-    eos = tiny_target.generation_config.eos_token_id  # HF stops there too
+    eos = 7  # HF stops there too
     shard = generate_batch(tiny_target, PROMPTS, max_new_tokens=6, stop_ids=[eos], temperature=0.0, top_k=4,
                            generator=torch.Generator().manual_seed(0))
     for prompt, tokens, start in zip(PROMPTS, shard.tokens, shard.starts):
-        reference = tiny_target.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0].tolist()
+        reference = tiny_target.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                                         eos_token_id=eos, pad_token_id=0)[0].tolist()
         assert start == len(prompt)
         assert tokens.tolist() == reference
 

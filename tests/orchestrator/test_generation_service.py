@@ -925,3 +925,24 @@ def test_a_front_door_timeout_must_be_positive(field, value):
     with pytest.raises(InvalidRequest, match="must be > 0 seconds") as err:
         OrchestratorConfig(target="127.0.0.1:50061", drafter=None, **{field: value})
     assert err.value.field == field
+
+
+def test_a_front_door_stops_at_the_eos_ids_of_its_targets_generation_config(tiny_dir, tmp_path):
+    """As `generate --local` does. The front door took EOS from its tokenizer alone (here there is
+    none): an instruct model whose end of turn is in its generation config alone (Llama 3's
+    <|eot_id|>) ran on to max_tokens when served, and said "length"."""
+    from support import save_tiny_llama
+
+    reference = target_only(load(tiny_dir["target16"]), [0, 7, 3], 20)
+    eos = reference[5]
+    # the same weights (target16's seed and shape), with an EOS list in its generation config
+    target = save_tiny_llama(tmp_path / "target", seed=2, vocab=16, layers=2, eos_token_id=[eos, 99 % 16])
+    s = start_stack(target, tiny_dir["draft16"])
+    try:
+        with Client(s.address) as client:
+            completion = client.generate([0, 7, 3], max_tokens=20)
+    finally:
+        s.stop()
+    first_stop = min(reference.index(t) for t in (eos, 99 % 16) if t in reference)
+    assert completion.token_ids == reference[:first_stop + 1]
+    assert completion.finish_reason == "stop"

@@ -16,3 +16,45 @@ def test_a_metrics_port_in_use_is_refused_naming_the_setting():
         with pytest.raises(InvalidRequest, match=f"cannot serve metrics on 127.0.0.1:{port}") as err:
             SpecDecodeMetrics().serve("127.0.0.1", port)
     assert err.value.field == "metrics_port"
+
+
+def test_cancelled_requests_are_counted_with_their_finish_reason(tiny_dir):
+    """The metrics were observed after the response generator finished normally, so a cancelled,
+    timed-out or failed request was never counted (nor its tokens, windows and latency)."""
+    from mirrorspec.client import Client
+    from served_stack import start_stack
+    from support import wait_until
+
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"])
+    metrics = s.front.servicer.metrics
+
+    def requests() -> dict[str, float]:
+        return {sample.labels["finish_reason"]: sample.value for family in metrics.requests.collect()
+                for sample in family.samples if sample.name.endswith("_total")}
+
+    try:
+        with Client(s.address) as client:
+            client.generate([0, 1, 2], max_tokens=10)
+            assert requests() == {"length": 1.0}
+            stream = client.stream([0, 1, 2], max_tokens=100)
+            next(stream)
+            stream.cancel()
+            assert wait_until(lambda: requests().get("cancelled") == 1.0, timeout=10)
+    finally:
+        s.stop()
+    assert metrics.generation_tokens._value.get() > 10  # the cancelled request's tokens too
+
+
+def test_num_drafts_counts_windows_that_carried_drafts_only():
+    """vLLM's num_drafts: a window sent without drafts (K=0, paused, after a drafter fallback) is
+    no draft, and counting it lowered 1 + accepted / num_drafts, the mean acceptance length."""
+    from mirrorspec.engine import GenerationStats
+    from orchestrator.servicer import RequestOutcome
+
+    metrics = SpecDecodeMetrics()
+    stats = GenerationStats()
+    for drafted, accepted in ((3, 2), (0, 0), (0, 0), (2, 2)):
+        stats.record(drafted, accepted)
+    metrics.observe(RequestOutcome(stats=stats))
+    assert metrics.num_drafts._value.get() == 2
+    assert metrics.num_draft_tokens._value.get() == 5 and metrics.num_accepted_tokens._value.get() == 4
