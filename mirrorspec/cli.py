@@ -526,6 +526,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         ("target_gpus", args.target_gpus), ("speculation_off_above", args.speculation_off_above),
                         ("start_timeout", args.start_timeout)):
         check_finite_amount(value, flag)
+        if value and flag in RESOURCE_FLAGS and round(value, 4) != value:
+            raise InvalidRequest(f"Ray counts resources in steps of 0.0001, got {value}", field=flag)
     if args.num_cpus is not None and args.num_cpus < 1:
         raise InvalidRequest(f"must be >= 1 (or left out for this machine's), got {args.num_cpus}", field="num_cpus")
     spec = _stack_spec(args, target_gpus=0.0)  # validates counts before Ray starts
@@ -533,6 +535,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     # a local Ray's replicas see this machine's devices; a cluster's GPU nodes may not be up yet
     (resolve_device if args.address is None else parse_device)(args.device)
+    if args.address is None:
+        check_local_ray_fits(args, spec)
     from cluster.deploy import connect, deploy, teardown
 
     with interrupted_by_termination():  # a stop while replicas start tears the deployment down
@@ -608,6 +612,27 @@ def _target_gpus(requested: float | None) -> float:
     return 1.0 if ray.cluster_resources().get("GPU", 0) > 0 or torch.cuda.is_available() else 0.0
 
 
+RESOURCE_FLAGS = ("replica_cpus", "drafter_gpus", "target_gpus")
+
+
+def check_local_ray_fits(args: argparse.Namespace, spec) -> None:
+    """A local Ray has no autoscaler: replicas that ask for more GPUs than this machine has, or
+    more CPUs than --num-cpus gives it, would wait out --start-timeout (10 minutes by default)
+    and then be blamed on it."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    for flag, replicas in (("target_gpus", spec.targets * spec.tp), ("drafter_gpus", spec.drafters)):
+        wanted = replicas * (getattr(args, flag) or 0.0)
+        if wanted > gpus:
+            raise InvalidRequest(f"the replicas ask for {wanted:g} GPUs in all and a local Ray on this machine has "
+                                 f"{gpus}; lower it, or pass --address of a cluster with GPU nodes", field=flag)
+    wanted = _cpus_wanted(spec)
+    if args.num_cpus is not None and args.num_cpus < wanted:
+        raise InvalidRequest(f"a local Ray of {args.num_cpus} CPUs cannot place the replicas, which ask for "
+                             f"{wanted:g} (--replica-cpus each); raise it, or lower --replica-cpus", field="num_cpus")
+
+
 def check_finite_amount(value: float | None, field: str) -> None:
     """A count, resource share or wait that must be a finite number >= 0 (``nan`` passes ``< 0``
     and ``inf`` overflows Ray's and threading's arithmetic, both as tracebacks)."""
@@ -617,8 +642,11 @@ def check_finite_amount(value: float | None, field: str) -> None:
 
 def _local_cpus(args: argparse.Namespace, spec) -> int:
     """A local Ray big enough for what was asked (CPUs are Ray's accounting, threads are ours)."""
-    wanted = spec.drafters * spec.drafter_resources.cpus + spec.targets * spec.tp * spec.target_resources.cpus
-    return args.num_cpus or max(len(os.sched_getaffinity(0)), math.ceil(wanted))
+    return args.num_cpus or max(len(os.sched_getaffinity(0)), math.ceil(_cpus_wanted(spec)))
+
+
+def _cpus_wanted(spec) -> float:
+    return spec.drafters * spec.drafter_resources.cpus + spec.targets * spec.tp * spec.target_resources.cpus
 
 
 @contextlib.contextmanager
@@ -641,13 +669,13 @@ def interrupted_by_termination():
 
 
 def _wait_for_stop() -> None:
-    import signal
+    """Until Ctrl-C, SIGTERM or SIGHUP, each ending serving alike: the caller then tears the
+    deployment down (a closed terminal used to kill the process before that, leaving it running)."""
     import threading
 
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        stop.wait()
+        with interrupted_by_termination():
+            threading.Event().wait()
     except KeyboardInterrupt:
         pass
 

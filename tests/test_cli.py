@@ -40,6 +40,9 @@ from support import save_tiny_llama
     (["serve", "--target-gpus", "nan"], "--target-gpus"),
     (["serve", "--start-timeout", "inf"], "--start-timeout"),  # an OverflowError in the controller, after Ray
     (["serve", "--num-cpus", "0"], "--num-cpus"),  # silently "this machine's" before
+    # a local Ray too small for the replicas waited out --start-timeout (600 s), then blamed it
+    (["serve", "--num-cpus", "1", "--replica-cpus", "1"], "--num-cpus"),
+    (["serve", "--replica-cpus", "0.00001"], "--replica-cpus"),  # a Ray ValueError traceback before
     (["scale", "drafter", "3", "--wait", "nan"], "--wait"),  # after the scale was applied, before
     (["serve", "--tp", "2", "--hint-layer", "20"], "--hint-layer"),
     (["serve", "--speculation-off-above", "-1"], "--speculation-off-above"),
@@ -94,14 +97,20 @@ def test_bad_flags_are_named(argv, flag, capsys):
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
-@pytest.mark.parametrize("argv", [["generate", "hi", "--local", "--device", "cuda"], ["serve", "--device", "cuda"]])
-def test_asking_for_a_gpu_this_machine_lacks_is_a_flag_error(argv, capsys):
+@pytest.mark.parametrize("argv, says", [
+    (["generate", "hi", "--local", "--device", "cuda"], "--device: device 'cuda' asked for, but this torch sees no CUDA GPU"),
+    (["serve", "--device", "cuda"], "--device: device 'cuda' asked for, but this torch sees no CUDA GPU"),
+    # a local Ray has no autoscaler: these replicas waited out --start-timeout (600 s), then blamed it
+    (["serve", "--target-gpus", "1"], "--target-gpus: the replicas ask for 1 GPUs in all and a local Ray on this"),
+    (["serve", "--drafter-gpus", "0.5"], "--drafter-gpus: the replicas ask for 0.5 GPUs in all"),
+])
+def test_asking_for_a_gpu_this_machine_lacks_is_a_flag_error(argv, says, capsys):
     """Not a traceback from deep inside torch at load (nor, for serve, a local Ray whose replicas
     fail one after another until the start times out)."""
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
-    assert "error: --device: device 'cuda' asked for, but this torch sees no CUDA GPU" in capsys.readouterr().err
+    assert f"error: {says}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -280,6 +289,22 @@ def test_a_termination_signal_while_a_deployment_starts_interrupts_it_like_ctrl_
             os.kill(os.getpid(), sig)
             time.sleep(30)  # the handler raises at once, ending the sleep
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)) == before
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_a_serving_process_ends_its_wait_on_sigterm_and_sighup_so_it_tears_down(sig):
+    """A closed terminal (SIGHUP) used to kill `serve` while it served, before its teardown, which
+    left a Ray deployment on the cluster; in a process of its own, since the old default handler
+    would end the test run."""
+    import signal
+
+    waiting = subprocess.Popen([sys.executable, "-c", "from mirrorspec.cli import _wait_for_stop; print('waiting', "
+                                "flush=True); _wait_for_stop(); print('stopped')"], stdout=subprocess.PIPE, text=True)
+    assert waiting.stdout.readline().strip() == "waiting"
+    time.sleep(1.0)  # into the wait, past installing the handlers (microseconds after the print)
+    waiting.send_signal(getattr(signal, sig))
+    out, _ = waiting.communicate(timeout=30)
+    assert (waiting.returncode, out.strip()) == (0, "stopped")
 
 
 def test_a_local_stack_whose_drafter_fails_to_start_leaves_no_server_running(tiny_dir, tmp_path):
