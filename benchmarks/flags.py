@@ -87,6 +87,14 @@ def integer_at_least(low: int) -> Callable[[str], int]:
 positive = integer_at_least(1)
 
 
+def seed_flag(text: str) -> int:
+    """A seed as requests take it, [0, 2**64): checked here, not at the first prompt after loading."""
+    value = integer_at_least(0)(text)
+    if value >= 1 << 64:
+        raise argparse.ArgumentTypeError(f"must be below 2**64, got {value}")
+    return value
+
+
 def draft_spec(text: str) -> str:
     layers = text.removeprefix(TRUNCATE_PREFIX)
     if text.startswith(TRUNCATE_PREFIX) and not (layers.isdigit() and int(layers) >= 1):

@@ -16,13 +16,14 @@ from pathlib import Path
 
 import torch
 
-from mirrorspec.config import DEFAULT_DRAFT_QUANTIZE, DTYPE_HELP, QUANTIZATIONS, InvalidRequest, check_shared_vocabulary
+from mirrorspec.config import (DEFAULT_DRAFT_QUANTIZE, DTYPE_HELP, DTYPE_NAMES, QUANTIZATIONS, InvalidRequest,
+                               check_shared_vocabulary)
 from mirrorspec.models.loading import LoadedModel, device_flag, load_causal_lm
 from mirrorspec.models.prepack import is_prepacked, prepack_linears
 from mirrorspec.models.quantize import apply_quantization
 
 from benchmarks.flags import (TRUNCATE_PREFIX, csv_of, draft_spec, one_of, positive, sampling_temperature,
-                              torch_threads, window_k)
+                              seed_flag, torch_threads, window_k)
 from benchmarks.harness import MODES, BenchPlan, Drafts, RunRecord, run_benchmark, select_modes
 from benchmarks.metrics import summarize
 from benchmarks.prompts import DATASETS, load_prompts
@@ -67,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=positive, default=len(os.sched_getaffinity(0)),
                    help="torch intra-op threads (default: all usable cores)")
     p.add_argument("--device", default="auto", type=device_flag, help="auto, cpu, cuda, cuda:1 ...")
-    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
-    p.add_argument("--seed", type=int, default=0, help="base seed; prompt i uses seed + i in every mode")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, help=DTYPE_HELP)
+    p.add_argument("--seed", type=seed_flag, default=0, help="base seed; prompt i uses seed + i in every mode")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--reprint", type=Path, metavar="JSON",
@@ -198,6 +199,19 @@ def _load(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Lo
         parser.error(f"--draft: {err}")
 
 
+def _check_room(args: argparse.Namespace, parser: argparse.ArgumentParser, target: LoadedModel,
+                prompts: dict) -> None:
+    """Before the warm-up and the first mode: every prompt plus --max-tokens must fit the context
+    window (it was an OutOfRange traceback at the first prompt)."""
+    from mirrorspec.models.loading import encode_prompt
+
+    longest = max(len(encode_prompt(target.tokenizer, p.text)) for ps in prompts.values() for p in ps)
+    if longest + args.max_tokens > target.max_context:
+        parser.error(f"argument --max-tokens: the longest prompt ({longest} tokens) + {args.max_tokens} exceeds the "
+                     f"target's context window of {target.max_context}; lower it to at most "
+                     f"{target.max_context - longest}")
+
+
 def _timed_run(plan: BenchPlan, env: dict) -> tuple[list[RunRecord], float]:
     """The benchmark proper, recording how much CPU other processes took meanwhile."""
     started, cpu_before = time.perf_counter(), cpu_sample()
@@ -210,8 +224,12 @@ def _timed_run(plan: BenchPlan, env: dict) -> tuple[list[RunRecord], float]:
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.seed + args.num_prompts - 1 >= 1 << 64:
+        parser.error(f"argument --seed: prompt i runs with seed + i, and {args.seed} + {args.num_prompts - 1} "
+                     f"passes 2**64")
     prompts = {name: load_prompts(name, args.num_prompts) for name in args.datasets}
     target, drafts = _load(args, parser)
+    _check_room(args, parser, target, prompts)
     modes, notes = select_modes(args.modes, drafts)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)

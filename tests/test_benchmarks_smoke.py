@@ -77,6 +77,13 @@ def test_sampled_served_runs_are_checked_against_their_in_process_twin():
     (["--num-prompts", "0"], "--num-prompts"),
     (["--draft", "truncate:zero"], "--draft"),
     (["--draft-quantize", "int8,int4"], "--draft-quantize"),
+    # each was a traceback at the first prompt, after the models loaded (or named --target); the
+    # last one alone loads the target (to count the prompts' tokens)
+    (["--seed", "-1"], "--seed"),
+    (["--seed", str(2 ** 64 - 1), "--num-prompts", "2"], "--seed"),  # prompt 1's seed passes 2**64
+    (["--dtype", "bogus"], "--dtype"),
+    (["--max-tokens", "1000000", "--num-prompts", "1", "--datasets", "humaneval", "--draft", "none"],
+     "--max-tokens"),
 ])
 def test_bad_flags_are_argparse_errors_naming_the_flag(argv, flag, capsys):
     assert_flag_refused(main, argv, flag, capsys)
