@@ -47,14 +47,14 @@ class _ServerActor:
         store.evict_expired()
         return len(store)
 
-    def ping(self, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
+    def ping(self) -> bool:
         """Raises unless the server answers its gRPC health check: the actor answering is not
         enough, since its server can have stopped or its event loop be wedged while it does."""
         from mirrorspec.serving.server import check_health
 
         if self.server is None or self.server.running is None:
             raise RuntimeError("the replica's server is not running")
-        check_health(self.address(), timeout_s)
+        check_health(self.address(), HEALTH_TIMEOUT_S)
         return True
 
     def stop(self) -> None:

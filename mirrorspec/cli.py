@@ -426,8 +426,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
         if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and args.timeout is not None:
             raise InvalidRequest(f"{args.server} did not finish the request within {args.timeout:g} s (any output "
                                  f"above is its start) and it was cancelled, which frees its sessions on the server. "
-                                 f"Raise --timeout, or lower "
-                                 f"--max-tokens", field="timeout") from None
+                                 f"Raise --timeout, or lower --max-tokens", field="timeout") from None
         if err.code() == grpc.StatusCode.UNIMPLEMENTED:
             raise InvalidRequest(f"{args.server} answers gRPC but is not a mirrorspec front door (a drafter or "
                                  f"target server?); pass the address `mirrorspec serve` printed", field="server") from None
