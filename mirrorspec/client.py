@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from mirrorspec.config import check_address, check_seed, check_unsigned
+from mirrorspec.config import InvalidRequest, check_address, check_seed, check_unsigned
 from mirrorspec.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 CHANNEL_OPTIONS = [
@@ -46,15 +46,20 @@ class Completion:
 
 def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *, raw: bool = False,
                   max_tokens: int = 0, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                  seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
+                  seed: int | None = None, stop: str | Sequence[str] = (), stop_token_ids: int | Sequence[int] = (),
                   k: int | None = None, mirror: bool | None = None,
                   timeline: bool = False) -> generation_pb2.GenerateRequest:
     """A GenerateRequest from Python values: a str is a user message (or raw text with raw=True),
-    a list of ints is token ids, a list of {"role", "content"} dicts is a chat. ``k`` and
-    ``mirror`` left as None take the server's defaults. Values a request cannot carry (a negative
-    count, a seed past 2**64) raise ``InvalidRequest`` naming the argument, not protobuf's bare
-    "Value out of range"; the server checks everything else."""
+    a list of ints is token ids, a list of {"role", "content"} dicts is a chat. ``stop`` and
+    ``stop_token_ids`` take one value or a list, as OpenAI's API does. ``k`` and ``mirror`` left as
+    None take the server's defaults. Values a request cannot carry (a negative count, a seed past
+    2**64, a top_p of 0, which the wire reads as "off") raise ``InvalidRequest`` naming the
+    argument, not protobuf's bare "Value out of range"; the server checks everything else."""
     seed = check_seed(seed)
+    stop = [stop] if isinstance(stop, str) else list(stop)  # a str is a sequence of one-letter stops
+    stop_token_ids = [stop_token_ids] if isinstance(stop_token_ids, int) else list(stop_token_ids)
+    if not 0 < top_p <= 1:  # nan too
+        raise InvalidRequest(f"top_p must be in (0, 1] (1 = off), got {top_p}", field="top_p")
     for name, value in (("max_tokens", max_tokens), ("top_k", top_k), ("k", k)):
         check_unsigned(name, value, 32, name)
     token_prompt = prompt is not None and not isinstance(prompt, str) and not (len(prompt) and isinstance(prompt[0], dict))
@@ -63,15 +68,15 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *,
             check_unsigned(name, token, 32, f"a token id in {name}")
     request = generation_pb2.GenerateRequest(
         params=common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
-                                         max_new_tokens=max_tokens, stop_token_ids=list(stop_token_ids)),
-        stop=list(stop))
+                                         max_new_tokens=max_tokens, stop_token_ids=stop_token_ids),
+        stop=stop)
     if isinstance(prompt, str):
         if raw:
             request.raw_text = prompt
         else:
             request.text = prompt
     elif prompt is not None and len(prompt) and isinstance(prompt[0], dict):
-        request.chat.messages.extend(generation_pb2.ChatMessage(**m) for m in prompt)
+        request.chat.messages.extend(_chat_message(i, m) for i, m in enumerate(prompt))
     elif prompt is not None:
         request.token_ids.ids.extend(int(t) for t in prompt)
     if seed is not None:
@@ -82,6 +87,14 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *,
         request.mirror = mirror
     request.timeline = timeline
     return request
+
+
+def _chat_message(index: int, message: dict) -> generation_pb2.ChatMessage:
+    unknown = sorted(set(message) - {"role", "content"})
+    if unknown:
+        raise InvalidRequest(f"chat message {index} has keys {unknown} a request cannot carry; a message has a role "
+                             f"and a content only", field="prompt")
+    return generation_pb2.ChatMessage(**message)
 
 
 def _completion(response: generation_pb2.GenerateResponse) -> Completion:
@@ -132,3 +145,9 @@ class AsyncClient:
 
     async def close(self) -> None:
         await self.channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

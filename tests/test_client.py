@@ -1,5 +1,6 @@
 """The package exports its gRPC clients as the data-plane issue names them (``mirrorspec.Client``)."""
 
+import re
 import subprocess
 import sys
 
@@ -65,3 +66,39 @@ def test_grpc_target_schemes_pass_as_they_are():
 
     for target in ("unix:/tmp/mirrorspec.sock", "dns:///localhost:50051", "ipv4:127.0.0.1:50051"):
         Client(target).close()
+
+
+def test_one_stop_string_or_id_is_one_stop_not_one_per_letter():
+    """A str is a sequence of strs: stop="END" went out as three stops, "E", "N" and "D", and the
+    output ended at the first of those letters."""
+    from mirrorspec.client import build_request
+
+    request = build_request("hi", stop="END", stop_token_ids=7)
+    assert list(request.stop) == ["END"] and list(request.params.stop_token_ids) == [7]
+
+
+@pytest.mark.parametrize("kwargs, field, says", [
+    ({"top_p": 0.0}, "top_p", "top_p must be in (0, 1]"),  # the wire reads 0 as "off": it sampled unfiltered
+    ({"top_p": float("nan")}, "top_p", "top_p must be in (0, 1]"),
+    ({"prompt": [{"role": "user", "content": "hi", "name": "ann"}]}, "prompt", "chat message 0 has keys ['name']"),
+])
+def test_values_the_wire_would_misread_or_protobuf_refuse_are_named(kwargs, field, says):
+    from mirrorspec.client import build_request
+    from mirrorspec.config import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match=re.escape(says)) as err:
+        build_request(**{"prompt": "hi", **kwargs})
+    assert err.value.field == field
+
+
+def test_the_async_client_is_an_async_context_manager():
+    import asyncio
+
+    from mirrorspec.client import AsyncClient
+
+    async def use() -> bool:
+        async with AsyncClient("127.0.0.1:1") as client:
+            channel = client.channel
+        return channel.get_state() == __import__("grpc").ChannelConnectivity.SHUTDOWN
+
+    assert asyncio.run(use())
