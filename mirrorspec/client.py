@@ -58,8 +58,9 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *,
     seed = check_seed(seed)
     stop = [stop] if isinstance(stop, str) else list(stop)  # a str is a sequence of one-letter stops
     stop_token_ids = [stop_token_ids] if isinstance(stop_token_ids, int) else list(stop_token_ids)
-    if not 0 < top_p <= 1:  # nan too
-        raise InvalidRequest(f"top_p must be in (0, 1] (1 = off), got {top_p}", field="top_p")
+    if top_p == 0:  # the server refuses the rest of what lies outside (0, 1]; this it would read as unset
+        raise InvalidRequest("top_p must be in (0, 1] (1 = off), got 0, which the wire reads as unset (off)",
+                             field="top_p")
     for name, value in (("max_tokens", max_tokens), ("top_k", top_k), ("k", k)):
         check_unsigned(name, value, 32, name)
     token_prompt = prompt is not None and not isinstance(prompt, str) and not (len(prompt) and isinstance(prompt[0], dict))
