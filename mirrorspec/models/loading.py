@@ -142,6 +142,9 @@ def locate_model(source: str) -> tuple[str, dict]:
         return str(path.parent), {"gguf_file": path.name}
     if source.startswith((".", "/", "~")) and not path.exists():
         raise InvalidRequest(f"model directory {source} does not exist", field="model")
+    if path.is_file():  # a checkpoint's config.json: its config reads, then torch.load runs on the JSON
+        raise InvalidRequest(f"{source} is a file; pass the checkpoint directory that holds its config.json and "
+                             f"weights, or a .gguf file", field="model")
     return source, {}
 
 
@@ -203,14 +206,19 @@ def _not_loadable_as_invalid(source: str, what: str = "a causal LM",
                              would_load: str = f"a checkpoint directory with a config.json, a .gguf file, a hub id "
                                                f"already in the local cache, or {DEMO_TARGET}"):
     """``from_pretrained`` says a source is not a model with OSError (no config or weights, a hub
-    id neither cached nor reachable offline) or ValueError (no known model_type): both are the
-    caller's input, so they become ``InvalidRequest`` and reach users as a named flag or
-    INVALID_ARGUMENT rather than a traceback."""
+    id neither cached nor reachable offline), ValueError (no known model_type), SafetensorError or
+    UnpicklingError (a weights file cut short or not weights at all): all the caller's input, so
+    they become ``InvalidRequest`` and reach users as a named flag or INVALID_ARGUMENT rather than
+    a traceback."""
+    from pickle import UnpicklingError
+
+    from safetensors import SafetensorError
+
     try:
         yield
     except InvalidRequest:
         raise
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, SafetensorError, UnpicklingError) as err:
         reason = " ".join(str(err).split()) or type(err).__name__
         raise InvalidRequest(f"cannot load {what} from {source}: {reason} (pass {would_load})", field="model") from err
 

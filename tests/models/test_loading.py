@@ -52,18 +52,31 @@ def _not_models(tmp_path):
     support.save_tiny_llama(tmp_path / "whole", seed=0)
     no_weights.mkdir()
     (no_weights / "config.json").write_text((tmp_path / "whole" / "config.json").read_text())
+    cut_short = tmp_path / "cut-short"  # an interrupted download or copy
+    cut_short.mkdir()
+    (cut_short / "config.json").write_text((tmp_path / "whole" / "config.json").read_text())
+    (cut_short / "model.safetensors").write_bytes((tmp_path / "whole" / "model.safetensors").read_bytes()[:3000])
+    not_weights = tmp_path / "not-weights"
+    not_weights.mkdir()
+    (not_weights / "config.json").write_text((tmp_path / "whole" / "config.json").read_text())
+    (not_weights / "pytorch_model.bin").write_bytes(b"not a pickle of tensors")
     return {"an empty directory": (empty, "config.json"), "a config without model_type": (no_type, "model_type"),
-            "a config without weights": (no_weights, "no-weights")}
+            "a config without weights": (no_weights, "no-weights"),
+            # these two were a SafetensorError and an UnpicklingError traceback from each server in turn
+            "weights cut short": (cut_short, "cut-short"), "weights that are not weights": (not_weights, "not-weights")}
 
 
-@pytest.mark.parametrize("case", ["an empty directory", "a config without model_type", "a config without weights"])
+WEIGHTS_ONLY = ("a config without weights", "weights cut short", "weights that are not weights")
+
+
+@pytest.mark.parametrize("case", ["an empty directory", "a config without model_type", *WEIGHTS_ONLY])
 def test_a_source_that_is_not_a_model_is_an_invalid_request_that_says_what_would_load(tmp_path, case):
     source, says = _not_models(tmp_path)[case]
     with pytest.raises(InvalidRequest, match=says) as err:
         load_causal_lm(str(source), device="cpu", tokenizer=False)
     assert err.value.field == "model"
     assert "a checkpoint directory with a config.json" in str(err.value)
-    if case != "a config without weights":  # its config reads fine: only loading the weights can tell
+    if case not in WEIGHTS_ONLY:  # its config reads fine: only loading the weights can tell
         with pytest.raises(InvalidRequest, match=says):
             read_config(str(source))
 
@@ -111,3 +124,13 @@ def test_a_chat_the_template_refuses_or_cannot_render_is_an_invalid_request(demo
     strict.chat_template = None
     with pytest.raises(InvalidRequest, match="no chat template; send the prompt as raw_text or token_ids"):
         encode_chat(strict, chat)
+
+
+def test_a_checkpoints_config_file_is_refused_naming_its_directory(tmp_path):
+    """Its config read fine (so `serve` started), then transformers ran torch.load on the JSON and
+    each server failed with an UnpicklingError advising weights_only=False."""
+    config = support.save_tiny_llama(tmp_path / "tiny", seed=0) / "config.json"
+    for call in (read_config, lambda source: load_causal_lm(source, device="cpu", tokenizer=False)):
+        with pytest.raises(InvalidRequest, match="is a file; pass the checkpoint directory") as err:
+            call(str(config))
+        assert err.value.field == "model"
