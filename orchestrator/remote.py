@@ -349,9 +349,9 @@ class RemoteDrafter(Drafter):
         except (grpc.RpcError, InvalidRequest, NoReplicaAvailable, SessionLimitReached) as err:
             detail = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else str(err)
             self.failure = detail
-            replica = self.session.replica
-            if replica is not None and isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                self.session.pool.report_failure(replica)  # a drafter that hangs: new sessions go elsewhere
+            hung = isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            if hung and self.session.replica is not None:  # new sessions go elsewhere
+                self.session.pool.report_failure(self.session.replica)
             log.warning("drafter failed (%s); continuing target-only", detail)
             return None
 

@@ -244,19 +244,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         def work() -> None:
             """Every request is counted in the metrics, cancelled and failed ones too, and before
             its answer goes out (so a client that reads the metrics next sees it)."""
-            if cancelled.is_set():  # the client left (or its deadline passed) while this queued
+            answer = None  # nobody waits for one where the client left (or its deadline passed) while this queued
+            if cancelled.is_set():
                 outcome.finish_reason = "cancelled"
-                self.metrics.observe(outcome)
-                return
-            try:
-                self._drive(prepared, outcome, timeout, cancelled, emit)
-            except BaseException as err:  # noqa: BLE001 - handed to the event loop, mapped to a status there
-                outcome.finish_reason = "cancelled" if cancelled.is_set() else "error"
-                self.metrics.observe(outcome)
-                emit(err)
-                return
+            else:
+                try:
+                    self._drive(prepared, outcome, timeout, cancelled, emit)
+                    answer = _DONE
+                except BaseException as err:  # noqa: BLE001 - handed to the event loop, mapped to a status there
+                    outcome.finish_reason = "cancelled" if cancelled.is_set() else "error"
+                    answer = err
             self.metrics.observe(outcome)
-            emit(_DONE)
+            if answer is not None:
+                emit(answer)
 
         self.in_flight += 1
         try:
