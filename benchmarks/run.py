@@ -18,7 +18,7 @@ import torch
 
 from mirrorspec.config import (DEFAULT_DRAFT_QUANTIZE, DTYPE_HELP, DTYPE_NAMES, QUANTIZATIONS, InvalidRequest,
                                check_shared_vocabulary)
-from mirrorspec.models.loading import LoadedModel, device_flag, load_causal_lm
+from mirrorspec.models.loading import LoadedModel, device_flag, load_causal_lm, same_tokenizer, try_load_tokenizer
 from mirrorspec.models.prepack import is_prepacked, prepack_linears
 from mirrorspec.models.quantize import apply_quantization
 
@@ -97,7 +97,8 @@ def _load_draft_model(spec: str, target: LoadedModel, quantize: str) -> torch.nn
     else:
         model = load_causal_lm(spec, dtype=target.dtype_name,
                                device=str(target.model.device), tokenizer=False, quantize=quantize).model
-    check_shared_vocabulary(model.config.vocab_size, target.model.config.vocab_size)
+    check_shared_vocabulary(model.config.vocab_size, target.model.config.vocab_size, same_tokenizer=lambda: same_tokenizer(
+        try_load_tokenizer(spec), target.tokenizer, model.config.vocab_size))
     return model
 
 

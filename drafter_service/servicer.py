@@ -56,6 +56,7 @@ class DrafterConfig(ReplicaConfig):
 class DraftSession:
     sequence: SequenceState
     drafter: Drafter
+    vocab_size: int  # the ids its context may hold
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -76,9 +77,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
     async def OpenSession(self, request, context):
         params = params_from_proto(request.params, default_max_new_tokens=1)
         max_context = self.loaded.max_context if self.loaded is not None else 1 << 31
-        prompt = validate_prompt(request.prompt_ids, self.vocab_size, max_context, params, field="prompt_ids")
+        vocab_size = max(self.vocab_size, request.target_vocab_size)  # a target's wider table: KVSession.input_ids
+        prompt = validate_prompt(request.prompt_ids, vocab_size, max_context, params, field="prompt_ids")
         session_id = self.sessions.open(DraftSession(SequenceState(prompt, params, int(request.seed)),
-                                                     self._new_drafter(request.caller_looks_up)))
+                                                     self._new_drafter(request.caller_looks_up), vocab_size))
         return drafter_pb2.OpenDraftSessionResponse(session_id=session_id)
 
     def _new_drafter(self, caller_looks_up: bool) -> Drafter:
@@ -107,7 +109,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     async def DraftBranches(self, request, context):
         session = self.sessions.get(request.session_id)
-        branch_tokens = check_token_ids(request.branch_tokens, self.vocab_size, "branch_tokens")
+        branch_tokens = check_token_ids(request.branch_tokens, session.vocab_size, "branch_tokens")
         if not 1 <= len(branch_tokens) <= MAX_BRANCHES:
             raise OutOfRange(f"DraftBranches takes 1 to {MAX_BRANCHES} branch_tokens, got {len(branch_tokens)}",
                              field="branch_tokens")
@@ -142,7 +144,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         if request.k > self.config.max_speculative_tokens:
             raise OutOfRange(f"k={request.k} exceeds this drafter's max_speculative_tokens "
                              f"({self.config.max_speculative_tokens})", field="k")
-        commit = check_token_ids(request.commit_tokens, self.vocab_size, "commit_tokens")
+        commit = check_token_ids(request.commit_tokens, session.vocab_size, "commit_tokens")
         keep = int(request.keep) if request.HasField("keep") else None
         session.sequence.commit(commit, int(request.context_length), keep)
         return int(request.k)

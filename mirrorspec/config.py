@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import operator
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -259,13 +260,24 @@ def check_unsigned(field: str, value, bits: int, what: str = "it", hint: str = "
     return number
 
 
-def check_shared_vocabulary(draft_vocab: int, target_vocab: int, field: str = "draft") -> None:
+def check_shared_vocabulary(draft_vocab: int, target_vocab: int, field: str = "draft",
+                            same_tokenizer: Callable[[], bool] = lambda: False) -> None:
     """A draft model embeds the target's tokens and proposes ids the target scores, so the two
-    must share a vocabulary (the draft's own sub-vocabulary aside, which lies inside it)."""
-    if draft_vocab != target_vocab:
-        raise InvalidRequest(f"the draft's vocabulary ({draft_vocab} ids) differs from the target's ({target_vocab}); "
-                             f"a draft model must share the target's tokenizer (the demo target's is demo-draft), "
-                             f"or draft with prompt lookup (ngram)", field=field)
+    must share a tokenizer (the draft's own sub-vocabulary aside, which lies inside it). Tables of
+    one size are taken for one tokenizer, as transformers' assisted generation takes them. A draft
+    whose table is narrower is the same tokenizer padded to another size only if the tokenizers
+    themselves say so (Qwen2.5: 0.5B has 151,936 rows, 7B 152,064, one tokenizer): then it
+    proposes ids both tables have. ``same_tokenizer`` compares them, and runs only then, since
+    loading a tokenizer costs. A wider draft could propose ids the target lacks."""
+    if draft_vocab == target_vocab or (draft_vocab < target_vocab and same_tokenizer()):
+        return
+    why = (f"is larger than the target's ({target_vocab}): it could propose ids the target does not have"
+           if draft_vocab > target_vocab else
+           f"differs from the target's ({target_vocab}), and their tokenizers are not known to be one (a draft with "
+           f"a narrower table needs tokenizer files beside both models that map every token to the same id)")
+    raise InvalidRequest(f"the draft's vocabulary ({draft_vocab} ids) {why}; a draft model must share the target's "
+                         f"tokenizer (the demo target's is demo-draft), "
+                         f"or draft with prompt lookup (ngram)", field=field)
 
 
 def check_address(address: str, field: str) -> str:

@@ -32,6 +32,7 @@ from mirrorspec.config import (
 from mirrorspec.drafting import DraftModelDrafter, Drafter, HybridDrafter, NgramDrafter, Proposal
 from mirrorspec.models.early_exit import EarlyExitHint, EarlyExitProbe
 from mirrorspec.models.lens import TunedLens
+from mirrorspec.models.loading import same_tokenizer_at
 from mirrorspec.models.session import KVSession, LogitSession
 from mirrorspec.sampling import (
     Stream,
@@ -466,7 +467,8 @@ def generate(
         input_ids = input_ids.reshape(-1).tolist()
     prompt = validate_prompt(input_ids, session.vocab_size, max_context, params)
     if isinstance(draft, torch.nn.Module):
-        check_shared_vocabulary(int(draft.config.vocab_size), session.vocab_size)
+        check_shared_vocabulary(int(draft.config.vocab_size), session.vocab_size, same_tokenizer=lambda: same_tokenizer_at(
+            getattr(draft, "name_or_path", None), getattr(target, "name_or_path", None), int(draft.config.vocab_size)))
     drafter = make_drafter(draft, proposal_top_k, prompt_lookup, draft_confidence)
     seed = fresh_seed() if seed is None else check_seed(seed)
     stats = GenerationStats()

@@ -225,7 +225,7 @@ class RemoteDrafter(Drafter):
     name = "remote"
 
     def __init__(self, pool: ReplicaPool, prompt: Sequence[int], params: SamplingParams, seed: int, vocab_size: int,
-                 timeout_s: float | None = None, step_cost: float = Drafter.step_cost,
+                 draft_vocab: int | None = None, timeout_s: float | None = None, step_cost: float = Drafter.step_cost,
                  paused: Callable[[], bool] | None = None, caller_lookup: int = 0):
         self.step_cost = step_cost  # of the replica's strategy, for adaptive K
         # the replicas' prompt lookup (its min match), run by the caller in front of this drafter
@@ -233,12 +233,15 @@ class RemoteDrafter(Drafter):
         self.caller_lookup = caller_lookup
         self.gate = PauseGate(paused)
         self.vocab_size = vocab_size
+        # the ids the replicas' q rows span: a draft table narrower than the target's is widened here
+        self.draft_vocab = draft_vocab or vocab_size
         self.failure: str | None = None
         self._ranks = True  # the replicas answer RankTokens (mirror guesses for looked-up windows)
         self._forks = True  # the replicas honour DraftBranches' branch_forks
         # drafts are optional: never wait for a drafter to come up, go on target-only instead
         self.session = _DraftSession(pool, prompt, params, seed, timeout_s, replacement_wait_s=0.0,
-                                     caller_looks_up=caller_lookup > 0)
+                                     caller_looks_up=caller_lookup > 0,
+                                     target_vocab=vocab_size if self.draft_vocab < vocab_size else 0)
         self._guard(lambda: self.session.open(prompt))
 
     @property
@@ -316,7 +319,8 @@ class RemoteDrafter(Drafter):
             raise InvalidRequest(f"the drafter answered {len(drafts)} branches for {len(branch_tokens)} asked",
                                  field="branch_tokens")
         forked = bool(fork_points) and response.forked
-        proposals = [proposal_from_proto(d.tokens, d.q, self.vocab_size, d.alternatives) for d in drafts]
+        proposals = [proposal_from_proto(d.tokens, d.q, self.draft_vocab, d.alternatives).widened(self.vocab_size)
+                     for d in drafts]
         if any(len(p) > k for p in proposals):  # the target would refuse the window: fall back instead
             raise InvalidRequest(f"the drafter answered {max(len(p) for p in proposals)} drafts for k={k}",
                                  field="k")
@@ -364,13 +368,15 @@ class RemoteDrafter(Drafter):
 
 
 class _DraftSession(PooledSession):
-    def __init__(self, *args, caller_looks_up: bool = False, **kwargs):
+    def __init__(self, *args, caller_looks_up: bool = False, target_vocab: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
         self.caller_looks_up = caller_looks_up  # the replica's prompt lookup runs in the orchestrator
+        self.target_vocab = target_vocab  # where wider than the draft's table: ids the session must take
 
     def open_request(self, context: Sequence[int], params: SamplingParams):
         return drafter_pb2.OpenDraftSessionRequest(prompt_ids=list(context), params=params_to_proto(params),
-                                                   seed=self.seed, caller_looks_up=self.caller_looks_up)
+                                                   seed=self.seed, caller_looks_up=self.caller_looks_up,
+                                                   target_vocab_size=self.target_vocab)
 
 
 class RemoteVerifier(PooledSession):

@@ -25,7 +25,7 @@ from mirrorspec.drafting import Drafter, Proposal
 from mirrorspec.engine import GenerationStats, decode_windows, first_window_k, validate_prompt
 from mirrorspec.mirror import MirrorPipeline
 from mirrorspec.models import encode_chat, encode_prompt
-from mirrorspec.models.loading import try_load_tokenizer
+from mirrorspec.models.loading import same_tokenizer, try_load_tokenizer
 from mirrorspec.models.detokenize import IncrementalDetokenizer
 from mirrorspec.sampling import fresh_seed
 from mirrorspec.serving.convert import params_from_proto
@@ -340,6 +340,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             ngram = FrontDoorNgram(paused=self._saturated)
             return OpenedDrafter(ngram, ngram, self._draft_ahead(prepared, ngram))
         remote = RemoteDrafter(self.drafters, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
+                               draft_vocab=drafter_vocabulary(self.drafter_info, self.vocab_size),
                                timeout_s=min(self.config.drafter_timeout_s, timeout / 2),
                                step_cost=replica_step_cost(self.drafter_info), paused=self._saturated,
                                caller_lookup=self._lookup_here())
@@ -395,7 +396,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             tried.add(replica.address)
             try:
                 info = replica.stub.Info(common_pb2.InfoRequest(), timeout=10)
-                check_shared_vocabulary(info.model.vocab_size, self.vocab_size, field="drafter")
+                check_drafter_vocabulary(info, self.vocab_size, self.tokenizer)
                 self.drafter_info = info
             except (grpc.RpcError, InvalidRequest) as err:
                 why = err.code().name if isinstance(err, grpc.RpcError) else str(err)
@@ -465,6 +466,21 @@ async def _backend_info(pool: str, address: str, make_stub, wait_s: float = 60.0
                              f"or fix the address", field=pool) from None
 
 
+def check_drafter_vocabulary(drafter_info, target_vocab: int, tokenizer) -> None:
+    """A drafter pool's model drafts for this target (``check_shared_vocabulary``): a narrower
+    table needs its tokenizer, read from where the drafter loaded it, to be the front door's."""
+    if not drafter_info.HasField("model"):  # n-gram drafters have no model: they propose context ids
+        return
+    vocab = int(drafter_info.model.vocab_size)
+    check_shared_vocabulary(vocab, target_vocab, field="drafter", same_tokenizer=lambda: same_tokenizer(
+        try_load_tokenizer(drafter_info.model.source), tokenizer, vocab))
+
+
+def drafter_vocabulary(drafter_info, target_vocab: int) -> int:
+    """The ids a drafter pool's q rows span: its model's table, or the target's (n-gram)."""
+    return int(drafter_info.model.vocab_size) if drafter_info.HasField("model") else target_vocab
+
+
 async def serve(config: OrchestratorConfig):
     """Connect to the backends, then start the front door."""
     targets = parse_addresses(config.target)
@@ -476,9 +492,9 @@ async def serve(config: OrchestratorConfig):
     if config.drafter:
         drafter_info = await _backend_info("drafter", parse_addresses(config.drafter)[0],
                                            drafter_pb2_grpc.DrafterServiceStub)
-        if drafter_info.HasField("model"):  # a draft model (n-gram drafters have none)
-            check_shared_vocabulary(drafter_info.model.vocab_size, target_info.model.vocab_size, field="drafter")
     tokenizer = await asyncio.to_thread(try_load_tokenizer, config.tokenizer or target_info.model.source)
+    if drafter_info is not None:
+        await asyncio.to_thread(check_drafter_vocabulary, drafter_info, int(target_info.model.vocab_size), tokenizer)
     metrics = SpecDecodeMetrics()
     if config.metrics_port is not None:
         metrics.serve(config.host, config.metrics_port)

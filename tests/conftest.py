@@ -49,6 +49,21 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def padded_pair(tmp_path_factory):
+    """One 12-word tokenizer, padded to two table sizes (as Qwen2.5's is: 151,936 rows for 0.5B,
+    152,064 for 7B): a 16-row target, whose random head samples its padding ids 12-15 often, and a
+    12-row draft; plus a 12-row draft with another tokenizer of the same size."""
+    root = tmp_path_factory.mktemp("padded")
+    pair = {"target": support.save_tiny_llama(root / "target", seed=2, vocab=16, layers=2),
+            "draft": support.save_tiny_llama(root / "draft", seed=5, vocab=12, logit_scale=2.0),
+            "stranger": support.save_tiny_llama(root / "stranger", seed=5, vocab=12, logit_scale=2.0)}
+    for name in ("target", "draft"):
+        support.save_word_tokenizer(pair[name], 12)
+    support.save_word_tokenizer(pair["stranger"], 12, prefix="x")
+    return pair
+
+
+@pytest.fixture(scope="session")
 def tiny_target(tiny_dir):
     return support.load(tiny_dir["target"])
 

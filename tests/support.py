@@ -40,6 +40,18 @@ def save_tiny_llama(path: Path, seed: int, vocab: int = 8, hidden: int = 16, lay
     return path
 
 
+def save_word_tokenizer(path: Path, num_words: int, prefix: str = "w") -> Path:
+    """A word-level tokenizer of ``num_words`` words (``w0`` is id 0, ...), saved beside a tiny
+    model so loaders find it: tiny models that must share, or not share, a tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({f"{prefix}{i}": i for i in range(num_words)}, unk_token=f"{prefix}0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token=f"{prefix}0").save_pretrained(path)
+    return path
+
+
 def test_device() -> torch.device:
     """Where the tiny models run: CPU unless ``MIRRORSPEC_TEST_DEVICE`` names another device
     (``cuda`` on a GPU machine, to run the statistical tests through the CUDA sampling path)."""

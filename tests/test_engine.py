@@ -8,7 +8,7 @@ import torch
 from mirrorspec import InvalidRequest, OutOfRange, SamplingParams, generate
 from mirrorspec.drafting import DraftModelDrafter, NgramDrafter
 from mirrorspec.models import encode_prompt
-from support import load
+from support import load, save_tiny_llama
 
 
 def hf_greedy(model, prompt, n, eos):
@@ -178,8 +178,40 @@ def test_a_batch_of_prompts_is_refused_rather_than_run_as_one_long_prompt(tiny_t
 
 def test_a_draft_model_with_another_vocabulary_is_refused_before_it_embeds_a_token_it_lacks(tiny_target, tiny_dir):
     draft16 = load(tiny_dir["draft16"])  # vocab 16 against the target's 8 (an IndexError mid-draft before)
-    with pytest.raises(InvalidRequest, match=r"the draft's vocabulary \(16 ids\) differs from the target's \(8\)") as err:
+    with pytest.raises(InvalidRequest, match=r"the draft's vocabulary \(16 ids\) is larger than the target's \(8\): "
+                                             r"it could propose ids the target does not have") as err:
         generate(tiny_target, draft16, [0, 1], SamplingParams(max_new_tokens=4))
+    assert err.value.field == "draft"
+
+
+PADDING_PROMPT = [1, 1]  # the padded target's greedy answer holds its padding ids 14, 15, 13
+
+
+@pytest.mark.parametrize("proposal_top_k", [0, 4], ids=["dense-q", "sparse-q"])
+def test_a_draft_with_a_narrower_table_and_the_targets_tokenizer_drafts_token_identically(padded_pair,
+                                                                                          proposal_top_k):
+    """Qwen2.5's shape: one tokenizer, tables of 12 and 16 rows. The draft proposes from its 12 ids
+    (dense q is widened with zeros), and is fed id 0 for the target's padding ids it cannot embed:
+    refused before, and an IndexError in the draft's embedding had it not been."""
+    target, draft = load(padded_pair["target"]), load(padded_pair["draft"])
+    params = SamplingParams(max_new_tokens=24)
+    alone = generate(target, None, PADDING_PROMPT, params).token_ids
+    assert {13, 14, 15} <= set(alone)
+    drafter = DraftModelDrafter(draft, proposal_top_k=proposal_top_k)
+    for chosen in (draft, drafter):  # a model (its tokenizer checked), and a Drafter built from it
+        result = generate(target, chosen, PADDING_PROMPT, params, num_speculative_tokens=4)
+        assert result.token_ids == alone
+        assert result.stats.drafted > 0 and result.stats.accepted > 0
+    drafter.release()
+
+
+@pytest.mark.parametrize("draft", ["stranger", None], ids=["another-tokenizer", "no-tokenizer"])
+def test_a_draft_with_a_narrower_table_is_refused_unless_its_tokenizer_is_the_targets(padded_pair, tmp_path,
+                                                                                       draft):
+    source = padded_pair[draft] if draft else save_tiny_llama(tmp_path / "bare", seed=5, vocab=12)
+    with pytest.raises(InvalidRequest, match=r"the draft's vocabulary \(12 ids\) differs from the target's \(16\), "
+                                             r"and their tokenizers are not known to be one") as err:
+        generate(load(padded_pair["target"]), load(source), PADDING_PROMPT, SamplingParams(max_new_tokens=4))
     assert err.value.field == "draft"
 
 

@@ -321,3 +321,40 @@ def test_exactness_of_a_sub_vocabulary_draft(tiny_dir, planted):
         pvalue = chi_square_pvalue(sample_first_tokens(KVSession(target_model), drafter, case), expected)
         assert pvalue > PASS_ABOVE, f"chi-square p={pvalue:.2e}"
 
+
+
+class FrontPaddedQ(Drafter):
+    """Planted bug for drafts with a narrower table: dense q widened at the wrong end (the zeros in
+    front), so each id's mass is read off the id ``pad`` places up."""
+
+    def __init__(self, inner: DraftModelDrafter, vocab_size: int):
+        self.inner, self.vocab_size = inner, vocab_size
+
+    def propose(self, context, k, params, seed):
+        proposal = self.inner.propose(context, k, params, seed)
+        if not proposal.tokens:
+            return proposal
+        probs = proposal.q.probs  # [k, draft vocab]
+        widened = torch.nn.functional.pad(probs, (self.vocab_size - probs.shape[-1], 0))  # [k, vocab]
+        return Proposal(tokens=proposal.tokens, q=ProposalRows(probs=widened))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("planted", [False, True], ids=["exact", "front-padded-q-bug"])
+def test_exactness_of_a_draft_with_a_narrower_table(padded_pair, planted):
+    """One tokenizer padded to 12 and 16 rows (Qwen2.5's 0.5B and 7B), dense q, the draft on a
+    real KV cache. From this prompt the target's first token is often a padding id (13-15), which
+    the draft cannot embed and is fed as id 0: the output still follows the target exactly."""
+    import support
+
+    target = MemoSession(support.load(padded_pair["target"]))
+    case = Case("narrower-table-t1.0-k3-dense", 1.0, 3, prompt=(1, 8))
+    expected = exact_joint(target, case.prompt, DEPTH, case.temperature)
+    assert sum(p for tokens, p in expected.items() if tokens[0] >= 12) > 0.3  # the padding ids are in play
+    drafter = DraftModelDrafter(support.load(padded_pair["draft"]))
+    if planted:
+        caught, pvalue, drawn = planted_bug_caught(case, target, FrontPaddedQ(drafter, 16), expected)
+        assert caught, f"front-padded q went unnoticed (p={pvalue:.2e} after {drawn} samples)"
+    else:
+        pvalue = chi_square_pvalue(sample_first_tokens(target, drafter, case), expected)
+        assert pvalue > PASS_ABOVE, f"chi-square p={pvalue:.2e}"

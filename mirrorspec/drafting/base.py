@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -37,6 +37,10 @@ class Proposal:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def widened(self, vocab_size: int) -> Proposal:
+        """This proposal with q over ``vocab_size`` ids (``ProposalRows.widened``)."""
+        return self if self.q is None else replace(self, q=self.q.widened(vocab_size))
 
     def token_tensor(self, device: torch.device | str | None = None) -> torch.Tensor:
         """# -> [1, k] int64"""

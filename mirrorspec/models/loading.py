@@ -6,6 +6,7 @@ every service and the CLI resolve models the same way.
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,7 +194,9 @@ def check_models(target: str, draft: str | None) -> None:
         target_config = read_config(target)
     if draft is not None:
         with field_named("draft"):
-            check_shared_vocabulary(read_config(draft).vocab_size, target_config.vocab_size)
+            draft_vocab = read_config(draft).vocab_size
+            check_shared_vocabulary(draft_vocab, target_config.vocab_size,
+                                    same_tokenizer=lambda: same_tokenizer_at(draft, target, draft_vocab))
 
 
 def _read_config(source: str, location: str, gguf: dict) -> PretrainedConfig:
@@ -221,6 +224,24 @@ def _not_loadable_as_invalid(source: str, what: str = "a causal LM",
     except (OSError, ValueError, SafetensorError, UnpicklingError) as err:
         reason = " ".join(str(err).split()) or type(err).__name__
         raise InvalidRequest(f"cannot load {what} from {source}: {reason} (pass {would_load})", field="model") from err
+
+
+def same_tokenizer(draft: PreTrainedTokenizerBase | None, target: PreTrainedTokenizerBase | None,
+                   draft_vocab: int) -> bool:
+    """Whether a draft with ``draft_vocab`` rows may draft for a target of another table size:
+    both tokenizers known, mapping every token to the same id, and every id inside the draft's
+    table (the tables differ in padding rows alone)."""
+    if draft is None or target is None:
+        return False
+    vocabulary = draft.get_vocab()  # {token: id}, added tokens included
+    return vocabulary == target.get_vocab() and max(vocabulary.values(), default=-1) < draft_vocab
+
+
+@functools.lru_cache(maxsize=16)
+def same_tokenizer_at(draft: str | None, target: str | None, draft_vocab: int) -> bool:
+    """``same_tokenizer`` for the models at two sources (None: unknown, not the same); remembered,
+    since ``generate`` asks again for every prompt and loading a 150k-token tokenizer costs."""
+    return same_tokenizer(try_load_tokenizer(draft), try_load_tokenizer(target), draft_vocab)
 
 
 def try_load_tokenizer(source: str | None) -> PreTrainedTokenizerBase | None:

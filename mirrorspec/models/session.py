@@ -122,6 +122,7 @@ class KVSession:
         self.model = model
         self.vocab_size = int(model.config.vocab_size)
         self.device = next(model.parameters()).device
+        self.embeddable = int(model.get_input_embeddings().num_embeddings)
         self.tokens: list[int] = []
         self._cache = DynamicCache()
         self._head = None
@@ -174,7 +175,7 @@ class KVSession:
             masking = {"attention_mask": runner_up_mask(keep, len(fed), first, next(self.model.parameters()).dtype,
                                                         self.device),
                        "position_ids": torch.tensor([[*range(keep, len(context)), first]], device=self.device)}
-        new = torch.tensor([fed], dtype=torch.long, device=self.device)
+        new = self.input_ids([fed])  # [1, n]
         try:
             logits = self.forward(new, self._cache, num_positions + (runner_up is not None), **masking)
         except BaseException:  # a forward that failed part-way leaves layers of unknown length: start over
@@ -183,6 +184,18 @@ class KVSession:
         # with a runner-up, as long as the cache but not a sequence: the caller rolls back before reuse
         self.tokens = [*context[:keep], *fed]
         return logits
+
+    def input_ids(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Token rows as the model's input. A draft whose table is narrower than its target's (the
+        same tokenizer, padded to another size: Qwen2.5 0.5B has 151,936 rows, 7B 152,064) cannot
+        embed the target's extra ids, which only its padding rows hold and which it all but never
+        emits; such an id is fed as id 0. What a draft is fed only steers its guesses: the target
+        verifies them against its own distribution, so exactness does not depend on it.
+
+        # -> [len(rows), n] int64
+        """
+        ids = [[t if t < self.embeddable else 0 for t in row] for row in rows]
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     def forward(self, input_ids: torch.Tensor, cache: DynamicCache, num_positions: int,
                 **masking: torch.Tensor) -> torch.Tensor:
@@ -273,4 +286,4 @@ class BranchBatch:
         self._next = self._column(tokens)
 
     def _column(self, tokens: Sequence[int]) -> torch.Tensor:
-        return torch.tensor([[int(t)] for t in tokens], dtype=torch.long, device=self.session.device)  # [B, 1]
+        return self.session.input_ids([[int(t)] for t in tokens])  # [B, 1]

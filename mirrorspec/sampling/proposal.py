@@ -38,11 +38,22 @@ class ProposalRows:
 
     def dense(self, vocab_size: int, device: torch.device | str | None = None) -> torch.Tensor:
         """# -> [k, vocab] float32"""
-        probs = self.probs.to(device=device, dtype=torch.float32)
+        probs = self.widened(vocab_size).probs.to(device=device, dtype=torch.float32)
         if self.ids is None:
             return probs
         out = torch.zeros(probs.shape[0], vocab_size, dtype=torch.float32, device=probs.device)
         return out.scatter_add_(-1, self.ids.to(probs.device), probs)  # padding may repeat an id at 0
+
+    def widened(self, vocab_size: int) -> ProposalRows:
+        """These rows over a ``vocab_size``-id vocabulary. Dense rows narrower than that come from
+        a draft whose table is narrower than the target's (the same tokenizer padded to fewer
+        rows): they give the ids past it no mass."""
+        width = self.probs.shape[-1]
+        if self.ids is not None or width == vocab_size:
+            return self
+        if width > vocab_size:
+            raise ValueError(f"dense q has {width} columns, more than the vocabulary's {vocab_size}")
+        return ProposalRows(probs=_pad(self.probs, vocab_size, 0.0))
 
     @staticmethod
     def stack(rows: list[ProposalRows]) -> ProposalRows:
@@ -54,7 +65,7 @@ class ProposalRows:
         device = next((r.probs.device for r in rows if r.probs.device.type != "cpu"), rows[0].probs.device)
         dense = [r for r in rows if r.ids is None]
         if dense:  # mixed rows (a one-hot lookup row beside a dense model row): all dense
-            vocab_size = dense[0].probs.shape[-1]
+            vocab_size = max(r.probs.shape[-1] if r.ids is None else int(r.ids.max()) + 1 for r in rows)
             return ProposalRows(probs=torch.cat([r.dense(vocab_size, device) for r in rows]))
         width = max(r.ids.shape[-1] for r in rows)
         probs = torch.cat([_pad(r.probs.to(device), width, 0.0) for r in rows])

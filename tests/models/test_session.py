@@ -54,15 +54,26 @@ def test_explicit_rollback_then_rescoring_is_consistent(tiny_target):
 
 
 def test_a_forward_that_fails_leaves_the_session_consistent(tiny_target):
-    """The session used to record the fed tokens before the forward ran: after a failure (here an
-    id outside the vocabulary) it claimed cache entries it did not hold, and the next call cropped
+    """The session used to record the fed tokens before the forward ran: after a failure (here a
+    negative id) it claimed cache entries it did not hold, and the next call cropped
     real ones, scoring later positions against the wrong context without an error."""
     session = KVSession(tiny_target)
     expected = KVSession(tiny_target).logits_for([0, 1, 2, 3, 4, 5], 3)
     session.logits_for([0, 1, 2, 3], 1)
     with pytest.raises(IndexError):
-        session.logits_for([0, 1, 2, 3, 4, 10 ** 6], 2)
+        session.logits_for([0, 1, 2, 3, 4, -1], 2)
     torch.testing.assert_close(session.logits_for([0, 1, 2, 3, 4, 5], 3), expected)
+
+
+def test_an_id_past_the_models_table_is_fed_as_id_0(padded_pair):
+    """A draft with a narrower table than its target's (one tokenizer padded to two sizes) is fed
+    the target's padding ids: as id 0, in single forwards and in branch batches alike."""
+    import support
+
+    model = support.load(padded_pair["draft"])  # 12 rows
+    torch.testing.assert_close(KVSession(model).logits_for([3, 14, 5], 2), KVSession(model).logits_for([3, 0, 5], 2))
+    batch = KVSession(model).fork([3, 5], [13, 4])
+    torch.testing.assert_close(batch.step(), KVSession(model).fork([3, 5], [0, 4]).step())
 
 
 def test_rows_forked_at_different_points_see_only_their_own_prefix(tiny_dir):

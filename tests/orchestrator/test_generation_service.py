@@ -946,3 +946,31 @@ def test_a_front_door_stops_at_the_eos_ids_of_its_targets_generation_config(tiny
     first_stop = min(reference.index(t) for t in (eos, 99 % 16) if t in reference)
     assert completion.token_ids == reference[:first_stop + 1]
     assert completion.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("proposal_top_k", [0, 4], ids=["dense-q", "sparse-q"])
+def test_a_drafter_with_a_narrower_table_and_the_targets_tokenizer_serves_token_identically(padded_pair,
+                                                                                            proposal_top_k):
+    """Qwen2.5's shape over the wire: the front door checks the two tokenizers, widens the
+    drafter's dense q for the target, and opens drafter sessions that take the target's padding
+    ids (this answer holds 13, 14 and 15), which the draft is fed as id 0. Before, the front door
+    refused the drafter; had it not, each padding id would have been INVALID_ARGUMENT at the drafter."""
+    prompt = [1, 1]
+    alone = target_only(load(padded_pair["target"]), prompt, 24)
+    assert {13, 14, 15} <= set(alone)
+    s = start_stack(padded_pair["target"], padded_pair["draft"], proposal_top_k=proposal_top_k, quantize="none")
+    try:
+        with Client(s.address) as client:
+            served = client.generate(prompt, max_tokens=24, k=4)
+        assert served.token_ids == alone
+        assert not served.stats.drafter_fallback
+        assert served.stats.drafted > 0 and served.stats.accepted > 0
+    finally:
+        s.stop()
+
+
+def test_a_front_door_refuses_a_narrower_drafter_whose_tokenizer_is_not_the_targets(padded_pair):
+    with pytest.raises(InvalidRequest, match=r"the draft's vocabulary \(12 ids\) differs from the target's \(16\), "
+                                             r"and their tokenizers are not known to be one") as err:
+        start_stack(padded_pair["target"], padded_pair["stranger"], quantize="none")
+    assert err.value.field in ("drafter", "draft")

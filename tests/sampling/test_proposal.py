@@ -54,6 +54,22 @@ def test_stacking_sparse_beside_dense_rows_gives_dense_rows():
                                                            [0.1, 0.2, 0.3, 0.4]]))
 
 
+def test_dense_rows_of_a_narrower_draft_table_give_the_ids_past_it_no_mass():
+    """A draft with 3 rows where the target has 5 (one tokenizer padded to two sizes)."""
+    narrow = ProposalRows(probs=torch.tensor([[0.5, 0.3, 0.2]]))
+    torch.testing.assert_close(narrow.dense(5), torch.tensor([[0.5, 0.3, 0.2, 0.0, 0.0]]))
+    assert narrow.widened(3) is narrow and narrow.widened(5).probs.shape == (1, 5)
+    with pytest.raises(ValueError, match="dense q has 3 columns, more than the vocabulary's 2"):
+        narrow.dense(2)
+
+
+def test_stacking_a_lookup_row_past_a_narrower_draft_table_keeps_its_mass():
+    """Prompt lookup copies a target's padding id (4) that the draft's 3-row table lacks: a
+    scatter into the draft's width failed with an index error."""
+    stacked = ProposalRows.stack([ProposalRows.one_hot([4]), ProposalRows(probs=torch.tensor([[0.5, 0.3, 0.2]]))])
+    torch.testing.assert_close(stacked.dense(5), torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0], [0.5, 0.3, 0.2, 0.0, 0.0]]))
+
+
 def test_stacking_joins_cpu_lookup_rows_with_a_model_on_another_device():
     """Prompt lookup builds its one-hot rows on the CPU; a draft model on a GPU makes its rows
     there. The join must not mix devices (the GPU bench hit exactly this). The meta device
