@@ -869,6 +869,25 @@ def test_a_drafter_pool_that_joins_later_is_described_by_a_replica_that_can_draf
     assert completion.stats.drafted > 0 and not completion.stats.drafter_fallback
 
 
+def test_an_n_gram_drafter_pool_that_joins_later_drafts_too(stack):
+    """An n-gram replica's Info carries no model: it was checked as a model of 0 ids, refused as
+    another vocabulary, and the front door never drafted with the pool."""
+    from drafter_service.servicer import DrafterConfig
+    from drafter_service.servicer import serve as serve_drafter
+    from mirrorspec.serving.server import BackgroundServer
+    from orchestrator.servicer import serve
+
+    front = OrchestratorConfig(target=f"127.0.0.1:{stack.targets[0].port}", drafter=None, port=0,
+                               front_door_lookup=False)
+    with (BackgroundServer(lambda: serve_drafter(DrafterConfig(strategy="ngram"))) as ngram,
+          BackgroundServer(lambda: serve(front)) as door):
+        door.servicer.drafters.set_members([f"127.0.0.1:{ngram.port}"])
+        with Client(f"127.0.0.1:{door.port}") as client:
+            completion = client.generate([1, 2, 3, 1, 2, 3, 1, 2], max_tokens=20)
+        assert door.servicer.drafter_info is not None
+    assert completion.stats.drafted > 0 and not completion.stats.drafter_fallback
+
+
 def test_a_target_restarted_at_its_own_address_serves_the_request_that_waited_for_it(tiny_dir):
     """A single-target deployment whose target restarts on the same host:port. Its address used to
     be avoided for the rest of the request, which then waited out replacement_wait_s and failed
