@@ -79,9 +79,10 @@ class ReplicaPool:
         with self._changed:
             return self._members.get(replica.address) is replica
 
-    def acquire(self, avoid: Iterable[str] = (), wait_s: float = 0.0) -> Replica:
+    def acquire(self, avoid: Iterable[str] = (), wait_s: float = 0.0, stop: threading.Event | None = None) -> Replica:
         """The least-loaded healthy member not in ``avoid``; waits up to ``wait_s`` for one to join
-        (a replacement starting up) before giving up."""
+        (a replacement starting up) before giving up, or until ``stop`` is set (the request ended:
+        a client that left must not hold its other sessions and its worker through the wait)."""
         avoid = set(avoid)
         deadline = time.monotonic() + wait_s
         with self._changed:
@@ -93,6 +94,8 @@ class ReplicaPool:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise NoReplicaAvailable(self._why_none(avoid))
+                if stop is not None and stop.is_set():
+                    raise NoReplicaAvailable(f"stopped waiting for a {self.name} replica: the request ended")
                 self._changed.wait(min(left, 0.25))
 
     def _least_loaded(self, avoid: set[str]) -> Replica | None:

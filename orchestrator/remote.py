@@ -11,6 +11,7 @@ one would have: moving never changes the output.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -63,14 +64,22 @@ class PooledSession:
     """One request's session on some replica of a pool, replayed elsewhere when it has to move."""
 
     max_moves_per_call = 4
+    # a window call committing more tokens than this carries a prefill (a deferred one, or a long
+    # stretch of the log): it may take as long as an open, and keeps the request's deadline
+    prefill_free_tokens = 64
 
     def __init__(self, pool: ReplicaPool, prompt: Sequence[int], params: SamplingParams, seed: int,
-                 timeout_s: float | None, replacement_wait_s: float):
+                 timeout_s: float | None, replacement_wait_s: float, window_timeout_s: float | None = None,
+                 ended: threading.Event | None = None):
         self.pool = pool
+        self.ended = ended  # set once the request is over (cancelled, past its deadline): stop waiting
         self.prompt_length = len(prompt)
         self.params = params
         self.seed = seed
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s  # an open's deadline (it prefills), and a window's by default
+        # a window's own, where shorter: a replica that takes longer is taken for hung, and left
+        self.window_timeout_s = window_timeout_s if timeout_s is None else min(window_timeout_s or timeout_s, timeout_s)
+        self.call_timeout_s = timeout_s  # the deadline of the call ``call`` is making
         self.replacement_wait_s = replacement_wait_s
         self.times = CallTimes()
         self.replica: Replica | None = None
@@ -96,7 +105,8 @@ class PooledSession:
         full: set[str] = set()
         while True:
             try:  # wait for a replacement replica only if none refused for being full
-                replica = self.pool.acquire(tried, wait_s=0.0 if full else max(deadline - time.monotonic(), 0.0))
+                replica = self.pool.acquire(tried, wait_s=0.0 if full else max(deadline - time.monotonic(), 0.0),
+                                            stop=self.ended)
             except NoReplicaAvailable:
                 if full:
                     raise SessionLimitReached(
@@ -107,6 +117,8 @@ class PooledSession:
                 response = replica.stub.OpenSession(self.open_request(context, params), timeout=self.timeout_s)
             except grpc.RpcError as err:
                 self.pool.release(replica)
+                if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # hung, or slow: not first for new sessions
+                    self.pool.report_failure(replica)
                 if err.code() in _REPLICA_GONE:
                     self.pool.report_failure(replica)
                     if time.monotonic() >= deadline:  # out of time: not this one again
@@ -132,11 +144,14 @@ class PooledSession:
                 self.move(context)
             try:
                 keep = common_prefix_length(self.held, context)
-                result = rpc(self.replica, self.session_id, keep, list(context[keep:]))
+                commit = list(context[keep:])
+                prefills = len(commit) > self.prefill_free_tokens
+                self.call_timeout_s = self.timeout_s if prefills else self.window_timeout_s
+                result = rpc(self.replica, self.session_id, keep, commit)
             except grpc.RpcError as err:
-                if err.code() in _REPLICA_GONE:
-                    log.warning("%s replica %s is unreachable; replaying the session elsewhere",
-                                self.pool.name, self.replica.address)
+                if err.code() in _REPLICA_GONE or self._hung(err):
+                    log.warning("%s replica %s is %s; replaying the session elsewhere", self.pool.name,
+                                self.replica.address, "unreachable" if err.code() in _REPLICA_GONE else "hung")
                     self.pool.report_failure(self.replica)  # kept off for the cooldown: another first
                     self.move(context)
                 elif err.code() == _SESSION_GONE:
@@ -150,6 +165,12 @@ class PooledSession:
         raise NoReplicaAvailable(f"the {self.pool.name} session moved {self.max_moves_per_call} times in one "
                                  f"window without an answer; the {self.pool.name} pool is unhealthy")
 
+    def _hung(self, err: grpc.RpcError) -> bool:
+        """A window past its own deadline, shorter than the request's: the replica hangs (a stuck
+        compute lane, a stopped process) while the request still has time to go elsewhere."""
+        return (err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self.call_timeout_s is not None
+                and (self.timeout_s is None or self.call_timeout_s < self.timeout_s))
+
     def stream_call(self, replica: Replica, method: str, request):
         """``request`` as the next message on this session's ``method`` stream to ``replica``
         (opened on first use, and again after an error or a move); None where the replica predates
@@ -160,7 +181,7 @@ class PooledSession:
         if self._stream is None:
             self._stream = WindowStream(getattr(replica.stub, method), self.pool.watchdog)
         try:
-            return self._stream.call(request, self.timeout_s)
+            return self._stream.call(request, self.call_timeout_s)
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.UNIMPLEMENTED:
                 raise
@@ -388,8 +409,9 @@ class RemoteVerifier(PooledSession):
 
     def __init__(self, pool: ReplicaPool, prompt: Sequence[int], params: SamplingParams, seed: int, vocab_size: int,
                  timeout_s: float | None = None, replacement_wait_s: float = 60.0, gives_hints: bool = False,
-                 defer_prefill: bool = False, runner_up: bool = False):
-        super().__init__(pool, prompt, params, seed, timeout_s, replacement_wait_s)
+                 defer_prefill: bool = False, runner_up: bool = False, window_timeout_s: float | None = None,
+                 ended: threading.Event | None = None):
+        super().__init__(pool, prompt, params, seed, timeout_s, replacement_wait_s, window_timeout_s, ended)
         self.vocab_size = vocab_size
         self.gives_hints = gives_hints
         self.defer_prefill = defer_prefill
@@ -418,12 +440,12 @@ class RemoteVerifier(PooledSession):
                     return verdict
                 if self._unary:
                     try:
-                        return replica.stub.VerifyWindow(request, timeout=self.timeout_s)
+                        return replica.stub.VerifyWindow(request, timeout=self.call_timeout_s)
                     except grpc.RpcError as err:  # a replica that predates VerifyWindow never ran it
                         if err.code() != grpc.StatusCode.UNIMPLEMENTED:
                             raise
                         self._unary = False
-            return _verdict_of(replica.stub.Verify(request, timeout=self.timeout_s), on_hint)
+            return _verdict_of(replica.stub.Verify(request, timeout=self.call_timeout_s), on_hint)
 
         runner_up = self.offered_runner_up(proposal)
         started = time.perf_counter()

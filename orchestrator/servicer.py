@@ -60,6 +60,11 @@ class OrchestratorConfig:
     # a drafter call's deadline (at most half the request's own): drafts are optional, so a drafter
     # that hangs costs a request this long before it goes on target-only, not its whole budget
     drafter_timeout_s: float = 30.0
+    # a target window's deadline (at most the request's): a verify of K + 1 tokens takes well under
+    # a second on a replica that works, queued behind its other sessions' windows included. A
+    # replica that answers none within it is taken for hung: reported failed, and the session
+    # replays on another one. Opens, and windows that carry a prefill, keep the request's deadline.
+    window_timeout_s: float = 30.0
     replacement_wait_s: float = 60.0  # how long a request waits for a target replica to (re)appear
     metrics_port: int | None = None  # Prometheus text endpoint on host:metrics_port
     adaptive: AdaptiveKConfig | None = None  # K per window in [0, requested K]; None = fixed K
@@ -88,7 +93,7 @@ class OrchestratorConfig:
         for field_name in ("target", "drafter"):
             for address in parse_addresses(getattr(self, field_name)):
                 check_address(address, field_name)
-        for field_name in ("backend_timeout_s", "drafter_timeout_s"):
+        for field_name in ("backend_timeout_s", "drafter_timeout_s", "window_timeout_s"):
             if not getattr(self, field_name) > 0:  # nan too
                 raise InvalidRequest(f"must be > 0 seconds, got {getattr(self, field_name)}", field=field_name)
 
@@ -285,7 +290,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                                       timeout_s=timeout,
                                       replacement_wait_s=min(timeout, self.config.replacement_wait_s),
                                       gives_hints=self.target_info.hint_layer > 0, defer_prefill=defer_prefill,
-                                      runner_up=self.config.runner_up)
+                                      runner_up=self.config.runner_up, window_timeout_s=self.config.window_timeout_s,
+                                      ended=cancelled)
         except BaseException:
             if (opened := drafting.result()) is not None:
                 opened.remote.release()

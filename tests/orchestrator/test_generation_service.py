@@ -938,7 +938,51 @@ def test_a_drafter_that_hangs_costs_a_request_its_drafter_timeout_not_its_budget
     assert "drafter failed (DEADLINE_EXCEEDED" in caplog.text
 
 
-@pytest.mark.parametrize("field", ["backend_timeout_s", "drafter_timeout_s"])
+def test_a_target_that_hangs_mid_request_is_left_and_the_session_moves(tiny_dir, caplog):
+    """A target replica whose compute lane is stuck (a stopped process, a wedged GPU) held every
+    window to the request's whole budget, was never reported, and so failed this request and every
+    later one routed to it while the other replica idled. Now a window past ``window_timeout_s``
+    marks it failed, and the session replays on the other replica, token-identical."""
+    prompt = [0, 7, 3]
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], target_replicas=2, window_timeout_s=0.5)
+    try:
+        with Client(s.address, timeout_s=60) as client:
+            tokens, stats = [], None
+            for i, message in enumerate(client.stream(prompt, max_tokens=40, k=2)):
+                if i == 0:  # stall the replica that holds the session, mid-request
+                    (hung,) = [t for t in s.targets if len(t.servicer.sessions)]
+                    hung.servicer.lane.later(time.sleep, 5.0)
+                tokens += message.token_ids
+                stats = message.stats if message.finish_reason else stats
+            # later requests go to the healthy replica (the hung one is in its failure cooldown)
+            later = client.generate(prompt, max_tokens=8)
+    finally:
+        s.stop()
+    assert tokens == target_only(load(tiny_dir["target16"]), prompt, 40)
+    assert stats.target_moves >= 1
+    assert "is hung; replaying the session elsewhere" in caplog.text
+    assert later.token_ids == tokens[:8] and later.stats.target_moves == 0
+
+
+def test_a_request_cancelled_while_it_waits_for_a_target_lets_go_of_its_drafter_session_at_once(tiny_dir):
+    """With the only target down, a request waits up to replacement_wait_s for it to come back.
+    A client that left during that wait kept its drafter session and a front-door worker for the
+    whole wait (here 30 s): clients that cancel and retry through an outage piled them up."""
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], replacement_wait_s=30)
+    drafter = s.drafters[0].servicer
+    try:
+        s.targets[0].stop()
+        with Client(s.address, timeout_s=60) as client:
+            call = client.stream([0, 7, 3], max_tokens=8)
+            assert wait_until(lambda: len(drafter.sessions) == 1)  # opened while the target is awaited
+            time.sleep(0.3)
+            call.cancel()
+            assert wait_until(lambda: len(drafter.sessions) == 0, timeout=5)
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("field", ["backend_timeout_s", "drafter_timeout_s", "window_timeout_s"])
 @pytest.mark.parametrize("value", [0.0, float("nan")])
 def test_a_front_door_timeout_must_be_positive(field, value):
     with pytest.raises(InvalidRequest, match="must be > 0 seconds") as err:
