@@ -496,6 +496,24 @@ RAY_SETTINGS = ("address", "detach", "name", "drafters", "targets", "tp", "repli
                 "target_gpus", "num_cpus", "start_timeout")
 
 
+def _check_tp_split(target: str, tp: int, local: bool) -> None:
+    """A --tp the target cannot be cut into: every rank would fail to shard it, and the pool would
+    relaunch them until --start-timeout. A cluster's head may not hold the target's files (its
+    workers load it): there an unreadable config is left to the replicas to report."""
+    if tp <= 1:
+        return
+    from mirrorspec.models.loading import read_config
+    from mirrorspec.models.tensor_parallel import check_shardable
+
+    try:
+        config = read_config(target)
+    except InvalidRequest:
+        if local:
+            raise
+        return
+    check_shardable(config, tp)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     check_threads(args.threads)
     if args.in_process:
@@ -516,6 +534,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     draft = resolve_draft(args.draft, args.target)
     if args.in_process or args.address is None:  # a local Ray's replicas load from this machine's paths
         check_models(args.target, None if draft in ("ngram", "none") else draft)
+    _check_tp_split(args.target, args.tp, args.in_process or args.address is None)
     args.hint_vocab = _hint_vocab(args.hint_vocab, args.hint_layer, draft)
     if args.in_process:
         return _serve_in_process(args)

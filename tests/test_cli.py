@@ -145,6 +145,19 @@ def test_serve_refuses_a_port_another_process_listens_on_before_it_loads_anythin
     assert f"error: {flag}: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("address", [[], ["--address", "auto"]], ids=["local-ray", "cluster"])
+def test_a_tp_the_target_cannot_be_cut_into_is_a_tp_flag_error_before_ray_starts(address, tmp_path, capsys):
+    """Every rank failed to shard it and the pool relaunched them until --start-timeout, which the
+    error then named. A cluster's head reads the target's config where it can (the demo target's:
+    9 query heads in 3 KV groups, which 4 ranks cannot share)."""
+    target = ["--target", str(save_tiny_llama(tmp_path / "heads-2", seed=0))] if not address else []
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", *target, "--draft", "ngram", "--tp", "3" if target else "4", *address])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: --tp: tp=" in err and "cannot split" in err
+
+
 @pytest.mark.parametrize("argv", [["generate", "hi", "--local"], ["serve"], ["serve", "--in-process"]])
 def test_a_draft_with_another_vocabulary_is_a_draft_flag_error(argv, tmp_path, capsys):
     """An IndexError deep in the draft's embedding before (generate), a server that failed every

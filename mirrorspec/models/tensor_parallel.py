@@ -24,13 +24,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mirrorspec.config import InvalidRequest
 from mirrorspec.models.session import KVSession
+from mirrorspec.serving.errors import ReplicaLost
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
 
-class UnsupportedForTensorParallel(ValueError):
-    pass
+class UnsupportedForTensorParallel(InvalidRequest):
+    """A target this tp cannot shard: the caller's choice, so a launcher stops relaunching its
+    replicas at once (``cluster.controller``) and the CLI names ``--tp``."""
+
+    def __init__(self, message: str):
+        super().__init__(message, field="tp")
 
 
 def backend_for(device: torch.device) -> str:
@@ -125,6 +131,15 @@ def check_supported(config) -> None:
             f"{config.model_type!r}. Serve it with tp=1, or add its layer names to mirrorspec/models/tensor_parallel.py")
 
 
+def check_shardable(config, world: int) -> None:
+    """What ``shard_causal_lm`` refuses, read off a config alone: a launcher checks it before it
+    starts ranks that would each load the model and fail."""
+    if world > 1:
+        check_supported(config)
+        for rank in range(world):
+            head_share(config.num_attention_heads, config.num_key_value_heads, world, rank)
+
+
 @torch.no_grad()
 def shard_causal_lm(model: nn.Module, rank: int, world: int, group=None) -> nn.Module:
     """Cut ``model`` (loaded whole on every rank) down to rank's shard, in place."""
@@ -162,14 +177,25 @@ class ShardDriver:
         self.model = model
         self.group = group
         self.lock = threading.Lock()
+        self.lost: str | None = None  # why the lockstep broke, once it has
 
     def session(self) -> DrivenSession:
         return DrivenSession(self, uuid.uuid4().hex)
 
     def run(self, op: tuple, local=None):
+        """``op`` on every rank. A failure part-way (a follower that died: gloo's "Connection reset
+        by peer") leaves the ranks out of step for good, so this replica answers ``ReplicaLost``
+        from then on, and the callers' sessions move to another replica until it is replaced."""
         with self.lock:
-            dist.broadcast_object_list([op], src=0, group=self.group)
-            return local() if local is not None else None
+            if self.lost is not None:
+                raise ReplicaLost(f"this tensor-parallel target lost a rank earlier ({self.lost}) and awaits "
+                                  f"replacement")
+            try:
+                dist.broadcast_object_list([op], src=0, group=self.group)
+                return local() if local is not None else None
+            except Exception as err:
+                self.lost = " ".join(str(err).split())[:300] or type(err).__name__
+                raise ReplicaLost(f"a tensor-parallel rank failed mid-operation ({self.lost})") from err
 
     def stop(self) -> None:
         self.run(("stop", ""))

@@ -34,6 +34,11 @@ class NoReplicaAvailable(RuntimeError):
     """No replica of a pool could take a session (none registered, all failed or full)."""
 
 
+class ReplicaLost(RuntimeError):
+    """This replica can serve no more (a tensor-parallel rank died mid-operation): UNAVAILABLE,
+    which callers read as the replica gone, so its sessions move and their requests go on."""
+
+
 def status_for(err: BaseException) -> grpc.StatusCode:
     if isinstance(err, OutOfRange):
         return grpc.StatusCode.OUT_OF_RANGE
@@ -45,7 +50,7 @@ def status_for(err: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(err, ContextMismatch):
         return grpc.StatusCode.FAILED_PRECONDITION
-    if isinstance(err, NoReplicaAvailable):
+    if isinstance(err, (NoReplicaAvailable, ReplicaLost)):
         return grpc.StatusCode.UNAVAILABLE
     if isinstance(err, grpc.RpcError) and hasattr(err, "code"):
         # a backend refused or failed: pass on what the caller can act on, else UNAVAILABLE

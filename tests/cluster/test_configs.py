@@ -334,6 +334,13 @@ def test_the_head_launches_the_serving_stack_with_flags_the_cli_accepts(name):
     argv = shlex.split(command.split(">")[0])[2:]  # after `nohup mirrorspec`
     args = build_parser().parse_args(argv)
     assert args.command == "serve" and args.address == "auto" and args.detach and args.host == "0.0.0.0"
+    # the head starts before any GPU host joins: target ranks must ask for their GPU themselves
+    assert args.target_gpus == 1
+    # the target it serves can be cut into --tp ranks (aws.yaml asked for 4 of the demo target's 3 KV groups)
+    from mirrorspec.models.loading import read_config
+    from mirrorspec.models.tensor_parallel import check_shardable
+
+    check_shardable(read_config(args.target), args.tp)
     # it comes after `ray start`, which it joins
     starts = [i for i, c in enumerate(config["head_start_ray_commands"]) if "ray start" in c]
     assert starts and starts[0] < config["head_start_ray_commands"].index(command)

@@ -7,6 +7,7 @@ would. The model splits unevenly on purpose (3 KV groups, 17 vocabulary rows, 51
 
 import multiprocessing
 
+import grpc
 import pytest
 import torch
 import torch.distributed as dist
@@ -54,6 +55,29 @@ def save_uneven_llama(path):
         model.lm_head.weight.mul_(1.5 / model.lm_head.weight.std())
     model.save_pretrained(path)
     return path
+
+
+def test_a_rank_lost_mid_operation_makes_the_replica_unavailable_for_good(monkeypatch):
+    """A follower killed mid-request: rank 0's broadcast or collective fails with gloo's
+    "Connection reset by peer", which the target answered as INTERNAL, and the front door, which
+    moves sessions only off replicas that answer UNAVAILABLE, lost the request. Now the ranks are
+    known to be out of step for good: UNAVAILABLE for this call and every later one."""
+    from mirrorspec.serving.errors import ReplicaLost, status_for
+
+    broadcasts = []
+
+    def broken_broadcast(objects, src, group=None):
+        broadcasts.append(objects[0])
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:29500: Connection reset by peer")
+
+    monkeypatch.setattr(tp.dist, "broadcast_object_list", broken_broadcast)
+    driver = tp.ShardDriver(model=None)
+    with pytest.raises(ReplicaLost, match=r"a tensor-parallel rank failed mid-operation \(.*Connection reset by peer"):
+        driver.run(("logits_for", "s", [1, 2], 1), lambda: pytest.fail("ran after a failed broadcast"))
+    with pytest.raises(ReplicaLost, match="lost a rank earlier .* awaits replacement") as err:
+        driver.run(("rollback", "s", 0))
+    assert len(broadcasts) == 1  # nothing more is sent to ranks out of step
+    assert status_for(err.value) == grpc.StatusCode.UNAVAILABLE
 
 
 @pytest.fixture(scope="module")
