@@ -169,6 +169,18 @@ def test_a_draft_with_another_vocabulary_is_a_draft_flag_error(argv, tmp_path, c
     assert "error: --draft: the draft's vocabulary (8 ids) differs from the target's (49152)" in capsys.readouterr().err
 
 
+def test_generate_local_takes_a_draft_with_a_narrower_table_and_the_targets_tokenizer(padded_pair, capsys):
+    """Refused as another vocabulary before; the answer holds the target's padding ids 14, 15, 13."""
+    main(["generate", "w1 w1", "--local", "--target", str(padded_pair["target"]), "--draft", str(padded_pair["draft"]),
+          "--max-tokens", "12", "--json", "--threads", "1"])
+    out = json.loads(capsys.readouterr().out)
+    from mirrorspec import SamplingParams, generate
+    from support import load
+
+    alone = generate(load(padded_pair["target"]), None, [1, 1], SamplingParams(max_new_tokens=12)).token_ids
+    assert out["token_ids"] == alone and {13, 14, 15} <= set(alone) and out["stats"]["drafted"] > 0
+
+
 @pytest.mark.parametrize("draft_model,confidence,k", [
     (True, DEFAULT_DRAFT_CONFIDENCE, DEFAULT_K_CONFIDENT),  # the demo draft as the CLI runs it
     (True, 0.0, DEFAULT_K),  # a draft that always drafts K: long windows are mostly rejected tails
