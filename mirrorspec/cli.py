@@ -76,6 +76,10 @@ FLAG_FOR_FIELD = {
     "quantize": "--draft-quantize",
     "prompt": "PROMPT",
     "input_ids": "PROMPT",
+    "text": "PROMPT",  # a front door names the prompt by its kind of input
+    "raw_text": "PROMPT",
+    "token_ids": "PROMPT",
+    "chat": "PROMPT",
     "model": "--target",
     "target": "--target",
     "draft": "--draft",
@@ -430,7 +434,10 @@ def _generate_remote(args: argparse.Namespace) -> int:
         if err.code() == grpc.StatusCode.UNIMPLEMENTED:
             raise InvalidRequest(f"{args.server} answers gRPC but is not a mirrorspec front door (a drafter or "
                                  f"target server?); pass the address `mirrorspec serve` printed", field="server") from None
-        raise InvalidRequest(f"the server refused the request: {err.details()}", field=None) from None
+        from mirrorspec.serving.errors import FIELD_METADATA
+
+        field = dict(err.trailing_metadata() or ()).get(FIELD_METADATA)  # which setting, as the server names it
+        raise InvalidRequest(f"the server refused the request: {err.details()}", field=field) from None
     return 0
 
 

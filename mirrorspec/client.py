@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from mirrorspec.config import InvalidRequest, check_address, check_seed, check_unsigned
+from mirrorspec.config import InvalidRequest, check_address, check_seed, check_text, check_unsigned
 from mirrorspec.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 CHANNEL_OPTIONS = [
@@ -56,7 +56,7 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *,
     2**64, a top_p of 0, which the wire reads as "off") raise ``InvalidRequest`` naming the
     argument, not protobuf's bare "Value out of range"; the server checks everything else."""
     seed = check_seed(seed)
-    stop = [stop] if isinstance(stop, str) else list(stop)  # a str is a sequence of one-letter stops
+    stop = [check_text(s, "stop") for s in ([stop] if isinstance(stop, str) else stop)]  # a str is one stop, not letters
     stop_token_ids = [stop_token_ids] if isinstance(stop_token_ids, int) else list(stop_token_ids)
     if top_p == 0:  # the server refuses the rest of what lies outside (0, 1]; this it would read as unset
         raise InvalidRequest("top_p must be in (0, 1] (1 = off), got 0, which the wire reads as unset (off)",
@@ -72,6 +72,7 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *,
                                          max_new_tokens=max_tokens, stop_token_ids=stop_token_ids),
         stop=stop)
     if isinstance(prompt, str):
+        check_text(prompt, "prompt")
         if raw:
             request.raw_text = prompt
         else:
@@ -95,6 +96,9 @@ def _chat_message(index: int, message: dict) -> generation_pb2.ChatMessage:
     if unknown:
         raise InvalidRequest(f"chat message {index} has keys {unknown} a request cannot carry; a message has a role "
                              f"and a content only", field="prompt")
+    for key, value in message.items():
+        if isinstance(value, str):
+            check_text(value, "prompt")
     return generation_pb2.ChatMessage(**message)
 
 

@@ -260,6 +260,18 @@ def check_unsigned(field: str, value, bits: int, what: str = "it", hint: str = "
     return number
 
 
+def check_text(text: str, field: str) -> str:
+    """Text a tokenizer or a protobuf string can take: a command line decodes stray bytes (a
+    Latin-1 file pasted into a UTF-8 terminal) to lone surrogates, which both refuse with a
+    TypeError or UnicodeEncodeError from deep inside."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InvalidRequest(f"{field} is not valid UTF-8 text (undecodable bytes at character {err.start}); "
+                             f"pass it as UTF-8", field=field) from None
+    return text
+
+
 def check_shared_vocabulary(draft_vocab: int, target_vocab: int, field: str = "draft",
                             same_tokenizer: Callable[[], bool] = lambda: False) -> None:
     """A draft model embeds the target's tokens and proposes ids the target scores, so the two

@@ -21,6 +21,9 @@ from support import save_tiny_llama
     (["generate", "hi", "--local", "--k", "99"], "--k"),
     (["generate", "hi", "--local", "--max-tokens", "0"], "--max-tokens"),
     (["generate", "hi", "--local", "--threads", "0"], "--threads"),
+    (["generate", "hi", "--local", "--threads", "100000"], "--threads"),  # a segfault after "can't start new thread"
+    (["generate", "bad \udcff bytes", "--local"], "PROMPT"),  # a tokenizer TypeError traceback before
+    (["generate", "bad \udcff bytes", "--server", "127.0.0.1:1"], "PROMPT"),  # a protobuf UnicodeEncodeError
     (["generate", "hi", "--server", "127.0.0.1:1"], "--server"),
     (["generate", "hi", "--server", "127.0.0.1"], "--server"),  # gRPC would dial port 443
     (["generate", "hi", "--server", "http://127.0.0.1:50051"], "--server"),
@@ -167,6 +170,26 @@ def test_a_draft_with_another_vocabulary_is_a_draft_flag_error(argv, tmp_path, c
         main([*argv, "--draft", str(draft)])
     assert exit_info.value.code == 2
     assert "error: --draft: the draft's vocabulary (8 ids) differs from the target's (49152)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, flag, says", [
+    (["w1 w1", "--max-tokens", "100000"], "--max-tokens", "exceeds the context window"),
+    (["w1 " * 200], "PROMPT", "the context window"),  # 200 tokens; the tiny target's window is 128
+])
+def test_a_request_the_server_refuses_names_the_flag(padded_pair, argv, flag, says, capsys):
+    """The front door's refusal named no flag ("the server refused the request: ..."), where the
+    same value with --local named it: the field now travels in the status's trailing metadata."""
+    from served_stack import start_stack
+
+    s = start_stack(padded_pair["target"], strategy=None)
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["generate", "--server", s.address, *argv])
+    finally:
+        s.stop()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {flag}: the server refused the request:" in err and says in err
 
 
 def test_generate_local_takes_a_draft_with_a_narrower_table_and_the_targets_tokenizer(padded_pair, capsys):

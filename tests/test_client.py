@@ -80,6 +80,10 @@ def test_one_stop_string_or_id_is_one_stop_not_one_per_letter():
 @pytest.mark.parametrize("kwargs, field, says", [
     ({"top_p": 0.0}, "top_p", "top_p must be in (0, 1]"),  # the wire reads 0 as "off": it sampled unfiltered
     ({"prompt": [{"role": "user", "content": "hi", "name": "ann"}]}, "prompt", "chat message 0 has keys ['name']"),
+    # undecodable bytes, as a command line passes them on (lone surrogates): protobuf's UnicodeEncodeError before
+    ({"prompt": "bad \udcff bytes"}, "prompt", "prompt is not valid UTF-8 text (undecodable bytes at character 4)"),
+    ({"prompt": [{"role": "user", "content": "bad \udcff"}]}, "prompt", "prompt is not valid UTF-8 text"),
+    ({"stop": ["ok", "\udcfe"]}, "stop", "stop is not valid UTF-8 text"),
 ])
 def test_values_the_wire_would_misread_or_protobuf_refuse_are_named(kwargs, field, says):
     from mirrorspec.client import build_request

@@ -15,7 +15,7 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
                           PreTrainedTokenizerBase)
 
-from mirrorspec.config import InvalidRequest, check_quantization, check_shared_vocabulary, field_named
+from mirrorspec.config import InvalidRequest, check_quantization, check_shared_vocabulary, check_text, field_named
 from mirrorspec.models.prepack import prepack_linears
 from mirrorspec.models.quantize import apply_quantization
 
@@ -261,6 +261,9 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, *, chat: bool
     if not prompt:
         raise InvalidRequest("the prompt is empty; pass some text to continue or a question to answer",
                              field="prompt")
+    check_text(prompt, "prompt")
+    if system:
+        check_text(system, "system")
     if chat and getattr(tokenizer, "chat_template", None):
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         return encode_chat(tokenizer, messages)

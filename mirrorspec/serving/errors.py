@@ -15,6 +15,8 @@ from mirrorspec.config import InvalidRequest, OutOfRange
 
 log = logging.getLogger(__name__)
 
+FIELD_METADATA = "mirrorspec-field"  # trailing metadata of an INVALID_ARGUMENT / OUT_OF_RANGE: the field
+
 
 class SessionNotFound(KeyError):
     def __str__(self) -> str:
@@ -107,7 +109,9 @@ async def _abort(context: grpc.aio.ServicerContext, err: Exception, method: str)
     message = str(err) or type(err).__name__
     if isinstance(err, grpc.RpcError) and hasattr(err, "details"):
         message = f"a backend answered {err.code().name}: {err.details()}"
-    await context.abort(code, message)
+    # the request field at fault, for clients that name their own setting for it (the CLI's flag)
+    field = getattr(err, "field", None) if isinstance(err, InvalidRequest) else None
+    await context.abort(code, message, trailing_metadata=((FIELD_METADATA, field),) if field else ())
 
 
 def _wrap_unary(fn: Callable[..., Awaitable], method: str):

@@ -41,10 +41,16 @@ def apply_placement(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     torch.set_num_threads(args.threads)
 
 
+# torch starts this many OpenMP threads at once: 100,000 failed ("can't start new thread") and
+# then crashed the process with a segfault; a CPU with more cores than this is yet to be sold
+MAX_THREADS = 1024
+
+
 def check_threads(threads: int | None) -> None:
     """A torch thread count, where one is given (None: the caller's default)."""
-    if threads is not None and threads < 1:
-        raise InvalidRequest(f"must be >= 1, got {threads}", field="threads")
+    if threads is not None and not 1 <= threads <= MAX_THREADS:
+        raise InvalidRequest(f"must be in [1, {MAX_THREADS}] (torch threads for this process; one per core it "
+                             f"may use is best), got {threads}", field="threads")
 
 
 def parse_cpu_list(text: str) -> tuple[int, ...]:
