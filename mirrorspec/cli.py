@@ -117,6 +117,8 @@ FLAG_FOR_FIELD = {
     "port": "--port",
     "metrics_port": "--metrics-port",
     "adaptive": "--adaptive",
+    "k": "--k",
+    "mirror": "--mirror",
 }
 
 
@@ -331,6 +333,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for dest, field, owner in SERVER_SETTINGS:
             if _is_set(args, dest):
                 raise InvalidRequest(f"is {owner}; here it needs --local", field=field)
+    if args.no_speculate or args.draft == "none":  # target-only: a speculation setting would be ignored
+        for dest in ("k", "adaptive", "mirror"):
+            if _is_set(args, dest):
+                off = "--no-speculate" if args.no_speculate else "--draft none"
+                raise InvalidRequest(f"sets speculation, which {off} turns off: drop one of the two", field=dest)
     args.draft_quantize = args.draft_quantize or DEFAULT_DRAFT_QUANTIZE
     args.proposal_top_k = DEFAULT_PROPOSAL_TOP_K if args.proposal_top_k is None else args.proposal_top_k
     args.prompt_lookup = DEFAULT_PROMPT_LOOKUP if args.prompt_lookup is None else args.prompt_lookup

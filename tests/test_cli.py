@@ -21,7 +21,10 @@ from support import save_tiny_llama
     (["generate", "hi", "--local", "--k", "99"], "--k"),
     (["generate", "hi", "--local", "--max-tokens", "0"], "--max-tokens"),
     (["generate", "hi", "--local", "--threads", "0"], "--threads"),
-    (["generate", "hi", "--local", "--threads", "100000"], "--threads"),  # a segfault after "can't start new thread"
+    (["generate", "hi", "--local", "--threads", "100000"], "--threads"),
+    (["generate", "hi", "--local", "--no-speculate", "--k", "4"], "--k"),  # silently target-only before
+    (["generate", "hi", "--no-speculate", "--mirror"], "--mirror"),
+    (["generate", "hi", "--local", "--draft", "none", "--adaptive"], "--adaptive"),  # a segfault after "can't start new thread"
     (["generate", "bad \udcff bytes", "--local"], "PROMPT"),  # a tokenizer TypeError traceback before
     (["generate", "bad \udcff bytes", "--server", "127.0.0.1:1"], "PROMPT"),  # a protobuf UnicodeEncodeError
     (["generate", "hi", "--server", "127.0.0.1:1"], "--server"),
