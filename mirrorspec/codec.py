@@ -62,8 +62,10 @@ def encode_proposal(rows: ProposalRows) -> tuple[bytes, bytes | None]:
 
 
 def decode_proposal(probs_frame: bytes, ids_frame: bytes | None, *, num_tokens: int, vocab_size: int,
-                    draft_tokens: list[int] | None = None) -> ProposalRows:
+                    draft_tokens: list[int] | None = None, dense_width: int | None = None) -> ProposalRows:
     """A validated q: one row per draft token, a proper distribution in each row, containing the draft.
+    Ids lie in the vocabulary; dense rows are ``dense_width`` wide (default: the vocabulary's), a
+    draft's table where it is narrower (one tokenizer padded to two sizes).
 
     The checks run in numpy: a q is a few rows, where each torch op's dispatch would cost more
     than its arithmetic, and this runs on every window's critical path, twice (front door, target)."""
@@ -90,9 +92,9 @@ def decode_proposal(probs_frame: bytes, ids_frame: bytes | None, *, num_tokens: 
                                  field="q")
         if ((ids < 0) | (ids >= vocab_size)).any():
             raise InvalidRequest(f"q.ids must lie in [0, {vocab_size})", field="q")
-    elif num_tokens and probs.shape[1] != vocab_size:
-        raise InvalidRequest(f"dense q.probs must have {vocab_size} columns (the vocabulary), got {probs.shape[1]}",
-                             field="q")
+    elif num_tokens and probs.shape[1] != (dense_width or vocab_size):
+        raise InvalidRequest(f"dense q.probs must have {dense_width or vocab_size} columns (the "
+                             f"{'draft table' if dense_width else 'vocabulary'}), got {probs.shape[1]}", field="q")
     if draft_tokens:
         _check_drafts_have_mass(draft_tokens, probs, ids, vocab_size)
     return ProposalRows(probs=torch.from_numpy(probs), ids=None if ids is None else torch.from_numpy(ids))
@@ -103,8 +105,13 @@ def _check_drafts_have_mass(draft_tokens: list[int], probs: np.ndarray, ids: np.
     if not all(0 <= t < vocab_size for t in draft_tokens):
         raise InvalidRequest(f"draft token ids must lie in [0, {vocab_size})", field="draft_tokens")
     drafts = np.asarray(draft_tokens, dtype=np.int64)[:, None]  # [k, 1]
-    # the mass q gives each draft, read off the sparse rows directly (no [k, vocab] array per window)
-    mass = (probs * (ids == drafts)).sum(-1) if ids is not None else np.take_along_axis(probs, drafts, -1)[:, 0]
+    # the mass q gives each draft, read off the sparse rows directly (no [k, vocab] array per window);
+    # a draft past a narrower dense row has none
+    if ids is not None:
+        mass = (probs * (ids == drafts)).sum(-1)
+    else:
+        mass = np.where(drafts[:, 0] < probs.shape[1],
+                        np.take_along_axis(probs, np.minimum(drafts, probs.shape[1] - 1), -1)[:, 0], 0.0)
     if (mass <= 0).any():
         raise InvalidRequest("a draft token has zero probability under its own q row; "
                              "q must be the distribution each draft was sampled from", field="q")

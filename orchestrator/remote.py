@@ -80,6 +80,7 @@ class PooledSession:
         # a window's own, where shorter: a replica that takes longer is taken for hung, and left
         self.window_timeout_s = window_timeout_s if timeout_s is None else min(window_timeout_s or timeout_s, timeout_s)
         self.call_timeout_s = timeout_s  # the deadline of the call ``call`` is making
+        self.prefill_pending = False  # opened with its prefill deferred to the first window call
         self.replacement_wait_s = replacement_wait_s
         self.times = CallTimes()
         self.replica: Replica | None = None
@@ -145,9 +146,10 @@ class PooledSession:
             try:
                 keep = common_prefix_length(self.held, context)
                 commit = list(context[keep:])
-                prefills = len(commit) > self.prefill_free_tokens
+                prefills = self.prefill_pending or len(commit) > self.prefill_free_tokens
                 self.call_timeout_s = self.timeout_s if prefills else self.window_timeout_s
                 result = rpc(self.replica, self.session_id, keep, commit)
+                self.prefill_pending = False
             except grpc.RpcError as err:
                 if err.code() in _REPLICA_GONE or self._hung(err):
                     log.warning("%s replica %s is %s; replaying the session elsewhere", self.pool.name,
@@ -196,6 +198,7 @@ class PooledSession:
     def move(self, context: Sequence[int]) -> None:
         self._let_go()
         self.moves += 1
+        self.prefill_pending = False  # a reopened session prefills in its open
         self.open(context)
 
     def _let_go(self) -> None:
@@ -254,7 +257,8 @@ class RemoteDrafter(Drafter):
         self.caller_lookup = caller_lookup
         self.gate = PauseGate(paused)
         self.vocab_size = vocab_size
-        # the ids the replicas' q rows span: a draft table narrower than the target's is widened here
+        # the width of the replicas' dense q rows: a draft table narrower than the target's is widened
+        # here (sparse rows hold target ids: a replica's own lookup copies any from the context)
         self.draft_vocab = draft_vocab or vocab_size
         self.failure: str | None = None
         self._ranks = True  # the replicas answer RankTokens (mirror guesses for looked-up windows)
@@ -340,8 +344,8 @@ class RemoteDrafter(Drafter):
             raise InvalidRequest(f"the drafter answered {len(drafts)} branches for {len(branch_tokens)} asked",
                                  field="branch_tokens")
         forked = bool(fork_points) and response.forked
-        proposals = [proposal_from_proto(d.tokens, d.q, self.draft_vocab, d.alternatives).widened(self.vocab_size)
-                     for d in drafts]
+        proposals = [proposal_from_proto(d.tokens, d.q, self.vocab_size, d.alternatives, dense_width=self.draft_vocab)
+                     .widened(self.vocab_size) for d in drafts]
         if any(len(p) > k for p in proposals):  # the target would refuse the window: fall back instead
             raise InvalidRequest(f"the drafter answered {max(len(p) for p in proposals)} drafts for k={k}",
                                  field="k")
@@ -418,7 +422,7 @@ class RemoteVerifier(PooledSession):
         self.runner_up = runner_up  # offer the drafter's runner-up for windows' first drafts
         self._unary = True  # windows without hints go by VerifyWindow (until a replica lacks it)
         self.open(prompt)
-        self.defer_prefill = False
+        self.prefill_pending, self.defer_prefill = defer_prefill, False
 
     def open_request(self, context: Sequence[int], params: SamplingParams):
         return target_pb2.OpenTargetSessionRequest(prompt_ids=list(context), params=params_to_proto(params),

@@ -63,7 +63,10 @@ class OrchestratorConfig:
     # a target window's deadline (at most the request's): a verify of K + 1 tokens takes well under
     # a second on a replica that works, queued behind its other sessions' windows included. A
     # replica that answers none within it is taken for hung: reported failed, and the session
-    # replays on another one. Opens, and windows that carry a prefill, keep the request's deadline.
+    # replays on another one. Opens, and windows that carry a prefill (a deferred one included),
+    # keep the request's deadline. A window queued behind another session's prefill longer than
+    # this is taken for hung too (its session replays, the request goes on): raise it where
+    # prefills run that long (very long prompts on a slow target).
     window_timeout_s: float = 30.0
     replacement_wait_s: float = 60.0  # how long a request waits for a target replica to (re)appear
     metrics_port: int | None = None  # Prometheus text endpoint on host:metrics_port

@@ -48,3 +48,18 @@ def frame(array: torch.Tensor) -> bytes:
 def test_malformed_q_is_rejected_with_a_reason(probs, ids, num_tokens, message):
     with pytest.raises(InvalidRequest, match=message):
         decode_proposal(probs, ids, num_tokens=num_tokens, vocab_size=4, draft_tokens=[2] * num_tokens)
+
+
+def test_dense_rows_of_a_narrower_draft_table_are_checked_against_its_width():
+    """A draft whose table has 3 rows where the target's vocabulary has 5: its dense rows are 3
+    wide, its sparse ids (a lookup's copies) may be any target id, and a draft token past the
+    dense width has no mass (an IndexError in the mass check, had the width not been read)."""
+    dense, _ = encode_proposal(ProposalRows(probs=torch.tensor([[0.5, 0.3, 0.2]])))
+    rows = decode_proposal(dense, None, num_tokens=1, vocab_size=5, draft_tokens=[1], dense_width=3)
+    torch.testing.assert_close(rows.widened(5).probs, torch.tensor([[0.5, 0.3, 0.2, 0.0, 0.0]]))
+    with pytest.raises(InvalidRequest, match="a draft token has zero probability under its own q row"):
+        decode_proposal(dense, None, num_tokens=1, vocab_size=5, draft_tokens=[4], dense_width=3)
+    with pytest.raises(InvalidRequest, match=r"dense q.probs must have 5 columns \(the vocabulary\), got 3"):
+        decode_proposal(dense, None, num_tokens=1, vocab_size=5, draft_tokens=[1])
+    probs, ids = encode_proposal(ProposalRows.one_hot([4]))
+    assert decode_proposal(probs, ids, num_tokens=1, vocab_size=5, draft_tokens=[4], dense_width=3).ids.tolist() == [[4]]

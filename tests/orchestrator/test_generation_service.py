@@ -964,6 +964,32 @@ def test_a_target_that_hangs_mid_request_is_left_and_the_session_moves(tiny_dir,
     assert later.token_ids == tokens[:8] and later.stats.target_moves == 0
 
 
+def test_a_slow_deferred_prefill_is_not_taken_for_a_hung_target(tiny_dir, monkeypatch, caplog):
+    """A target-only request defers its prefill to its first window, which then commits no tokens
+    but prefills the whole prompt: it was held to window_timeout_s, and a healthy target taken for
+    hung (reported failed, the session replayed, 5 s of cooldown with one target)."""
+    from mirrorspec.models.session import KVSession
+
+    prompt = [i % 16 for i in range(100)]
+    alone = target_only(load(tiny_dir["target16"]), prompt, 8)
+    forward = KVSession.forward
+
+    def slow_prefill(self, input_ids, cache, num_positions, **masking):
+        if input_ids.shape[-1] > 64:  # the prefill of this target takes 1.5 s
+            time.sleep(1.5)
+        return forward(self, input_ids, cache, num_positions, **masking)
+
+    monkeypatch.setattr(KVSession, "forward", slow_prefill)
+    s = start_stack(tiny_dir["target16"], strategy=None, window_timeout_s=1.0)
+    try:
+        with Client(s.address, timeout_s=60) as client:
+            completion = client.generate(prompt, max_tokens=8)
+    finally:
+        s.stop()
+    assert completion.token_ids == alone and completion.stats.target_moves == 0
+    assert "is hung" not in caplog.text
+
+
 def test_a_request_cancelled_while_it_waits_for_a_target_lets_go_of_its_drafter_session_at_once(tiny_dir):
     """With the only target down, a request waits up to replacement_wait_s for it to come back.
     A client that left during that wait kept its drafter session and a front-door worker for the
@@ -1030,6 +1056,23 @@ def test_a_drafter_with_a_narrower_table_and_the_targets_tokenizer_serves_token_
         assert served.stats.drafted > 0 and served.stats.accepted > 0
     finally:
         s.stop()
+
+
+def test_a_narrower_drafter_that_looks_up_itself_may_copy_the_targets_padding_ids(padded_pair):
+    """With the lookup left to the drafter (front_door_lookup=False), its lookup copies a context id
+    past its own table (13): the front door checked sparse q ids against the draft's table, and the
+    request fell back to target-only. Sparse ids are the target's; only dense rows are the draft's width."""
+    prompt = [1, 1, 13, 14, 1, 1, 13]
+    alone = target_only(load(padded_pair["target"]), prompt, 24)
+    s = start_stack(padded_pair["target"], padded_pair["draft"], quantize="none", prompt_lookup=1,
+                    front_door_lookup=False)
+    try:
+        with Client(s.address) as client:
+            served = client.generate(prompt, max_tokens=24, k=4)
+    finally:
+        s.stop()
+    assert served.token_ids == alone
+    assert not served.stats.drafter_fallback and served.stats.drafted > 0
 
 
 def test_a_front_door_refuses_a_narrower_drafter_whose_tokenizer_is_not_the_targets(padded_pair):
