@@ -58,17 +58,30 @@ class Summary:
     same_as_in_process: str | None = None
 
 
+def _verify_per_window(stats: list[dict]) -> float | None:
+    """A window's verify time, the first window of each request left out where it is known: in
+    process, that verify prefills the prompt too (several one-token steps), and a mode with fewer
+    windows would carry more of it per window than target-only does."""
+    known = [s for s in stats if s.get("first_verify_time_s") and s["windows"] > 1]
+    if known and len(known) == len(stats):
+        return (sum(s["verify_time_s"] - s["first_verify_time_s"] for s in known)
+                / sum(s["windows"] - 1 for s in known))
+    windows = sum(s["windows"] for s in stats)
+    return sum(s["verify_time_s"] for s in stats) / windows if windows else None
+
+
 def _spec_fields(stats: list[dict], k: int) -> dict:
     """Acceptance, accepted length, cost ratio and bound from summed speculation statistics."""
     drafted = sum(s["drafted"] for s in stats)
     accepted = sum(s["accepted"] for s in stats)
     windows = sum(s["windows"] for s in stats)
     draft_time = sum(s["draft_time_s"] for s in stats)
-    verify_time = sum(s["verify_time_s"] for s in stats)
     mirror_windows = sum(s.get("mirror_windows", 0) for s in stats)
     runner_up_hits = sum(s.get("runner_up_hits", 0) for s in stats)  # tokens kept beside the chain's drafts
-    out: dict = {"mean_accepted_length": (accepted + runner_up_hits + windows) / windows if windows else None,
-                 "verify_s_per_window": verify_time / windows if windows else None,
+    # committed tokens (a stop token cuts its window; records of the served path carry no count)
+    committed = sum(s.get("committed", s["accepted"] + s.get("runner_up_hits", 0) + s["windows"]) for s in stats)
+    out: dict = {"mean_accepted_length": committed / windows if windows else None,
+                 "verify_s_per_window": _verify_per_window(stats),
                  "branch_hit_rate": (sum(s.get("branch_hits", 0) for s in stats) / mirror_windows
                                      if mirror_windows else None)}
     if runner_up_hits and windows:
@@ -77,7 +90,8 @@ def _spec_fields(stats: list[dict], k: int) -> dict:
         return out
     tests = accepted + sum(s.get("rejected", 0) for s in stats)
     alpha = accepted / tests if tests else 0.0  # per-token, what the Leviathan bound is stated in
-    cost = (draft_time / drafted) / (verify_time / windows) if verify_time > 0 else None
+    per_window = out["verify_s_per_window"]
+    cost = (draft_time / drafted) / per_window if per_window else None
     out.update(acceptance_rate=accepted / drafted, token_acceptance=alpha, cost_ratio=cost,
                speedup_bound=speedup_bound(alpha, k, cost) if cost is not None else None,
                per_position_acceptance=_per_position(stats))

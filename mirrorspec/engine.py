@@ -165,6 +165,9 @@ class GenerationStats:
     branch_hits: int = 0
     draft_time_off_path_s: float = 0.0  # branch drafting that overlapped a verify
     runner_up_hits: int = 0  # windows whose first slot went to the drafter's runner-up
+    committed: int = 0  # tokens the windows committed (a stop token cuts the window it falls in)
+    # the first window's verify, which prefills the prompt too: per-window costs leave it out
+    first_verify_time_s: float = 0.0
     # (what, start, end) in perf_counter seconds, what = draft | verify | branches; None = not kept
     timeline: list[tuple[str, float, float]] | None = None
 
@@ -206,8 +209,9 @@ class GenerationStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens committed per target pass, counting the recovered/bonus token and runner-up wins."""
-        return (self.accepted + self.runner_up_hits + self.windows) / self.windows if self.windows else 0.0
+        """Tokens committed per target pass, counting the recovered/bonus token and runner-up wins,
+        and not the tokens after a stop token, which the output never gets."""
+        return self.committed / self.windows if self.windows else 0.0
 
     @property
     def per_position_acceptance(self) -> list[float]:
@@ -302,7 +306,7 @@ def decode_windows(
             prefetch = mirror.verify_while_drafting(verifier, drafter, context, proposal, params, seed, alpha,
                                                     k_after(len(proposal)))
             verdict = prefetch.verdict
-            stats.verify_time_s += prefetch.verify_time_s
+            verify_time = prefetch.verify_time_s
             stats.draft_time_off_path_s += prefetch.draft_time_s
             stats.mirror_windows += prefetch.branched
             stats.branches_drafted += len(prefetch.branches)
@@ -314,8 +318,10 @@ def decode_windows(
             started = time.perf_counter()
             verdict = verifier.verify(context, proposal, params, seed)
             ended = time.perf_counter()
-            stats.verify_time_s += ended - started
+            verify_time = ended - started
             stats.span("verify", started, ended)
+        stats.verify_time_s += verify_time
+        stats.first_verify_time_s = stats.first_verify_time_s or verify_time
         stats.record(len(proposal), verdict.drafts_accepted)
         if policy:
             policy.observe(len(proposal), verdict.drafts_accepted)
@@ -329,6 +335,7 @@ def decode_windows(
                 tokens, finish = tokens[:i + 1], "stop"
                 break
         produced += len(tokens)
+        stats.committed += len(tokens)
         if finish is None and produced >= params.max_new_tokens:
             finish = "length"
         context += tokens

@@ -48,6 +48,28 @@ def _record(mode, temperature, tokens, prompt_id="1", k=4):
                      token_ids=list(tokens))
 
 
+def _stats(windows, accepted, verify_time_s, first_verify_time_s, committed, drafted=8, draft_time_s=0.08):
+    return {"windows": windows, "drafted": drafted, "accepted": accepted, "rejected": windows - 1,
+            "draft_time_s": draft_time_s, "verify_time_s": verify_time_s, "first_verify_time_s": first_verify_time_s,
+            "committed": committed, "drafted_per_position": [], "accepted_per_position": []}
+
+
+def test_pass_cost_leaves_out_the_prefill_and_tokens_per_pass_count_committed_tokens():
+    """In process, a request's first verify prefills the prompt too. Spread over a speculative
+    mode's fewer windows it inflated `pass x` (a review measured 1.289 against 1.182 without it)
+    and `cost c`. And tokens per pass counted drafts accepted after a stop token, which the output
+    never gets (1.50 printed for 5 tokens in 4 passes)."""
+    base = _record("target-only", 0.0, [1] * 10, k=0)
+    base.stats = _stats(windows=10, accepted=0, verify_time_s=0.3 + 9 * 0.05, first_verify_time_s=0.3, committed=10,
+                        drafted=0)
+    spec = _record("mirrorspec-draft", 0.0, [1] * 5)
+    spec.stats = _stats(windows=4, accepted=2, verify_time_s=0.3 + 3 * 0.06, first_verify_time_s=0.3, committed=5)
+    rows = {s.mode: s for s in summarize([base, spec])}
+    assert rows["mirrorspec-draft"].pass_cost == pytest.approx(0.06 / 0.05)  # 1.32 with the prefill in
+    assert rows["mirrorspec-draft"].mean_accepted_length == pytest.approx(5 / 4)  # (2 + 4) / 4 before
+    assert rows["mirrorspec-draft"].cost_ratio == pytest.approx((0.08 / 8) / 0.06)
+
+
 def test_sampled_served_runs_are_checked_against_their_in_process_twin():
     """Greedy rows compare with target-only; a sampled served row with the in-process mode it
     reproduces, prompt by prompt at the same K, and a row with no twin that ran stays unknown."""

@@ -108,8 +108,19 @@ def test_a_runner_up_win_counts_as_a_rejected_first_draft_and_its_token_apart(ti
     assert s.accepted + s.rejected == s.windows  # K = 1: each window tests one draft
     assert s.rejected >= s.runner_up_hits  # every win came after its first draft failed
     committed = s.accepted + s.runner_up_hits + s.windows  # drafts, runner-ups, recovered/bonus tokens
-    assert committed - len(result.token_ids) in (0, 1)  # the last window may be cut at max_new_tokens
+    assert committed == s.committed == len(result.token_ids)  # no stop token here cuts a window
     assert s.mean_accepted_length == pytest.approx(committed / s.windows)
+
+
+def test_tokens_per_pass_leave_out_what_a_stop_token_cuts(tiny_target):
+    """A draft equal to the target accepts all K; a stop token second in the window cuts the rest,
+    which used to count as produced (tokens per pass 5 for the 2 the output got)."""
+    alone = generate(tiny_target, None, [0, 2, 6], SamplingParams(max_new_tokens=8)).token_ids
+    params = SamplingParams(max_new_tokens=8, stop_token_ids=(alone[1],))
+    result = generate(tiny_target, tiny_target, [0, 2, 6], params, num_speculative_tokens=4)
+    s = result.stats
+    assert result.token_ids == alone[:2] and s.windows == 1 and s.accepted == 4
+    assert s.committed == 2 and s.mean_accepted_length == 2
 
 
 def test_statistics_add_up(tiny_target, tiny_draft):
@@ -120,6 +131,8 @@ def test_statistics_add_up(tiny_target, tiny_draft):
     assert sum(s.drafted_per_position) == s.drafted and sum(s.accepted_per_position) == s.accepted
     assert s.accepted + s.windows >= len(result.token_ids)  # truncation at the end may drop a few
     assert s.mean_accepted_length == pytest.approx((s.accepted + s.runner_up_hits + s.windows) / s.windows)
+    assert s.committed == len(result.token_ids)
+    assert 0 < s.first_verify_time_s <= s.verify_time_s
     assert s.per_position_acceptance == sorted(s.per_position_acceptance, reverse=True)  # prefix acceptance
     assert s.draft_time_s > 0 and s.verify_time_s > 0
     # every window either accepted all its drafts or ended at one rejection
