@@ -56,7 +56,12 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *,
     2**64, a top_p of 0, which the wire reads as "off") raise ``InvalidRequest`` naming the
     argument, not protobuf's bare "Value out of range"; the server checks everything else."""
     seed = check_seed(seed)
-    stop = [check_text(s, "stop") for s in ([stop] if isinstance(stop, str) else stop)]  # a str is one stop, not letters
+    stop = [stop] if isinstance(stop, str) else list(stop)  # a str is one stop, not one per letter
+    for text in stop:
+        if not isinstance(text, str):  # an id belongs in stop_token_ids
+            raise InvalidRequest(f"stop takes strings; got {text!r} (stop token ids go in stop_token_ids)",
+                                 field="stop")
+        check_text(text, "stop")
     stop_token_ids = [stop_token_ids] if isinstance(stop_token_ids, int) else list(stop_token_ids)
     if top_p == 0:  # the server refuses the rest of what lies outside (0, 1]; this it would read as unset
         raise InvalidRequest("top_p must be in (0, 1] (1 = off), got 0, which the wire reads as unset (off)",

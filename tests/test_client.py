@@ -84,6 +84,7 @@ def test_one_stop_string_or_id_is_one_stop_not_one_per_letter():
     ({"prompt": "bad \udcff bytes"}, "prompt", "prompt is not valid UTF-8 text (undecodable bytes at character 4)"),
     ({"prompt": [{"role": "user", "content": "bad \udcff"}]}, "prompt", "prompt is not valid UTF-8 text"),
     ({"stop": ["ok", "\udcfe"]}, "stop", "stop is not valid UTF-8 text"),
+    ({"stop": [1]}, "stop", "stop takes strings; got 1 (stop token ids go in stop_token_ids)"),  # AttributeError
 ])
 def test_values_the_wire_would_misread_or_protobuf_refuse_are_named(kwargs, field, says):
     from mirrorspec.client import build_request
