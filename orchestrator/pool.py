@@ -102,7 +102,9 @@ class ReplicaPool:
         now = time.monotonic()
         healthy = [r for a, r in self._members.items()
                    if a not in avoid and now - self._failed_at.get(a, -1e9) > self._cooldown_s]
-        return min(healthy, key=lambda r: r.sessions, default=None)
+        # among the least loaded, the one that failed longest ago (or never): a replica that hung
+        # and idles once its cooldown ends must not be every new session's first pick again
+        return min(healthy, key=lambda r: (r.sessions, self._failed_at.get(r.address, -1e9)), default=None)
 
     def _why_none(self, avoid: set[str]) -> str:
         if not self._members:

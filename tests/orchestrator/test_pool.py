@@ -58,6 +58,23 @@ def test_failed_replicas_cool_down_and_an_empty_pool_says_how_to_fix_it():
         stub_pool().acquire()
 
 
+def test_among_equally_loaded_replicas_the_one_that_failed_longest_ago_is_picked():
+    """Ties went to the first member: a replica that hung (its sessions moved, so it idles) was
+    every new session's first pick again once its cooldown ended, and each waited out a window."""
+    pool = stub_pool("a:1", "b:2", "c:3", cooldown=0.05)
+    first = pool.acquire()
+    assert first.address == "a:1"
+    pool.release(first)
+    pool.report_failure(first)
+    time.sleep(0.1)  # past the cooldown
+    second = pool.acquire(avoid={"a:1", "c:3"})
+    pool.release(second)
+    pool.report_failure(second)  # b:2 fails later than a:1
+    time.sleep(0.1)
+    picks = [pool.acquire() for _ in range(3)]
+    assert [r.address for r in picks] == ["c:3", "a:1", "b:2"]
+
+
 def test_a_failed_replica_that_left_is_forgotten_and_not_named_among_the_failed():
     """Replacements come on new ports; the failures of replicas long gone used to pile up in the
     pool and be listed as if they were its members."""
