@@ -125,13 +125,16 @@ class AdaptiveKConfig:
     probe_k: int | None = None  # None: the K whose window is cheapest (on the CPU table, K = 1-2)
 
     def __post_init__(self) -> None:
-        if (self.draft_cost is not None and self.draft_cost < 0) or self.pass_cost_per_token < 0:
-            raise InvalidRequest("draft_cost and pass_cost_per_token must be >= 0", field="adaptive")
-        if any(not c >= 1.0 for c in self.pass_costs):
-            raise InvalidRequest(f"pass_costs are in one-token steps and must be >= 1, got {self.pass_costs}",
+        # written so NaN fails each check: a NaN prior or cost would turn every estimate into NaN
+        if not (self.draft_cost is None or 0 <= self.draft_cost < math.inf) or not 0 <= self.pass_cost_per_token < math.inf:
+            raise InvalidRequest(f"draft_cost and pass_cost_per_token must be finite and >= 0, got "
+                                 f"{self.draft_cost} and {self.pass_cost_per_token}", field="adaptive")
+        if any(not 1.0 <= c < math.inf for c in self.pass_costs):
+            raise InvalidRequest(f"pass_costs are in one-token steps and must be finite and >= 1, got {self.pass_costs}",
                                  field="adaptive")
-        if not 0 < self.decay <= 1 or self.prior_accepted <= 0 or self.prior_rejected <= 0:
-            raise InvalidRequest("decay must be in (0, 1] and the priors > 0", field="adaptive")
+        if not 0 < self.decay <= 1 or not 0 < self.prior_accepted < math.inf or not 0 < self.prior_rejected < math.inf:
+            raise InvalidRequest(f"decay must be in (0, 1] and the priors finite and > 0, got decay {self.decay}, "
+                                 f"priors {self.prior_accepted} and {self.prior_rejected}", field="adaptive")
         if self.probe_every < 1 or (self.probe_k is not None and self.probe_k < 1):
             raise InvalidRequest("probe_every and probe_k must be >= 1", field="adaptive")
 

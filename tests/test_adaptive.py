@@ -151,3 +151,15 @@ def test_probes_use_the_cheapest_window_unless_told():
     assert AdaptiveK(uneven, max_k=8, draft_cost=0.1).probe_k() == 4
     assert AdaptiveK(AdaptiveKConfig(probe_k=2), max_k=8).probe_k() == 2
     assert AdaptiveK(CPU, max_k=2, draft_cost=0.1).probe_k() in (1, 2)
+
+
+@pytest.mark.parametrize("bad", [dict(prior_accepted=float("nan")), dict(prior_rejected=float("inf")),
+                                 dict(draft_cost=float("nan")), dict(pass_cost_per_token=float("nan")),
+                                 dict(pass_costs=(1.1, float("nan"))), dict(pass_costs=(float("inf"),)),
+                                 dict(decay=float("nan")), dict(prior_accepted=0.0), dict(draft_cost=-0.1)])
+def test_adaptive_settings_that_would_poison_every_estimate_are_refused(bad):
+    """NaN passed the old ``x <= 0`` checks, and a NaN prior made every alpha estimate NaN."""
+    (name,) = bad
+    with pytest.raises(InvalidRequest, match=name.split("_")[0]) as err:
+        AdaptiveKConfig(**bad)
+    assert err.value.field == "adaptive"
