@@ -244,7 +244,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         queue: asyncio.Queue = asyncio.Queue()
         cancelled = threading.Event()
         remaining = context.time_remaining() if context is not None else None
-        timeout = min(self.config.backend_timeout_s, remaining) if remaining else self.config.backend_timeout_s
+        budget = RequestBudget.of(self.config.backend_timeout_s, remaining)
 
         def emit(item) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, item)
@@ -257,10 +257,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 outcome.finish_reason = "cancelled"
             else:
                 try:
-                    self._drive(prepared, outcome, timeout, cancelled, emit)
+                    self._drive(prepared, outcome, budget, cancelled, emit)
                     answer = _DONE
                 except BaseException as err:  # noqa: BLE001 - handed to the event loop, mapped to a status there
-                    outcome.finish_reason = "cancelled" if cancelled.is_set() else "error"
+                    # the client's deadline passing is the client leaving, not a failure of the service
+                    outcome.finish_reason = "cancelled" if cancelled.is_set() or budget.client_gone() else "error"
                     answer = err
             self.metrics.observe(outcome)
             if answer is not None:
@@ -280,21 +281,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             self.in_flight -= 1
             cancelled.set()  # client went away, deadline passed, or done: the worker stops and closes sessions
 
-    def _drive(self, prepared: PreparedRequest, outcome: RequestOutcome, timeout: float,
+    def _drive(self, prepared: PreparedRequest, outcome: RequestOutcome, budget: RequestBudget,
                cancelled: threading.Event, emit) -> None:
+        timeout = budget.timeout_s
         if prepared.timeline:
             outcome.stats.timeline = []
         # the drafter opens its session and drafts the first window while the target prefills; where
         # that window is ready at once, the first verify does the prefill, in the same pass
         defer_prefill = self._first_window_ready_at_once(prepared)
-        drafting = self._openers.submit(self._open_drafter, prepared, timeout)
+        drafting = self._openers.submit(self._open_drafter, prepared, budget)
         try:
             verifier = RemoteVerifier(self.targets, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
                                       timeout_s=timeout,
                                       replacement_wait_s=min(timeout, self.config.replacement_wait_s),
                                       gives_hints=self.target_info.hint_layer > 0, defer_prefill=defer_prefill,
                                       runner_up=self.config.runner_up, window_timeout_s=self.config.window_timeout_s,
-                                      ended=cancelled)
+                                      ended=cancelled, timeout_is_clients=budget.clients)
         except BaseException:
             if (opened := drafting.result()) is not None:
                 opened.remote.release()
@@ -339,7 +341,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if remote is not None:
                 remote.release()
 
-    def _open_drafter(self, prepared: PreparedRequest, timeout: float) -> OpenedDrafter | None:
+    def _open_drafter(self, prepared: PreparedRequest, budget: RequestBudget) -> OpenedDrafter | None:
         """The request's drafter session, and its first window drafted ahead: this runs while the
         target prefills the prompt, which takes far longer than the drafter's prefill and first
         draft together, so the first Verify can go out as soon as the prefill is done."""
@@ -350,7 +352,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             return OpenedDrafter(ngram, ngram, self._draft_ahead(prepared, ngram))
         remote = RemoteDrafter(self.drafters, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
                                draft_vocab=drafter_vocabulary(self.drafter_info, self.vocab_size),
-                               timeout_s=min(self.config.drafter_timeout_s, timeout / 2),
+                               timeout_s=min(self.config.drafter_timeout_s, budget.timeout_s / 2),
+                               timeout_is_clients=budget.clients and budget.timeout_s / 2 < self.config.drafter_timeout_s,
                                step_cost=replica_step_cost(self.drafter_info), paused=self._saturated,
                                caller_lookup=self._lookup_here())
         drafter = front_door_drafter(remote)
@@ -436,6 +439,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             timeline=[generation_pb2.TimelineSpan(what=what, start_s=start - outcome.started,
                                                   end_s=end - outcome.started) for what, start, end in s.timeline or ()],
             total_time_s=time.perf_counter() - outcome.started)
+
+
+@dataclass(frozen=True)
+class RequestBudget:
+    """The time a request's backend calls get: the backend timeout, or less where the client's
+    own deadline leaves less (``clients``). A call that runs out of the client's time says
+    nothing about the replica that was slow to answer it."""
+
+    timeout_s: float
+    clients: bool
+    client_deadline: float | None  # time.monotonic() at which the client's deadline passes
+
+    @classmethod
+    def of(cls, backend_timeout_s: float, client_remaining_s: float | None) -> RequestBudget:
+        if not client_remaining_s:
+            return cls(backend_timeout_s, False, None)
+        return cls(min(backend_timeout_s, client_remaining_s), client_remaining_s < backend_timeout_s,
+                   time.monotonic() + client_remaining_s)
+
+    def client_gone(self) -> bool:
+        return self.client_deadline is not None and time.monotonic() >= self.client_deadline
 
 
 class _StopStrings:

@@ -1080,3 +1080,43 @@ def test_a_front_door_refuses_a_narrower_drafter_whose_tokenizer_is_not_the_targ
                                              r"and their tokenizers are not known to be one") as err:
         start_stack(padded_pair["target"], padded_pair["stranger"], quantize="none")
     assert err.value.field in ("drafter", "draft")
+
+
+@pytest.mark.parametrize("busy", ["target", "drafter"])
+def test_a_client_whose_own_deadline_runs_out_behind_a_busy_replica_blames_no_replica(tiny_dir, monkeypatch, busy):
+    """The backend calls of a request get at most the client's remaining time. A client that gave
+    up behind a busy (healthy) replica had that replica reported failed: every request of the next
+    5 s then waited out its cooldown (one target) or went without drafts for good (one drafter),
+    and the request was counted as an "error" where the backend's copy of the deadline fired first."""
+    from orchestrator.pool import ReplicaPool
+
+    reported = []
+    report_failure = ReplicaPool.report_failure
+    monkeypatch.setattr(ReplicaPool, "report_failure", lambda pool, replica: (reported.append(pool.name),
+                                                                             report_failure(pool, replica)))
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3)
+    try:
+        metrics = s.front.servicer.metrics
+        with Client(s.address) as client:
+            client.generate([1, 2, 3], max_tokens=4)
+        for _ in range(3):
+            lane = (s.targets if busy == "target" else s.drafters)[0].servicer.lane
+            lane.later(time.sleep, 0.6)  # other sessions' work, as a prefill of a long prompt
+            with Client(s.address, timeout_s=0.3) as impatient:
+                try:  # behind a busy drafter it may finish target-only in time
+                    impatient.generate([1, 2, 3], max_tokens=40)
+                except grpc.RpcError as err:
+                    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            time.sleep(0.5)  # the replica is idle again
+            with Client(s.address, timeout_s=60) as client:
+                after = client.generate([1, 2, 3, 4, 5], max_tokens=20)
+            assert after.token_ids == target_only(load(tiny_dir["target16"]), [1, 2, 3, 4, 5], 20)
+            assert after.stats.drafted > 0 and not after.stats.drafter_fallback
+        assert reported == []
+        reasons = {sample.labels["finish_reason"]: sample.value for family in metrics.requests.collect()
+                   for sample in family.samples if sample.name.endswith("_total")}
+        assert reasons.get("error", 0) == 0
+        if busy == "target":
+            assert reasons["cancelled"] == 3
+    finally:
+        s.stop()
