@@ -6,18 +6,27 @@ the dead, and drains on scale-down: a draining replica leaves the membership at 
 door moves its sessions at their next window by replaying its token log elsewhere, and the
 replica is stopped once it holds no session (or after ``drain_timeout_s``). Front doors follow
 the membership by long-polling ``membership``.
+
+The controller is not a single point of failure. The front door, the replicas and their placement
+groups are detached, so Ray's fate sharing does not take them down with it, and its state (the
+pools' sizes and replicas) is checkpointed in the GCS's key-value store on every change. Ray
+restarts a controller whose process died, and the new one adopts the replicas by name from the
+checkpoint: requests in flight never notice, as the front door keeps its last membership meanwhile.
+Replicas still starting at the crash are stopped and launched afresh.
 """
 
 from __future__ import annotations
 
-import itertools
+import json
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass, field
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.experimental import internal_kv
+from ray.util.placement_group import get_placement_group, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from cluster.replicas import DrafterReplica, FrontDoor, TargetFollower, TargetReplica
@@ -51,6 +60,11 @@ class ReplicaRecord:
     @property
     def actors(self) -> list:
         return [self.actor, *self.followers]
+
+    def saved(self) -> dict:
+        """What a restarted controller needs to find this replica again (its actors by name)."""
+        return {"pool": self.pool, "replica_id": self.replica_id, "ranks": len(self.actors), "state": self.state,
+                "address": self.address, "node": self.node, "resources": self.resources}
 
 
 def role_resources(pool: str, res: PoolResources) -> dict:
@@ -96,18 +110,22 @@ class Controller:
         self._changed = threading.Condition()
         self._replicas: dict[str, ReplicaRecord] = {}
         self._wanted = {"drafter": spec.drafters, "target": spec.targets}
-        self._ids = itertools.count(1)
+        self._next_id = 1
         self._start_failures = {pool: StartFailures() for pool in POOLS}
         self._version = 0
         self._front = None
         self._front_address: str | None = None
         self._stopped = threading.Event()
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            self._restore()
         self._reconcile()
         threading.Thread(target=self._supervise, name="supervise", daemon=True).start()
 
     # ---- the operator's API ----------------------------------------------------------------
     def start(self, front_node: str, timeout_s: float = 600.0) -> str:
         """Wait for each pool's first replica, then start the front door on ``front_node``."""
+        if self._front_address is not None:  # a retry of this call, after a restart of this actor
+            return self._front_address
         deadline = time.monotonic() + timeout_s
         with self._changed:
             self._changed.wait_for(lambda: self._all_serving() or self._refused_pool() is not None, timeout=timeout_s)
@@ -121,10 +139,14 @@ class Controller:
         # restarted by Ray on its node if its process dies (OOM, a crash): it serves again on its
         # port with the pools as they are then; the requests it held are lost to their clients
         self._front = ray.remote(FrontDoor).options(
-            num_cpus=0, scheduling_strategy=placement, max_restarts=-1, name=f"{self.spec.name}-front-door",
-            namespace=CONTROLLER_NAMESPACE).remote(self.spec, members, version, self.spec.controller_name)
-        self._front_address = ray.get(self._front.start.remote(), timeout=max(deadline - time.monotonic(), 30))
-        return self._front_address
+            num_cpus=0, scheduling_strategy=placement, max_restarts=-1, name=self._front_name,
+            namespace=CONTROLLER_NAMESPACE, lifetime="detached").remote(self.spec, members, version,
+                                                                        self.spec.controller_name)
+        address = ray.get(self._front.start.remote(), timeout=max(deadline - time.monotonic(), 30))
+        with self._changed:
+            self._front_address = address
+            self._save()
+        return address
 
     def scale(self, pool: str, replicas: int, wait_s: float = 0.0) -> list[dict]:
         """Grow or shrink one pool. Returns once shrinking replicas are drained and stopped, and
@@ -135,6 +157,7 @@ class Controller:
                                  f"got {replicas}", field="replicas")
         with self._changed:
             self._wanted[pool] = replicas
+            self._save()
             active = [r for r in self._replicas.values() if r.pool == pool and r.state != "draining"]
         # stop replicas still starting first, then the ones holding the fewest sessions
         load = {r.replica_id: (self._sessions(r) or 0) if r.state == "serving" else -1 for r in active}
@@ -195,10 +218,87 @@ class Controller:
             records = list(self._replicas.values())
             self._replicas.clear()
             self._bump()
+            internal_kv._internal_kv_del(self._checkpoint_key, namespace=CONTROLLER_NAMESPACE)
         if self._front is not None:
-            ray.kill(self._front)
+            ray.kill(self._front, no_restart=True)
         for record in records:
             self._stop(record)
+        self._stop_orphans(keep=set())
+
+    # ---- surviving a restart of this actor -------------------------------------------------------
+    @property
+    def _checkpoint_key(self) -> str:
+        return f"{self.spec.name}/controller"
+
+    @property
+    def _front_name(self) -> str:
+        return f"{self.spec.name}-front-door"
+
+    def _rank_name(self, replica_id: str, rank: int) -> str:
+        return f"{self.spec.name}-{replica_id}-rank{rank}"
+
+    def _save(self) -> None:
+        """Called under the lock on every change a restarted controller must know of."""
+        state = {"version": self._version, "wanted": self._wanted, "front_address": self._front_address,
+                 "next_id": self._next_id,
+                 "replicas": [r.saved() for r in self._replicas.values()]}
+        internal_kv._internal_kv_put(self._checkpoint_key, json.dumps(state), namespace=CONTROLLER_NAMESPACE)
+
+    def _restore(self) -> None:
+        """Adopt what the last incarnation left: serving and draining replicas whose actors all
+        live, and the front door. The rest (replicas still starting, or missing a rank) is stopped,
+        and ``_reconcile`` launches replacements."""
+        raw = internal_kv._internal_kv_get(self._checkpoint_key, namespace=CONTROLLER_NAMESPACE)
+        if raw is None:
+            return
+        state = json.loads(raw)
+        self._version = state["version"] + 1  # front doors then fetch the membership afresh
+        self._wanted = state["wanted"]
+        self._next_id = state["next_id"]
+        self._front_address = state["front_address"]
+        self._front = self._named_actor(self._front_name)
+        for saved in state["replicas"]:
+            record = self._adopt(saved)
+            if record is not None:
+                self._replicas[record.replica_id] = record
+        self._stop_orphans(keep={name for r in self._replicas.values()
+                                 for name in [self._rank_name(r.replica_id, k) for k in range(len(r.actors))]})
+        for record in self._replicas.values():
+            if record.state == "draining":
+                threading.Thread(target=self._drain_and_stop, args=(record,), daemon=True).start()
+        log.warning("controller restarted: adopted %s", ", ".join(self._replicas) or "no replica")
+
+    def _adopt(self, saved: dict) -> ReplicaRecord | None:
+        actors = [self._named_actor(self._rank_name(saved["replica_id"], k)) for k in range(saved["ranks"])]
+        if saved["state"] == "starting" or None in actors:
+            return None
+        return ReplicaRecord(saved["pool"], saved["replica_id"], actors[0], None, actors[1:],
+                             get_placement_group(self._group_name(saved["replica_id"])), saved["state"],
+                             saved["address"], saved["node"], saved["resources"])
+
+    def _stop_orphans(self, keep: set[str]) -> None:
+        """Stop this deployment's replica actors and placement groups that no record holds: the
+        ones a dead incarnation launched after its last checkpoint, or left starting."""
+        rank = re.compile(rf"{re.escape(self.spec.name)}-(?:{'|'.join(POOLS)})-\d+-rank\d+")
+        for actor in ray.util.list_named_actors(all_namespaces=True):
+            if actor["namespace"] == CONTROLLER_NAMESPACE and rank.fullmatch(actor["name"]) and actor["name"] not in keep:
+                if (handle := self._named_actor(actor["name"])) is not None:
+                    ray.kill(handle, no_restart=True)
+        kept_groups = {self._group_name(r.replica_id) for r in self._replicas.values()}
+        group = re.compile(rf"{re.escape(self.spec.name)}-(?:{'|'.join(POOLS)})-\d+")
+        for info in placement_group_table().values():
+            if group.fullmatch(info["name"]) and info["state"] != "REMOVED" and info["name"] not in kept_groups:
+                remove_placement_group(get_placement_group(info["name"]))
+
+    def _group_name(self, replica_id: str) -> str:
+        return f"{self.spec.name}-{replica_id}"
+
+    @staticmethod
+    def _named_actor(name: str):
+        try:
+            return ray.get_actor(name, namespace=CONTROLLER_NAMESPACE)
+        except ValueError:
+            return None
 
     # ---- supervision -----------------------------------------------------------------------------
     def _supervise(self) -> None:
@@ -252,21 +352,24 @@ class Controller:
                 for _ in range(self._wanted[pool] - len(active)):
                     record = self._launch(pool)
                     self._replicas[record.replica_id] = record
+                    self._save()
 
     def _launch(self, pool: str) -> ReplicaRecord:
         """Every replica is a placement group (1 bundle for a drafter, tp for a target), so the
         state says honestly whether Ray has granted its resources yet."""
-        replica_id = f"{pool}-{next(self._ids)}"
+        replica_id = f"{pool}-{self._next_id}"
+        self._next_id += 1
         ranks = self.spec.tp if pool == "target" else 1
         want = role_resources(pool, self.spec.target_resources if pool == "target" else self.spec.drafter_resources)
-        group = placement_group([want] * ranks, strategy="STRICT_PACK", name=replica_id)
+        group = placement_group([want] * ranks, strategy="STRICT_PACK", name=self._group_name(replica_id),
+                                lifetime="detached")
 
         def on(rank: int, cls, *args):
             strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank)
             return ray.remote(cls).options(num_cpus=want.get("CPU", 0), num_gpus=want.get("GPU", 0),
                                            resources={pool: 1}, scheduling_strategy=strategy, max_restarts=0,
-                                           max_concurrency=2, name=f"{self.spec.name}-{replica_id}-rank{rank}",
-                                           namespace=CONTROLLER_NAMESPACE).remote(*args)
+                                           max_concurrency=2, name=self._rank_name(replica_id, rank),
+                                           namespace=CONTROLLER_NAMESPACE, lifetime="detached").remote(*args)
 
         described = _describe(want) if ranks == 1 else f"{ranks} x ({_describe(want)})"
         if pool == "drafter":
@@ -292,8 +395,11 @@ class Controller:
 
     def _forget(self, record: ReplicaRecord) -> None:
         with self._changed:
-            if self._replicas.pop(record.replica_id, None) is not None and record.state != "starting":
-                self._bump()
+            if self._replicas.pop(record.replica_id, None) is not None:
+                if record.state == "starting":
+                    self._save()
+                else:
+                    self._bump()
         self._stop(record)
 
     @staticmethod
@@ -310,6 +416,7 @@ class Controller:
     # ---- helpers -----------------------------------------------------------------------------------
     def _bump(self) -> None:
         self._version += 1
+        self._save()
         self._changed.notify_all()
 
     def _members(self) -> dict[str, list[str]]:

@@ -54,9 +54,11 @@ def deploy(spec: StackSpec, timeout_s: float = 600.0):
     else:
         raise InvalidRequest(f"a deployment named {spec.name!r} already runs on this cluster; scale it with "
                              f"`mirrorspec scale`, or pick another --name", field="name")
+    # restarted by Ray if its process dies, with the calls it was running retried (each is safe to
+    # repeat); the new one adopts the replicas from its checkpoint (controller.py)
     controller = ray.remote(Controller).options(
         name=spec.controller_name, namespace=CONTROLLER_NAMESPACE, lifetime="detached", num_cpus=0,
-        max_concurrency=32).remote(spec)
+        max_concurrency=32, max_restarts=-1, max_task_retries=-1).remote(spec)
     node = ray.get_runtime_context().get_node_id()
     try:
         address = ray.get(controller.start.remote(node, timeout_s))

@@ -211,3 +211,43 @@ def test_replicas_that_cannot_load_their_model_fail_the_deployment_naming_the_fl
     assert err.value.field == flag_field
     with pytest.raises(ValueError):  # torn down: the name is free again
         ray.get_actor(f"broken-{pool}-controller", namespace=CONTROLLER_NAMESPACE)
+
+
+def named_actors(prefix: str) -> set[str]:
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == CONTROLLER_NAMESPACE and a["name"].startswith(prefix)}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_controller_whose_process_dies_comes_back_and_adopts_its_replicas_without_losing_a_request(
+        cluster_ray, tiny_dir, reference, tp):
+    """Before, the front door and every replica were children of the controller: Ray's fate
+    sharing killed them all with it, in-flight requests got UNAVAILABLE, and nothing came back.
+    With tp=2 the follower rank, whose loop the dead controller had called, is adopted too."""
+    controller, address = deploy(small_spec(tiny_dir, name="ctl", drafters=1, tp=tp))
+
+    def serving() -> dict[str, str]:
+        return {r["replica"]: r["address"] for r in rows(controller) if r["state"] == "serving"}
+
+    try:
+        before = serving()
+        assert sorted(before) == ["drafter-1", "front-door", "target-2"]
+        results = {}
+        with Client(address) as client:
+            worker = threading.Thread(target=lambda: results.update(c=client.generate([3, 1, 4, 1, 5], max_tokens=120)))
+            worker.start()
+            assert wait_until(lambda: any(r["sessions"] for r in rows(controller, "target")), timeout=30, every=0.05)
+            ray.get(controller.scale.remote("drafter", 2, 0))  # drafter-3 is still starting at the crash
+            ray.kill(controller, no_restart=False)  # as a crash of its process would
+            worker.join()
+            assert results["c"].token_ids == reference([3, 1, 4, 1, 5], 120)
+            # back, with the same replicas at the same addresses; the one starting is launched afresh
+            assert wait_until(lambda: serving().keys() == {*before, "drafter-4"}, timeout=120, every=0.5)
+            assert {name: serving()[name] for name in before} == before
+            assert "ctl-drafter-3-rank0" not in named_actors("ctl-")
+            ray.get(controller.scale.remote("drafter", 1, 0), timeout=300)  # still in charge of them
+            assert [r["state"] for r in rows(controller, "drafter")] == ["serving"]
+            assert client.generate([0, 7, 3], max_tokens=30).token_ids == reference([0, 7, 3], 30)
+    finally:
+        teardown(controller)
+    assert named_actors("ctl-") == set()  # torn down: nothing detached is left behind
