@@ -80,7 +80,7 @@ class DrafterReplica(_ServerActor):
         config = DrafterConfig.for_draft(spec.draft, dtype=spec.dtype, device=spec.device, host=self.host, port=0,
                                          max_sessions=spec.max_sessions, proposal_top_k=spec.proposal_top_k,
                                          prompt_lookup=spec.prompt_lookup, draft_confidence=spec.draft_confidence,
-                                         quantize=spec.draft_quantize)
+                                         quantize=spec.draft_quantize, stall_timeout_s=spec.stall_timeout_s)
         self.server = BackgroundServer(lambda: serve(config), "drafter").start(timeout=600)
         return self.address()
 
@@ -109,7 +109,7 @@ class TargetReplica(_ServerActor):
         spec = self.spec
         config = TargetConfig(model=spec.target, dtype=spec.dtype, device=spec.device, host=self.host, port=0,
                               max_sessions=spec.max_sessions, hint_layer=spec.hint_layer, hint_vocab=spec.hint_vocab,
-                              hint_lens=spec.hint_lens)
+                              hint_lens=spec.hint_lens, stall_timeout_s=spec.stall_timeout_s)
         if spec.tp == 1:
             self.server = BackgroundServer(lambda: serve(config), "target").start(timeout=600)
         else:

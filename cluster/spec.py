@@ -58,6 +58,7 @@ class StackSpec:
     replica_host: str = "auto"  # where replicas bind: "auto" = their node's IP
     name: str = "mirrorspec"  # the controller actor is "<name>-controller"
     drain_timeout_s: float = 60.0
+    stall_timeout_s: float = 180.0  # a replica whose compute lane is on one job this long is replaced (ReplicaConfig)
 
     def __post_init__(self) -> None:
         for pool, count in (("drafters", self.drafters), ("targets", self.targets)):

@@ -207,4 +207,4 @@ async def serve(config: DrafterConfig, loaded: LoadedModel | None = None):
     servicer = DrafterServicer(config, loaded, lane)
     service = Service(drafter_pb2_grpc.add_DrafterServiceServicer_to_server, servicer,
                       drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name)
-    return await start_grpc_server([service], config.host, config.port)
+    return await start_grpc_server([service], config.host, config.port, stall_timeout_s=config.stall_timeout_s)

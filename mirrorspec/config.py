@@ -373,10 +373,17 @@ class ReplicaConfig:
     max_sessions: int = 64
     session_ttl_s: float = 600.0
     max_speculative_tokens: int = 16
+    # a compute lane busy this long with one job (a forward, a collective) is wedged: the server then
+    # answers its health check NOT_SERVING, and a supervisor (the Ray controller) replaces it. Above
+    # the front door's backend timeout (120 s), past which any single call has failed anyway
+    stall_timeout_s: float = 180.0
 
     def __post_init__(self) -> None:
         check_port(self.port)
         check_max_sessions(self.max_sessions)
+        if not 0 < self.stall_timeout_s < math.inf:
+            raise InvalidRequest(f"stall_timeout_s must be a positive number of seconds, got {self.stall_timeout_s}",
+                                 field="stall_timeout_s")
 
 
 @dataclass(frozen=True)

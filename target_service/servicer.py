@@ -218,4 +218,4 @@ async def serve(config: TargetConfig, loaded: LoadedModel | None = None,
     servicer = TargetServicer(loaded, config, new_session, lane, lens)
     service = Service(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer,
                       target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name)
-    return await start_grpc_server([service], config.host, config.port)
+    return await start_grpc_server([service], config.host, config.port, stall_timeout_s=config.stall_timeout_s)

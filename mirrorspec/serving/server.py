@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import socket
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,6 +23,8 @@ from grpc_reflection.v1alpha import reflection
 
 from mirrorspec.config import InvalidRequest, check_port, refuse_setting
 from mirrorspec.serving.errors import ExceptionToStatusInterceptor
+
+log = logging.getLogger(__name__)
 
 # Dense q rows of a 49k vocabulary are ~200 KB each; leave room for K = 16 of them.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -35,11 +39,14 @@ class RunningServer:
     server: grpc.aio.Server
     port: int
     servicers: list[object]
+    watch: asyncio.Task | None = None  # keeps the health status in step with the compute lanes
 
     async def stop(self, grace: float | None = None) -> None:
         """Stops the server, then lets each servicer that has a ``close`` free what it holds (compute
         lanes, channels to other servers, watchdog threads): an embedding process that starts and
         stops servers must not be left with their threads running into interpreter shutdown."""
+        if self.watch is not None:
+            self.watch.cancel()
         await self.server.stop(grace)
         for servicer in self.servicers:
             close = getattr(servicer, "close", None)
@@ -83,7 +90,10 @@ def port_refused(host: str, port: int, why: str, field: str = "port") -> Invalid
     return InvalidRequest(f"cannot listen on {host}:{port}: {why}; pick another port, or 0 for a free one", field=field)
 
 
-async def start_grpc_server(services: list[Service], host: str, port: int) -> RunningServer:
+async def start_grpc_server(services: list[Service], host: str, port: int,
+                            stall_timeout_s: float | None = None) -> RunningServer:
+    """``stall_timeout_s``: the health check answers NOT_SERVING while a servicer's compute lane
+    has been on one job that long (``watch_lanes``)."""
     server = grpc.aio.server(interceptors=[ExceptionToStatusInterceptor()], options=SERVER_OPTIONS)
     for service in services:
         service.add_to_server(service.servicer, server)
@@ -99,9 +109,38 @@ async def start_grpc_server(services: list[Service], host: str, port: int) -> Ru
         raise port_refused(host, port, f"the port is in use (another server still running?) or {host} is not an "
                                        f"address of this machine")
     await server.start()
+    await _set_health(health_servicer, names, serving=True)
+    lanes = [lane for s in services if isinstance(lane := getattr(s.servicer, "lane", None), ComputeLane)]
+    watch = None
+    if stall_timeout_s is not None and lanes:
+        watch = asyncio.get_running_loop().create_task(watch_lanes(health_servicer, names, lanes, stall_timeout_s))
+    return RunningServer(server, bound, [s.servicer for s in services], watch)
+
+
+async def _set_health(health_servicer, names: list[str], serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ["", *names]:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server, bound, [s.servicer for s in services])
+        await health_servicer.set(name, status)
+
+
+async def watch_lanes(health_servicer, names: list[str], lanes: list[ComputeLane], stall_timeout_s: float) -> None:
+    """A wedged compute lane (a hung GPU kernel, a collective whose peer is stopped) leaves the event
+    loop free, so the server answered its health check SERVING and its supervisor kept it for good,
+    while every request routed to it waited out its window timeout. A lane on one job longer than
+    ``stall_timeout_s`` now makes the check answer NOT_SERVING, as vLLM's engine iteration timeout
+    does, and SERVING again once the job ends."""
+    serving = True
+    while True:
+        await asyncio.sleep(min(stall_timeout_s / 4, 1.0))
+        stalled = max(lane.busy_for() for lane in lanes)
+        if (stalled <= stall_timeout_s) != serving:
+            serving = not serving
+            if serving:
+                log.warning("compute lane free again; the health check answers SERVING")
+            else:
+                log.error("compute lane on one job for %.0f s (stall_timeout_s %.0f s); the health check answers "
+                          "NOT_SERVING", stalled, stall_timeout_s)
+            await _set_health(health_servicer, names, serving)
 
 
 def check_health(address: str, timeout_s: float = 5.0) -> None:
@@ -127,9 +166,22 @@ class ComputeLane:
 
     def __init__(self, name: str):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._busy_since: float | None = None  # when the job running now started
 
     async def run(self, fn: Callable, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._timed, fn, *args)
+
+    def busy_for(self) -> float:
+        """Seconds the lane has spent on the job it runs now; 0 when idle."""
+        since = self._busy_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def _timed(self, fn: Callable, *args):
+        self._busy_since = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self._busy_since = None
 
     def later(self, fn: Callable, *args) -> None:
         """Run ``fn`` after the work already queued, without waiting for it: closing a session
@@ -137,7 +189,7 @@ class ComputeLane:
         blocks the event loop on a forward of another session (a tensor-parallel driver holds
         its lock for a whole step). After ``shutdown``, at once."""
         try:
-            self._pool.submit(fn, *args)
+            self._pool.submit(self._timed, fn, *args)
         except RuntimeError:  # shut down: nothing runs on the lane any more
             fn(*args)
 

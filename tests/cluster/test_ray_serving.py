@@ -160,6 +160,28 @@ def test_a_replica_whose_server_stopped_while_its_actor_lives_is_replaced(deploy
     assert not completion.stats.drafter_fallback
 
 
+def test_a_target_whose_compute_lane_is_wedged_is_replaced_and_its_request_moves(cluster_ray, tiny_dir, reference):
+    """The replica's server still answered its health check, so the controller kept it: each
+    request routed there waited out the front door's window timeout (30 s) before moving."""
+    controller, address = deploy(small_spec(tiny_dir, name="stall", drafters=1, stall_timeout_s=1.0))
+    try:
+        (victim,) = [r["replica"] for r in rows(controller, "target")]
+        actor = ray.get_actor(f"stall-{victim}-rank0", namespace=CONTROLLER_NAMESPACE)
+        results = {}
+        with Client(address) as client:
+            worker = threading.Thread(target=lambda: results.update(c=client.generate([3, 1, 4, 1, 5], max_tokens=120)))
+            worker.start()
+            assert wait_until(lambda: any(r["sessions"] for r in rows(controller, "target")), timeout=30, every=0.05)
+            ray.get(actor.__ray_call__.remote(lambda replica: replica.server.servicer.lane.later(time.sleep, 600)))
+            worker.join()
+        assert results["c"].token_ids == reference([3, 1, 4, 1, 5], 120)
+        assert results["c"].stats.target_moves >= 1
+        assert wait_until(lambda: [r["state"] for r in rows(controller, "target")] == ["serving"]
+                          and victim not in {r["replica"] for r in rows(controller, "target")}, timeout=120, every=0.25)
+    finally:
+        teardown(controller)
+
+
 def test_a_front_door_whose_process_dies_is_restarted_and_serves_again_at_its_address(cluster_ray, tiny_dir,
                                                                                      reference):
     """Requests it held are lost to their clients (it held their token logs); new ones are served

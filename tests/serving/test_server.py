@@ -45,6 +45,54 @@ def test_the_health_check_fails_for_a_wedged_event_loop_and_a_stopped_server():
     assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
+@pytest.mark.parametrize("pool", ["target", "drafter"])
+def test_a_wedged_compute_lane_makes_the_health_check_answer_not_serving_until_it_frees(tiny_dir, pool):
+    """Its event loop stays free, so a server whose lane hung (a GPU kernel, a collective whose
+    peer stopped) answered SERVING for good: its supervisor never replaced it."""
+    from drafter_service.servicer import DrafterConfig
+    from drafter_service.servicer import serve as serve_drafter
+    from target_service.servicer import TargetConfig
+    from target_service.servicer import serve as serve_target
+
+    if pool == "target":
+        factory = lambda: serve_target(TargetConfig(model=str(tiny_dir["target16"]), stall_timeout_s=0.5))  # noqa: E731
+    else:
+        factory = lambda: serve_drafter(DrafterConfig.for_draft(str(tiny_dir["draft16"]), stall_timeout_s=0.5))  # noqa: E731
+    server = BackgroundServer(factory).start()
+    address = f"127.0.0.1:{server.port}"
+    released = threading.Event()
+    try:
+        server.servicer.lane.later(time.sleep, 0.2)  # a job shorter than the stall timeout
+        time.sleep(1.0)
+        check_health(address, timeout_s=10)
+        server.servicer.lane.later(released.wait, 60)  # wedged
+        assert wait_until(lambda: not healthy(address), timeout=10)
+        with pytest.raises(RuntimeError, match="NOT_SERVING"):
+            check_health(address, timeout_s=10)
+        released.set()
+        assert wait_until(lambda: healthy(address), timeout=10)
+    finally:
+        released.set()
+        server.stop()
+
+
+def test_stall_timeout_must_be_a_positive_number_of_seconds():
+    from target_service.servicer import TargetConfig
+
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(InvalidRequest, match="stall_timeout_s must be a positive number") as err:
+            TargetConfig(stall_timeout_s=bad)
+        assert err.value.field == "stall_timeout_s"
+
+
+def healthy(address: str) -> bool:
+    try:
+        check_health(address, timeout_s=5)
+    except RuntimeError:
+        return False
+    return True
+
+
 def test_a_stopped_stack_leaves_none_of_its_threads_running(tiny_dir):
     """Compute lanes, request workers, deadline watchdogs, ``asyncio.to_thread``'s executors and
     the event loops all end with the servers: an embedding process (a test run, a notebook) that
