@@ -51,7 +51,8 @@ class ReplicaPool:
         self._cooldown_s = failure_cooldown_s
         self._changed = threading.Condition()
         self._members: dict[str, Replica] = {}
-        self._failed_at: dict[str, float] = {}
+        self._failed_at: dict[str, float] = {}  # gone or hung: kept off for the cooldown
+        self._slow_at: dict[str, float] = {}  # a call ran out of time there: others first for the cooldown
         self.watchdog = Watchdog(f"{name}-deadlines")  # per-window deadlines of its sessions' streams
         self.set_members(addresses)
 
@@ -68,11 +69,13 @@ class ReplicaPool:
                 if address not in wanted:
                     self._retire(self._members.pop(address))
                     self._failed_at.pop(address, None)  # replacements come on new ports: no pile of old ones
+                    self._slow_at.pop(address, None)
             for address in wanted:
                 if address not in self._members:
                     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
                     self._members[address] = Replica(address, channel, self._make_stub(channel))
                     self._failed_at.pop(address, None)
+                    self._slow_at.pop(address, None)
             self._changed.notify_all()
 
     def is_member(self, replica: Replica) -> bool:
@@ -102,9 +105,15 @@ class ReplicaPool:
         now = time.monotonic()
         healthy = [r for a, r in self._members.items()
                    if a not in avoid and now - self._failed_at.get(a, -1e9) > self._cooldown_s]
-        # among the least loaded, the one that failed longest ago (or never): a replica that hung
-        # and idles once its cooldown ends must not be every new session's first pick again
-        return min(healthy, key=lambda r: (r.sessions, self._failed_at.get(r.address, -1e9)), default=None)
+
+        def preference(replica: Replica) -> tuple:
+            troubled_at = max(self._failed_at.get(replica.address, -1e9), self._slow_at.get(replica.address, -1e9))
+            # one slow of late only where no other is free; then the least loaded; among those, the
+            # one in trouble longest ago (or never): a replica that hung and idles once its
+            # cooldown ends must not be every new session's first pick again
+            return now - self._slow_at.get(replica.address, -1e9) <= self._cooldown_s, replica.sessions, troubled_at
+
+        return min(healthy, key=preference, default=None)
 
     def _why_none(self, avoid: set[str]) -> str:
         if not self._members:
@@ -129,6 +138,14 @@ class ReplicaPool:
         """Keep new sessions off this replica for a cooldown; the controller replaces dead ones."""
         with self._changed:
             self._failed_at[replica.address] = time.monotonic()
+
+    def report_slow(self, replica: Replica) -> None:
+        """A call there ran out of its deadline: the replica hangs, or was busy, or the client's own
+        deadline was short; which, the caller cannot tell. New sessions go to others for a
+        cooldown, but still to this one where no other is free: a client that gives up behind a
+        busy replica must not keep every other request off the pool's only one."""
+        with self._changed:
+            self._slow_at[replica.address] = time.monotonic()
 
     def load(self) -> dict[str, int]:
         with self._changed:

@@ -70,7 +70,7 @@ class PooledSession:
 
     def __init__(self, pool: ReplicaPool, prompt: Sequence[int], params: SamplingParams, seed: int,
                  timeout_s: float | None, replacement_wait_s: float, window_timeout_s: float | None = None,
-                 ended: threading.Event | None = None, timeout_is_clients: bool = False):
+                 ended: threading.Event | None = None):
         self.pool = pool
         self.ended = ended  # set once the request is over (cancelled, past its deadline): stop waiting
         self.prompt_length = len(prompt)
@@ -80,10 +80,6 @@ class PooledSession:
         # a window's own, where shorter: a replica that takes longer is taken for hung, and left
         self.window_timeout_s = window_timeout_s if timeout_s is None else min(window_timeout_s or timeout_s, timeout_s)
         self.call_timeout_s = timeout_s  # the deadline of the call ``call`` is making
-        # timeout_s is what the client's own deadline left: a call that runs out of it says only
-        # that the client's time ran out (behind a busy replica, or a short deadline), not that
-        # the replica hangs, and must not keep other requests off that replica
-        self.timeout_is_clients = timeout_is_clients
         self.prefill_pending = False  # opened with its prefill deferred to the first window call
         self.replacement_wait_s = replacement_wait_s
         self.times = CallTimes()
@@ -122,8 +118,8 @@ class PooledSession:
                 response = replica.stub.OpenSession(self.open_request(context, params), timeout=self.timeout_s)
             except grpc.RpcError as err:
                 self.pool.release(replica)
-                if self.timed_out_on_its_own(err, self.timeout_s):  # hung, or slow: not first for new sessions
-                    self.pool.report_failure(replica)
+                if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # hung, or busy: others first for a while
+                    self.pool.report_slow(replica)
                 if err.code() in _REPLICA_GONE:
                     self.pool.report_failure(replica)
                     if time.monotonic() >= deadline:  # out of time: not this one again
@@ -170,12 +166,6 @@ class PooledSession:
             return result
         raise NoReplicaAvailable(f"the {self.pool.name} session moved {self.max_moves_per_call} times in one "
                                  f"window without an answer; the {self.pool.name} pool is unhealthy")
-
-    def timed_out_on_its_own(self, err: grpc.RpcError, call_timeout_s: float | None) -> bool:
-        """Whether a call past its deadline blames its replica: the deadline was the service's own
-        (a window's, or the backend timeout), not one the client's deadline set."""
-        return (err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and call_timeout_s is not None
-                and (not self.timeout_is_clients or self.timeout_s is None or call_timeout_s < self.timeout_s))
 
     def _hung(self, err: grpc.RpcError) -> bool:
         """A window past its own deadline, shorter than the request's: the replica hangs (a stuck
@@ -260,7 +250,7 @@ class RemoteDrafter(Drafter):
 
     def __init__(self, pool: ReplicaPool, prompt: Sequence[int], params: SamplingParams, seed: int, vocab_size: int,
                  draft_vocab: int | None = None, timeout_s: float | None = None, step_cost: float = Drafter.step_cost,
-                 paused: Callable[[], bool] | None = None, caller_lookup: int = 0, timeout_is_clients: bool = False):
+                 paused: Callable[[], bool] | None = None, caller_lookup: int = 0):
         self.step_cost = step_cost  # of the replica's strategy, for adaptive K
         # the replicas' prompt lookup (its min match), run by the caller in front of this drafter
         # (orchestrator.lookup); 0: the replicas look up themselves, if they do
@@ -275,7 +265,7 @@ class RemoteDrafter(Drafter):
         self._forks = True  # the replicas honour DraftBranches' branch_forks
         # drafts are optional: never wait for a drafter to come up, go on target-only instead
         self.session = _DraftSession(pool, prompt, params, seed, timeout_s, replacement_wait_s=0.0,
-                                     timeout_is_clients=timeout_is_clients, caller_looks_up=caller_lookup > 0,
+                                     caller_looks_up=caller_lookup > 0,
                                      target_vocab=vocab_size if self.draft_vocab < vocab_size else 0)
         self._guard(lambda: self.session.open(prompt))
 
@@ -388,9 +378,9 @@ class RemoteDrafter(Drafter):
         except (grpc.RpcError, InvalidRequest, NoReplicaAvailable, SessionLimitReached) as err:
             detail = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else str(err)
             self.failure = detail
-            hung = isinstance(err, grpc.RpcError) and self.session.timed_out_on_its_own(err, self.session.timeout_s)
-            if hung and self.session.replica is not None:  # new sessions go elsewhere
-                self.session.pool.report_failure(self.session.replica)
+            hung = isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            if hung and self.session.replica is not None:  # new sessions go elsewhere, where there is one
+                self.session.pool.report_slow(self.session.replica)
             log.warning("drafter failed (%s); continuing target-only", detail)
             return None
 
@@ -424,9 +414,8 @@ class RemoteVerifier(PooledSession):
     def __init__(self, pool: ReplicaPool, prompt: Sequence[int], params: SamplingParams, seed: int, vocab_size: int,
                  timeout_s: float | None = None, replacement_wait_s: float = 60.0, gives_hints: bool = False,
                  defer_prefill: bool = False, runner_up: bool = False, window_timeout_s: float | None = None,
-                 ended: threading.Event | None = None, timeout_is_clients: bool = False):
-        super().__init__(pool, prompt, params, seed, timeout_s, replacement_wait_s, window_timeout_s, ended,
-                         timeout_is_clients)
+                 ended: threading.Event | None = None):
+        super().__init__(pool, prompt, params, seed, timeout_s, replacement_wait_s, window_timeout_s, ended)
         self.vocab_size = vocab_size
         self.gives_hints = gives_hints
         self.defer_prefill = defer_prefill

@@ -289,14 +289,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         # the drafter opens its session and drafts the first window while the target prefills; where
         # that window is ready at once, the first verify does the prefill, in the same pass
         defer_prefill = self._first_window_ready_at_once(prepared)
-        drafting = self._openers.submit(self._open_drafter, prepared, budget)
+        drafting = self._openers.submit(self._open_drafter, prepared, timeout)
         try:
             verifier = RemoteVerifier(self.targets, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
                                       timeout_s=timeout,
                                       replacement_wait_s=min(timeout, self.config.replacement_wait_s),
                                       gives_hints=self.target_info.hint_layer > 0, defer_prefill=defer_prefill,
                                       runner_up=self.config.runner_up, window_timeout_s=self.config.window_timeout_s,
-                                      ended=cancelled, timeout_is_clients=budget.clients)
+                                      ended=cancelled)
         except BaseException:
             if (opened := drafting.result()) is not None:
                 opened.remote.release()
@@ -341,7 +341,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if remote is not None:
                 remote.release()
 
-    def _open_drafter(self, prepared: PreparedRequest, budget: RequestBudget) -> OpenedDrafter | None:
+    def _open_drafter(self, prepared: PreparedRequest, timeout: float) -> OpenedDrafter | None:
         """The request's drafter session, and its first window drafted ahead: this runs while the
         target prefills the prompt, which takes far longer than the drafter's prefill and first
         draft together, so the first Verify can go out as soon as the prefill is done."""
@@ -352,8 +352,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             return OpenedDrafter(ngram, ngram, self._draft_ahead(prepared, ngram))
         remote = RemoteDrafter(self.drafters, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
                                draft_vocab=drafter_vocabulary(self.drafter_info, self.vocab_size),
-                               timeout_s=min(self.config.drafter_timeout_s, budget.timeout_s / 2),
-                               timeout_is_clients=budget.clients and budget.timeout_s / 2 < self.config.drafter_timeout_s,
+                               timeout_s=min(self.config.drafter_timeout_s, timeout / 2),
                                step_cost=replica_step_cost(self.drafter_info), paused=self._saturated,
                                caller_lookup=self._lookup_here())
         drafter = front_door_drafter(remote)
@@ -444,19 +443,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 @dataclass(frozen=True)
 class RequestBudget:
     """The time a request's backend calls get: the backend timeout, or less where the client's
-    own deadline leaves less (``clients``). A call that runs out of the client's time says
-    nothing about the replica that was slow to answer it."""
+    own deadline leaves less; and when that deadline passes, after which a failed call is the
+    client having left, not a failure of the service."""
 
     timeout_s: float
-    clients: bool
     client_deadline: float | None  # time.monotonic() at which the client's deadline passes
 
     @classmethod
     def of(cls, backend_timeout_s: float, client_remaining_s: float | None) -> RequestBudget:
         if not client_remaining_s:
-            return cls(backend_timeout_s, False, None)
-        return cls(min(backend_timeout_s, client_remaining_s), client_remaining_s < backend_timeout_s,
-                   time.monotonic() + client_remaining_s)
+            return cls(backend_timeout_s, None)
+        return cls(min(backend_timeout_s, client_remaining_s), time.monotonic() + client_remaining_s)
 
     def client_gone(self) -> bool:
         return self.client_deadline is not None and time.monotonic() >= self.client_deadline

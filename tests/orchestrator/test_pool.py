@@ -75,6 +75,23 @@ def test_among_equally_loaded_replicas_the_one_that_failed_longest_ago_is_picked
     assert [r.address for r in picks] == ["c:3", "a:1", "b:2"]
 
 
+def test_a_slow_replica_is_picked_only_where_no_other_is_free_until_its_cooldown_ends():
+    """A call that ran out of its deadline says "hung or busy or an impatient client": others
+    go first for a while, but a pool's only replica is never kept from a request for it."""
+    pool = stub_pool("a:1", "b:2", cooldown=0.2)
+    slow = pool.acquire()
+    pool.release(slow)
+    pool.report_slow(slow)
+    held = [pool.acquire() for _ in range(3)]  # b:2 first even as it gets busier, then a:1 where b:2 is avoided
+    assert [r.address for r in held] == ["b:2", "b:2", "b:2"]
+    assert pool.acquire(avoid={"b:2"}).address == "a:1"
+    time.sleep(0.3)  # past the cooldown: least loaded again
+    assert pool.acquire().address == "a:1"
+    alone = stub_pool("a:1", cooldown=60)
+    alone.report_slow(alone.acquire())
+    assert alone.acquire().address == "a:1"
+
+
 def test_a_failed_replica_that_left_is_forgotten_and_not_named_among_the_failed():
     """Replacements come on new ports; the failures of replicas long gone used to pile up in the
     pool and be listed as if they were its members."""
