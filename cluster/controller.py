@@ -116,16 +116,21 @@ class Controller:
         self._front = None
         self._front_address: str | None = None
         self._stopped = threading.Event()
+        self._stopping = False
+        self._drained: list[str] = []  # replicas stopped by ``drain``, so a retried call succeeds
         if ray.get_runtime_context().was_current_actor_reconstructed:
             self._restore()
-        self._reconcile()
-        threading.Thread(target=self._supervise, name="supervise", daemon=True).start()
+        if not self._stopping:
+            self._reconcile()
+            threading.Thread(target=self._supervise, name="supervise", daemon=True).start()
 
     # ---- the operator's API ----------------------------------------------------------------
     def start(self, front_node: str, timeout_s: float = 600.0) -> str:
         """Wait for each pool's first replica, then start the front door on ``front_node``."""
         if self._front_address is not None:  # a retry of this call, after a restart of this actor
             return self._front_address
+        if self._front is not None:  # created before a restart of this actor: its start is safe to repeat
+            return self._started_front(timeout_s)
         deadline = time.monotonic() + timeout_s
         with self._changed:
             self._changed.wait_for(lambda: self._all_serving() or self._refused_pool() is not None, timeout=timeout_s)
@@ -142,7 +147,10 @@ class Controller:
             num_cpus=0, scheduling_strategy=placement, max_restarts=-1, name=self._front_name,
             namespace=CONTROLLER_NAMESPACE, lifetime="detached").remote(self.spec, members, version,
                                                                         self.spec.controller_name)
-        address = ray.get(self._front.start.remote(), timeout=max(deadline - time.monotonic(), 30))
+        return self._started_front(max(deadline - time.monotonic(), 30))
+
+    def _started_front(self, timeout_s: float) -> str:
+        address = ray.get(self._front.start.remote(), timeout=timeout_s)
         with self._changed:
             self._front_address = address
             self._save()
@@ -178,8 +186,14 @@ class Controller:
         """Take one replica out (e.g. its node is going away); a replacement keeps the pool's size."""
         with self._changed:
             record = self._replicas.get(replica_id)
+            if record is None and replica_id in self._drained:  # a retry, after a restart of this actor
+                return self.status()
             if record is None:
                 raise InvalidRequest(f"no replica {replica_id!r}; `mirrorspec status` lists them", field="replica")
+            if record.state == "draining":  # already on its way out (a retry): wait for it
+                self._changed.wait_for(lambda: replica_id not in self._replicas,
+                                       timeout=self.spec.drain_timeout_s + 30)
+                return self.status()
             record.state = "draining"
             self._bump()
         self._reconcile()
@@ -213,17 +227,22 @@ class Controller:
         return rows
 
     def shutdown(self) -> None:
+        """Stops everything. The checkpoint says so first and goes last: a restart in between
+        (this call is retried then) finds what is left to stop, and launches nothing."""
         self._stopped.set()
         with self._changed:
+            self._stopping = True
+            self._save()
             records = list(self._replicas.values())
-            self._replicas.clear()
-            self._bump()
-            internal_kv._internal_kv_del(self._checkpoint_key, namespace=CONTROLLER_NAMESPACE)
         if self._front is not None:
             ray.kill(self._front, no_restart=True)
         for record in records:
             self._stop(record)
+        with self._changed:
+            self._replicas.clear()
+            self._bump()
         self._stop_orphans(keep=set())
+        internal_kv._internal_kv_del(self._checkpoint_key, namespace=CONTROLLER_NAMESPACE)
 
     # ---- surviving a restart of this actor -------------------------------------------------------
     @property
@@ -240,7 +259,7 @@ class Controller:
     def _save(self) -> None:
         """Called under the lock on every change a restarted controller must know of."""
         state = {"version": self._version, "wanted": self._wanted, "front_address": self._front_address,
-                 "next_id": self._next_id,
+                 "next_id": self._next_id, "stopping": self._stopping, "drained": self._drained[-64:],
                  "replicas": [r.saved() for r in self._replicas.values()]}
         internal_kv._internal_kv_put(self._checkpoint_key, json.dumps(state), namespace=CONTROLLER_NAMESPACE)
 
@@ -249,20 +268,24 @@ class Controller:
         live, and the front door. The rest (replicas still starting, or missing a rank) is stopped,
         and ``_reconcile`` launches replacements."""
         raw = internal_kv._internal_kv_get(self._checkpoint_key, namespace=CONTROLLER_NAMESPACE)
-        if raw is None:
-            return
-        state = json.loads(raw)
-        self._version = state["version"] + 1  # front doors then fetch the membership afresh
-        self._wanted = state["wanted"]
-        self._next_id = state["next_id"]
-        self._front_address = state["front_address"]
+        state = json.loads(raw) if raw is not None else {}  # none: it died before its first one
         self._front = self._named_actor(self._front_name)
-        for saved in state["replicas"]:
+        if state.get("stopping"):  # it died in ``shutdown``, which its caller retries
+            self._stopped.set()
+            self._stopping = True
+            return
+        self._version = state.get("version", 0) + 1  # front doors then fetch the membership afresh
+        self._wanted = state.get("wanted", self._wanted)
+        self._front_address = state.get("front_address")
+        self._drained = state.get("drained", [])
+        for saved in state.get("replicas", []):
             record = self._adopt(saved)
             if record is not None:
                 self._replicas[record.replica_id] = record
-        self._stop_orphans(keep={name for r in self._replicas.values()
-                                 for name in [self._rank_name(r.replica_id, k) for k in range(len(r.actors))]})
+        highest = self._stop_orphans(keep={name for r in self._replicas.values()
+                                           for name in [self._rank_name(r.replica_id, k) for k in range(len(r.actors))]})
+        # never reuse a name an orphan held: Ray may not have freed it yet
+        self._next_id = max(state.get("next_id", 1), highest + 1)
         for record in self._replicas.values():
             if record.state == "draining":
                 threading.Thread(target=self._drain_and_stop, args=(record,), daemon=True).start()
@@ -276,19 +299,25 @@ class Controller:
                              get_placement_group(self._group_name(saved["replica_id"])), saved["state"],
                              saved["address"], saved["node"], saved["resources"])
 
-    def _stop_orphans(self, keep: set[str]) -> None:
+    def _stop_orphans(self, keep: set[str]) -> int:
         """Stop this deployment's replica actors and placement groups that no record holds: the
-        ones a dead incarnation launched after its last checkpoint, or left starting."""
-        rank = re.compile(rf"{re.escape(self.spec.name)}-(?:{'|'.join(POOLS)})-\d+-rank\d+")
+        ones a dead incarnation launched after its last checkpoint, or left starting. Returns the
+        highest replica number seen, held or not."""
+        highest = 0
+        rank = re.compile(rf"{re.escape(self.spec.name)}-(?:{'|'.join(POOLS)})-(\d+)-rank\d+")
         for actor in ray.util.list_named_actors(all_namespaces=True):
-            if actor["namespace"] == CONTROLLER_NAMESPACE and rank.fullmatch(actor["name"]) and actor["name"] not in keep:
-                if (handle := self._named_actor(actor["name"])) is not None:
+            if actor["namespace"] == CONTROLLER_NAMESPACE and (match := rank.fullmatch(actor["name"])):
+                highest = max(highest, int(match.group(1)))
+                if actor["name"] not in keep and (handle := self._named_actor(actor["name"])) is not None:
                     ray.kill(handle, no_restart=True)
         kept_groups = {self._group_name(r.replica_id) for r in self._replicas.values()}
-        group = re.compile(rf"{re.escape(self.spec.name)}-(?:{'|'.join(POOLS)})-\d+")
+        group = re.compile(rf"{re.escape(self.spec.name)}-(?:{'|'.join(POOLS)})-(\d+)")
         for info in placement_group_table().values():
-            if group.fullmatch(info["name"]) and info["state"] != "REMOVED" and info["name"] not in kept_groups:
-                remove_placement_group(get_placement_group(info["name"]))
+            if (match := group.fullmatch(info["name"])) and info["state"] != "REMOVED":
+                highest = max(highest, int(match.group(1)))
+                if info["name"] not in kept_groups:
+                    remove_placement_group(get_placement_group(info["name"]))
+        return highest
 
     def _group_name(self, replica_id: str) -> str:
         return f"{self.spec.name}-{replica_id}"
@@ -347,6 +376,8 @@ class Controller:
     def _reconcile(self) -> None:
         """Launch replicas until each pool has the number wanted (starting ones count)."""
         with self._changed:
+            if self._stopping:  # a supervision pass racing ``shutdown`` would leave detached replicas behind
+                return
             for pool in POOLS:
                 active = [r for r in self._replicas.values() if r.pool == pool and r.state != "draining"]
                 for _ in range(self._wanted[pool] - len(active)):
@@ -391,6 +422,8 @@ class Controller:
             if self._sessions(record) in (0, None):
                 break
             time.sleep(0.2)
+        with self._changed:
+            self._drained.append(record.replica_id)
         self._forget(record)
 
     def _forget(self, record: ReplicaRecord) -> None:
@@ -411,7 +444,10 @@ class Controller:
                 pass
         for actor in record.actors:
             ray.kill(actor, no_restart=True)
-        remove_placement_group(record.group)
+        try:
+            remove_placement_group(record.group)
+        except Exception:  # noqa: BLE001 - removed already (a supervision pass and shutdown racing)
+            pass
 
     # ---- helpers -----------------------------------------------------------------------------------
     def _bump(self) -> None:

@@ -183,9 +183,12 @@ class FrontDoor:
             self.start()
 
     def start(self) -> str:
+        """Safe to repeat (the controller retries its calls after a restart): one server."""
         from mirrorspec.serving.server import BackgroundServer
         from orchestrator.servicer import serve
 
+        if self.server is not None:
+            return self.address()
         self.server = BackgroundServer(lambda: serve(self._config), "orchestrator").start(timeout=600)
         threading.Thread(target=self._follow_membership, name="membership", daemon=True).start()
         return self.address()

@@ -273,3 +273,36 @@ def test_a_controller_whose_process_dies_comes_back_and_adopts_its_replicas_with
     finally:
         teardown(controller)
     assert named_actors("ctl-") == set()  # torn down: nothing detached is left behind
+
+
+def test_calls_a_dying_controller_was_running_are_retried_to_the_same_effect(cluster_ray, tiny_dir, reference):
+    """``drain`` and ``shutdown`` run again on the restarted controller. A retried drain failed
+    with "no replica" though the drain had worked; a crash during teardown left every replica and
+    placement group behind (the checkpoint was gone, so the new controller relaunched the pools
+    from replica 1, whose names were taken) and the deployment's name taken for good."""
+    controller, address = deploy(small_spec(tiny_dir, name="retry", drafters=1, targets=2))
+    try:
+        with Client(address) as client:
+            worker = threading.Thread(target=lambda: client.generate([3, 1, 4, 1, 5], max_tokens=120))
+            worker.start()
+            assert wait_until(lambda: any(r["sessions"] for r in rows(controller, "target")), timeout=30, every=0.05)
+            (busy,) = [r["replica"] for r in rows(controller, "target") if r["sessions"]]
+            drained = controller.drain.remote(busy)
+            time.sleep(0.05)
+            ray.kill(controller, no_restart=False)
+            after = [r["replica"] for r in ray.get(drained, timeout=180)]
+            worker.join()
+        assert busy not in after and len([r for r in after if r.startswith("target")]) == 2
+        stopping = threading.Thread(target=teardown, args=(controller,))
+        stopping.start()
+        time.sleep(0.05)
+        ray.kill(controller, no_restart=False)
+        stopping.join()
+    finally:
+        if named_actors("retry-controller"):
+            teardown(controller)
+    assert named_actors("retry-") == set()
+    assert not [g for g in ray.util.placement_group_table().values()
+                if g["name"].startswith("retry-") and g["state"] != "REMOVED"]
+    controller, _ = deploy(small_spec(tiny_dir, name="retry", drafters=1))  # the name is free again
+    teardown(controller)
