@@ -228,8 +228,8 @@ LEGEND = ("beta = mean sum_x min(p, q) per answer position; greedy: accept = acc
           "(1 - beta), i.i.d. estimate")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.acceptance", description=__doc__.split("\n")[0])
+def build_parser(prog: str = "python -m benchmarks.acceptance") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     add_replay_flags(p)
     p.add_argument("--k", type=csv_of(window_k), default=[2, 4, 8], help="window sizes to replay (default 2,4,8)")
     p.add_argument("--temperatures", type=csv_of(sampling_temperature), default=[0.0, 0.7],
@@ -276,8 +276,8 @@ def _load(args: argparse.Namespace,
     return target, drafters
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks.acceptance") -> int:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     with torch_threads(args.threads), torch.inference_mode():
         return _run(args, parser)

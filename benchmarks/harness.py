@@ -286,7 +286,7 @@ def served_hybrid_confident(target: LoadedModel, drafts: Drafts, ids: list[int],
 def served_hybrid_confident_runner_up(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
                                       k: int, seed: int) -> RunOutput:
     """served-hybrid-confident with windows offering the draft's runner-up too
-    (``mirrorspec serve --runner-up``)."""
+    (what ``mirrorspec serve`` does by default; ``--no-runner-up`` turns it off)."""
     return _served(drafts.services.client(target, drafts.model, drafts.server_source, DEFAULT_PROMPT_LOOKUP,
                                           draft_confidence=DEFAULT_DRAFT_CONFIDENCE, runner_up=True),
                    ids, params, k, seed)

@@ -39,9 +39,9 @@ def first_paragraph(text: str) -> str:
     return " ".join(text.split("\n\n")[0].split()).rstrip(".")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m benchmarks") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks",
+        prog=prog,
         description="Benchmark mirrorspec's decoding modes side by side on real prompt sets.",
         epilog="Modes: " + "; ".join(f"{m.name}: {first_paragraph(m.description)}" for m in MODES.values()),
     )
@@ -157,8 +157,8 @@ def shared_process_note(modes: Sequence[str], threads: int, device: str, drafts:
             "compare it with in-process modes at --threads 1"]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks") -> int:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.reprint is not None:
         return reprint(args.reprint, parser)

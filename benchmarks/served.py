@@ -43,7 +43,7 @@ class ServedStacks:
         drafter's settings;
         ``front_door_lookup``: the orchestrator runs that lookup (the default), or leaves it to
         the drafter server; ``adaptive``: the orchestrator chooses K per window (``serve --adaptive``);
-        ``runner_up``: windows offer the draft's runner-up too (``serve --runner-up``)."""
+        ``runner_up``: windows offer the draft's runner-up too (what ``serve`` does by default)."""
         kind = "ngram" if draft_model is None else f"draft-model, prompt lookup {prompt_lookup}"
         kind += "" if front_door_lookup else ", looked up by the drafter"
         kind += f", confidence {draft_confidence}" if draft_confidence else ""

@@ -232,13 +232,15 @@ def build_parser() -> argparse.ArgumentParser:
     scale = commands.add_parser("scale", help="grow or shrink a pool of a deployment on Ray (drains on the way down)")
     scale.add_argument("pool", choices=["drafter", "target"], help="which pool")
     scale.add_argument("replicas", type=int, help="replicas wanted")
-    scale.add_argument("--address", default="auto", help="the Ray cluster ('auto' = the one on this machine)")
+    scale.add_argument("--address", default="auto", help="the Ray cluster ('auto' = the local Ray of a running "
+                                                          "`serve --name NAME`, else the one on this machine)")
     scale.add_argument("--name", default="mirrorspec", help="deployment name")
     scale.add_argument("--wait", type=float, default=300.0, help="seconds to wait for new replicas to serve")
     scale.set_defaults(handler=cmd_scale, subparser=scale)
 
     status = commands.add_parser("status", help="a deployment's replicas: state, node, resources, sessions")
-    status.add_argument("--address", default="auto", help="the Ray cluster ('auto' = the one on this machine)")
+    status.add_argument("--address", default="auto", help="the Ray cluster ('auto' = the local Ray of a running "
+                                                           "`serve --name NAME`, else the one on this machine)")
     status.add_argument("--name", default="mirrorspec", help="deployment name")
     status.add_argument("--json", action="store_true", help="print the rows as JSON")
     status.set_defaults(handler=cmd_status, subparser=status)
@@ -275,11 +277,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:2] == ["bench", "acceptance"]:
         from benchmarks.acceptance import main as acceptance_main
 
-        return acceptance_main(argv[2:])
+        return acceptance_main(argv[2:], prog="mirrorspec bench acceptance")
     if argv[:1] == ["bench"]:
         from benchmarks.run import main as bench_main
 
-        return bench_main(argv[1:])
+        return bench_main(argv[1:], prog="mirrorspec bench")
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -347,6 +349,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     SpeculationConfig(num_speculative_tokens=DEFAULT_K if args.k is None else args.k, proposal_top_k=args.proposal_top_k,
                       prompt_lookup=args.prompt_lookup, draft_confidence=args.draft_confidence)
     check_threads(args.threads)
+    if args.local and _is_set(args, "server"):
+        raise InvalidRequest("is a front door's address, and --local runs the engine in this process: drop one "
+                             "of the two", field="server")
     if args.timeout is not None:
         if args.local:
             raise InvalidRequest("is a server request's deadline; the in-process engine (--local) has none: "
@@ -569,7 +574,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     (resolve_device if args.address is None else parse_device)(args.device)
     if args.address is None:
         check_local_ray_fits(args, spec)
-    from cluster.deploy import connect, deploy, teardown
+    from cluster.deploy import announced_local_ray, connect, deploy, teardown
 
     with interrupted_by_termination():  # a stop while replicas start tears the deployment down
         connect(args.address, num_cpus=_local_cpus(args, spec))
@@ -583,7 +588,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
           + ("detached" if args.detach else "Ctrl-C stops"), flush=True)
     if args.detach:
         return 0
-    _wait_for_stop()
+    with contextlib.ExitStack() as announced:
+        if args.address is None:  # status and scale find this Ray by the deployment's name
+            announced.enter_context(announced_local_ray(spec.name))
+        _wait_for_stop()
     teardown(controller)
     return 0
 
@@ -751,13 +759,13 @@ def _serve_in_process(args: argparse.Namespace) -> int:
 def cmd_scale(args: argparse.Namespace) -> int:
     import ray
 
-    from cluster.deploy import connect, find_controller
+    from cluster.deploy import connect, find_controller, resolve_address
 
     if args.replicas < (1 if args.pool == "target" else 0):
         raise InvalidRequest(f"the {args.pool} pool cannot go below {1 if args.pool == 'target' else 0} replicas, "
                              f"got {args.replicas}", field="replicas")
     check_finite_amount(args.wait, "wait")
-    connect(args.address)
+    connect(resolve_address(args.address, args.name))
     rows = ray.get(find_controller(args.name).scale.remote(args.pool, args.replicas, args.wait))
     print(format_status(rows))
     serving = sum(r["pool"] == args.pool and r["state"] == "serving" for r in rows)
@@ -770,9 +778,9 @@ def cmd_scale(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     import ray
 
-    from cluster.deploy import connect, find_controller
+    from cluster.deploy import connect, find_controller, resolve_address
 
-    connect(args.address)
+    connect(resolve_address(args.address, args.name))
     rows = ray.get(find_controller(args.name).status.remote())
     print(json.dumps(rows, indent=2) if args.json else format_status(rows))
     return 0

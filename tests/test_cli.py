@@ -31,6 +31,7 @@ from support import save_tiny_llama
     (["generate", "hi", "--server", "127.0.0.1"], "--server"),  # gRPC would dial port 443
     (["generate", "hi", "--server", "http://127.0.0.1:50051"], "--server"),
     (["generate", "hi", "--local", "--timeout", "5"], "--timeout"),  # the engine has no deadline: refused, not ignored
+    (["generate", "hi", "--local", "--server", "127.0.0.1:1"], "--server"),  # ignored before
     (["generate", "hi", "--timeout", "0"], "--timeout"),
     (["generate", "hi", "--timeout", "nan"], "--timeout"),
     (["serve", "--k", "-1"], "--k"),

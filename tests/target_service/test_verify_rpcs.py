@@ -129,7 +129,7 @@ def test_an_older_target_is_verified_the_way_it_knows(targets, tiny_dir, tempera
 
 
 def test_runner_up_windows_over_the_wire_decode_what_the_target_alone_does(targets, tiny_dir):
-    """A front door's RemoteVerifier offering the draft's runner-up (``serve --runner-up``):
+    """A front door's RemoteVerifier offering the draft's runner-up (what ``serve`` does by default):
     greedy output equals target-only decoding, a seeded sampled request equals the same window
     loop verified in process (the target server runs the same second round at the same uniforms),
     and runner-ups do win windows on the wire, greedy and sampled."""

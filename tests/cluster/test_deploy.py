@@ -1,0 +1,30 @@
+"""Finding the Ray to use: a local one of its own for `serve`, and that one again for `status`
+and `scale`, whatever else runs on the machine."""
+
+import pytest
+import ray
+
+from cluster.deploy import announced_local_ray, connect, resolve_address
+
+pytestmark = pytest.mark.slow
+
+
+def test_serve_starts_a_local_ray_of_its_own_where_another_is_announced_and_status_finds_it(monkeypatch, tmp_path):
+    """With RAY_ADDRESS set (or `ray start` run on the machine), ray.init joined that cluster and
+    refused num_cpus: `mirrorspec serve` died with a ValueError traceback. And `status` with its
+    default --address auto took whichever Ray it found running, not the deployment's."""
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # nothing there: joining it would fail
+    monkeypatch.setenv("MIRRORSPEC_CACHE", str(tmp_path))
+    assert not ray.is_initialized()
+    connect(num_cpus=1)
+    try:
+        assert ray.cluster_resources()["CPU"] == 1
+        gcs = ray.get_runtime_context().gcs_address
+        assert resolve_address("auto", "mine") == "auto"  # no serve announced one
+        with announced_local_ray("mine"):
+            assert resolve_address("auto", "mine") == gcs
+            assert resolve_address("auto", "theirs") == "auto"
+            assert resolve_address("10.0.0.1:6379", "mine") == "10.0.0.1:6379"  # named explicitly
+        assert resolve_address("auto", "mine") == "auto"  # gone with the serve
+    finally:
+        ray.shutdown()
