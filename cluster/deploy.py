@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
-from pathlib import Path
 
 import ray
 
@@ -34,35 +32,6 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> None:
     # would join that one, and refuse num_cpus with a traceback)
     ray.init(address="local", num_cpus=cpus, resources={pool: cpus for pool in POOLS}, include_dashboard=False,
              namespace=CONTROLLER_NAMESPACE, log_to_driver=False, logging_level=logging.ERROR)
-
-
-def local_ray_file(name: str) -> Path:
-    """Where a ``serve`` that started a local Ray says where that Ray is, for ``status`` and
-    ``scale`` with the default ``--address auto``: Ray's own "auto" takes whichever Ray it finds
-    running on the machine, which need not be this deployment's."""
-    from mirrorspec.models.demo_target import cache_root  # torch comes with it: not for every caller
-
-    return cache_root() / "deployments" / f"{name}.ray"
-
-
-@contextlib.contextmanager
-def announced_local_ray(name: str):
-    """Announce this process's local Ray under the deployment's name while it runs."""
-    path = local_ray_file(name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(ray.get_runtime_context().gcs_address)
-    try:
-        yield
-    finally:
-        path.unlink(missing_ok=True)
-
-
-def resolve_address(address: str, name: str) -> str:
-    """``auto`` means the local Ray a running ``serve --name NAME`` announced, where there is one."""
-    path = local_ray_file(name)
-    if address == "auto" and path.exists():
-        return path.read_text().strip()
-    return address
 
 
 def _check_reachable(address: str) -> None:

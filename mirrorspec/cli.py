@@ -574,7 +574,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     (resolve_device if args.address is None else parse_device)(args.device)
     if args.address is None:
         check_local_ray_fits(args, spec)
-    from cluster.deploy import announced_local_ray, connect, deploy, teardown
+    import ray
+
+    from cluster.deploy import connect, deploy, teardown
+    from cluster.local_ray import announced_local_ray
 
     with interrupted_by_termination():  # a stop while replicas start tears the deployment down
         connect(args.address, num_cpus=_local_cpus(args, spec))
@@ -590,7 +593,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     with contextlib.ExitStack() as announced:
         if args.address is None:  # status and scale find this Ray by the deployment's name
-            announced.enter_context(announced_local_ray(spec.name))
+            announced.enter_context(announced_local_ray(spec.name, ray.get_runtime_context().gcs_address))
         _wait_for_stop()
     teardown(controller)
     return 0
@@ -757,15 +760,18 @@ def _serve_in_process(args: argparse.Namespace) -> int:
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
+    from cluster.local_ray import use_announced_ray
+
+    address = use_announced_ray(args.address, args.name)  # before Ray is imported
     import ray
 
-    from cluster.deploy import connect, find_controller, resolve_address
+    from cluster.deploy import connect, find_controller
 
     if args.replicas < (1 if args.pool == "target" else 0):
         raise InvalidRequest(f"the {args.pool} pool cannot go below {1 if args.pool == 'target' else 0} replicas, "
                              f"got {args.replicas}", field="replicas")
     check_finite_amount(args.wait, "wait")
-    connect(resolve_address(args.address, args.name))
+    connect(address)
     rows = ray.get(find_controller(args.name).scale.remote(args.pool, args.replicas, args.wait))
     print(format_status(rows))
     serving = sum(r["pool"] == args.pool and r["state"] == "serving" for r in rows)
@@ -776,11 +782,14 @@ def cmd_scale(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from cluster.local_ray import use_announced_ray
+
+    address = use_announced_ray(args.address, args.name)  # before Ray is imported
     import ray
 
-    from cluster.deploy import connect, find_controller, resolve_address
+    from cluster.deploy import connect, find_controller
 
-    connect(resolve_address(args.address, args.name))
+    connect(address)
     rows = ray.get(find_controller(args.name).status.remote())
     print(json.dumps(rows, indent=2) if args.json else format_status(rows))
     return 0

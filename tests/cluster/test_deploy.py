@@ -1,10 +1,13 @@
 """Finding the Ray to use: a local one of its own for `serve`, and that one again for `status`
 and `scale`, whatever else runs on the machine."""
 
+import os
+
 import pytest
 import ray
 
-from cluster.deploy import announced_local_ray, connect, resolve_address
+from cluster.deploy import connect
+from cluster.local_ray import announced_local_ray, local_ray_file, use_announced_ray
 
 pytestmark = pytest.mark.slow
 
@@ -20,11 +23,12 @@ def test_serve_starts_a_local_ray_of_its_own_where_another_is_announced_and_stat
     try:
         assert ray.cluster_resources()["CPU"] == 1
         gcs = ray.get_runtime_context().gcs_address
-        assert resolve_address("auto", "mine") == "auto"  # no serve announced one
-        with announced_local_ray("mine"):
-            assert resolve_address("auto", "mine") == gcs
-            assert resolve_address("auto", "theirs") == "auto"
-            assert resolve_address("10.0.0.1:6379", "mine") == "10.0.0.1:6379"  # named explicitly
-        assert resolve_address("auto", "mine") == "auto"  # gone with the serve
+        assert use_announced_ray("auto", "mine") == "auto" and os.environ["RAY_ADDRESS"] == "127.0.0.1:1"
+        with announced_local_ray("mine", gcs):
+            assert use_announced_ray("auto", "theirs") == "auto" and os.environ["RAY_ADDRESS"] == "127.0.0.1:1"
+            assert use_announced_ray("10.0.0.1:6379", "mine") == "10.0.0.1:6379"  # named explicitly
+            assert os.environ["RAY_ADDRESS"] == "127.0.0.1:1"
+            assert use_announced_ray("auto", "mine") == "auto" and os.environ["RAY_ADDRESS"] == gcs
+        assert not local_ray_file("mine").exists()  # gone with the serve
     finally:
         ray.shutdown()
