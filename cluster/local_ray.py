@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 from pathlib import Path
 
 
@@ -36,9 +37,22 @@ def use_announced_ray(address: str, name: str) -> str:
     machine's token for a cluster it finds itself, but for a given address only where
     RAY_AUTH_MODE says so before Ray is imported."""
     path = local_ray_file(name)
-    if address == "auto" and path.exists():
-        announced = json.loads(path.read_text())
-        os.environ["RAY_ADDRESS"] = announced["address"]
-        if announced["auth_mode"]:
-            os.environ.setdefault("RAY_AUTH_MODE", announced["auth_mode"])
+    if address != "auto" or not path.exists():
+        return address
+    announced = json.loads(path.read_text())
+    if not _answers(announced["address"]):  # its serve was killed before it could take this back
+        path.unlink(missing_ok=True)
+        return address
+    os.environ["RAY_ADDRESS"] = announced["address"]
+    if announced["auth_mode"]:
+        os.environ.setdefault("RAY_AUTH_MODE", announced["auth_mode"])
     return address
+
+
+def _answers(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+    except (OSError, ValueError):
+        return False
+    return True

@@ -30,5 +30,9 @@ def test_serve_starts_a_local_ray_of_its_own_where_another_is_announced_and_stat
             assert os.environ["RAY_ADDRESS"] == "127.0.0.1:1"
             assert use_announced_ray("auto", "mine") == "auto" and os.environ["RAY_ADDRESS"] == gcs
         assert not local_ray_file("mine").exists()  # gone with the serve
+        with announced_local_ray("killed", "127.0.0.1:1"):  # a serve killed before it took it back
+            monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:2")
+            assert use_announced_ray("auto", "killed") == "auto" and os.environ["RAY_ADDRESS"] == "127.0.0.1:2"
+            assert not local_ray_file("killed").exists()
     finally:
         ray.shutdown()
