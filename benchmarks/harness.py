@@ -78,6 +78,7 @@ class Mode:
     needs_draft_model: bool = False
     description: str = ""
     in_process: bool = True  # False: the draft runs in a server process, loaded there
+    needs_equal_vocab: bool = False  # the draft's vocabulary table must be as wide as the target's
     twin: str | None = None  # a served mode: the in-process mode whose tokens it must reproduce, seed for seed
 
     def with_draft_quantized(self, quantize: str) -> Mode:
@@ -94,11 +95,11 @@ MODES: dict[str, Mode] = {}
 
 def register_mode(name: str, *, uses_k: bool, needs_draft_model: bool = False,
                   description: str = "", in_process: bool = True,
-                  twin: str | None = None) -> Callable[[ModeFn], ModeFn]:
+                  twin: str | None = None, needs_equal_vocab: bool = False) -> Callable[[ModeFn], ModeFn]:
     """Decorator: make ``fn(target, drafts, prompt_ids, params, k, seed) -> RunOutput`` a mode."""
     def wrap(fn: ModeFn) -> ModeFn:
         MODES[name] = Mode(name, fn, uses_k, needs_draft_model, description or (fn.__doc__ or "").strip(),
-                           in_process, twin)
+                           in_process=in_process, twin=twin, needs_equal_vocab=needs_equal_vocab)
         return fn
     return wrap
 
@@ -344,7 +345,10 @@ def hf_target_only(target: LoadedModel, drafts: Drafts, ids: list[int], params: 
     return _hf_generate(target, ids, params, seed)
 
 
-@register_mode("hf-assisted", uses_k=True, needs_draft_model=True)
+# HF assisted generation takes a draft of another table width for another tokenizer: it asks for both
+# and runs universal assisted decoding (another algorithm, whose sampling path crashes in
+# transformers 5.x), so such a pair is skipped
+@register_mode("hf-assisted", uses_k=True, needs_draft_model=True, needs_equal_vocab=True)
 def hf_assisted(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
                 k: int, seed: int) -> RunOutput:
     """HF assisted generation with the draft model, K drafts per window.
@@ -409,7 +413,7 @@ class BenchPlan:
         return [Slot(m, k) for m in self.modes for k in (self.ks if m.uses_k else [0])]
 
 
-def select_modes(names: Sequence[str], drafts: Drafts) -> tuple[list[Mode], list[str]]:
+def select_modes(names: Sequence[str], drafts: Drafts, target_vocab: int | None = None) -> tuple[list[Mode], list[str]]:
     """The runnable modes, baseline first, and a note for each skipped one; each in-process
     draft-model mode again as ``MODE@q`` for every other quantization of the draft loaded.
 
@@ -421,6 +425,12 @@ def select_modes(names: Sequence[str], drafts: Drafts) -> tuple[list[Mode], list
         mode = MODES[name]
         if mode.needs_draft_model and drafts.model is None:
             notes.append(f"skipping {name}: it needs a draft model (pass --draft PATH or --draft truncate:2)")
+            continue
+        draft_vocab = int(drafts.model.config.vocab_size) if drafts.model is not None else None
+        if mode.needs_equal_vocab and draft_vocab is not None and target_vocab not in (None, draft_vocab):
+            notes.append(f"skipping {name}: the draft's vocabulary table ({draft_vocab} rows) is narrower than the "
+                         f"target's ({target_vocab}), and HF assisted generation then runs another algorithm "
+                         f"(universal assisted decoding)")
             continue
         modes.append(mode)
         if mode.needs_draft_model and mode.in_process:

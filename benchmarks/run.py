@@ -231,7 +231,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     prompts = {name: load_prompts(name, args.num_prompts) for name in args.datasets}
     target, drafts = _load(args, parser)
     _check_room(args, parser, target, prompts)
-    modes, notes = select_modes(args.modes, drafts)
+    modes, notes = select_modes(args.modes, drafts, int(target.model.config.vocab_size))
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     plan = BenchPlan(target=target, drafts=drafts, prompts=prompts, modes=modes, ks=args.k,

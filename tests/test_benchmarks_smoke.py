@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import support
-from benchmarks.harness import MODES, RunRecord, mark_identity
+from benchmarks.harness import MODES, Drafts, RunRecord, mark_identity, select_modes
 from benchmarks.metrics import expected_tokens_per_window, speedup_bound, summarize
 from benchmarks.prompts import DATASETS, load_prompts
 from benchmarks.run import main
@@ -177,6 +177,18 @@ def test_draft_model_modes_are_skipped_without_a_draft(tmp_path):
     assert {r["mode"] for r in out["records"]} == {"target-only"}
     assert any("mirrorspec-draft" in note for note in out["notes"])
 
+
+
+def test_hf_assisted_is_skipped_with_a_note_for_a_draft_of_a_narrower_table(padded_pair):
+    """transformers asks for both tokenizers for such a pair, then runs its universal assisted
+    decoding, whose sampling path crashes: the run used to stop with HF's ValueError at warm-up."""
+    drafts = Drafts(model=support.load(padded_pair["draft"]), name="narrow")
+    modes, notes = select_modes(["mirrorspec-draft", "hf-assisted"], drafts, target_vocab=16)
+    assert [m.name for m in modes] == ["target-only", "mirrorspec-draft"]
+    assert notes == ["skipping hf-assisted: the draft's vocabulary table (12 rows) is narrower than the target's "
+                     "(16), and HF assisted generation then runs another algorithm (universal assisted decoding)"]
+    modes, notes = select_modes(["hf-assisted"], drafts, target_vocab=12)
+    assert [m.name for m in modes] == ["target-only", "hf-assisted"] and notes == []
 
 
 def test_a_server_that_fails_to_start_says_why_and_takes_the_other_down(tiny_dir, tmp_path):
