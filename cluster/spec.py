@@ -13,6 +13,7 @@ from mirrorspec.config import (
     check_draft_confidence,
     check_prompt_lookup,
     check_quantization,
+    check_stall_timeout,
 )
 
 POOLS = ("drafter", "target")
@@ -76,6 +77,7 @@ class StackSpec:
         check_quantization(self.draft_quantize, field="draft_quantize")
         if self.threads < 1:
             raise InvalidRequest(f"threads must be >= 1, got {self.threads}", field="threads")
+        check_stall_timeout(self.stall_timeout_s)
 
     @property
     def controller_name(self) -> str:

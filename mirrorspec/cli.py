@@ -35,6 +35,7 @@ from mirrorspec.config import (
     SpeculationConfig,
     check_max_sessions,
     check_seed,
+    check_stall_timeout,
     default_k,
     field_named,
 )
@@ -113,6 +114,7 @@ FLAG_FOR_FIELD = {
     "num_cpus": "--num-cpus",
     "wait": "--wait",
     "max_sessions": "--max-sessions",
+    "stall_timeout_s": "--stall-timeout",
     "seed": "--seed",
     "port": "--port",
     "metrics_port": "--metrics-port",
@@ -222,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help=DRAFT_CONFIDENCE_HELP)
     srv.add_argument("--draft-quantize", choices=QUANTIZATIONS, default=DEFAULT_DRAFT_QUANTIZE, help=DRAFT_QUANTIZE_HELP)
     srv.add_argument("--max-sessions", type=int, default=64, help="sessions per replica")
+    srv.add_argument("--stall-timeout", type=float, default=180.0, dest="stall_timeout_s", metavar="SECONDS",
+                     help="seconds a replica's compute lane may spend on one job (a forward, a collective) before "
+                          "its health check answers NOT_SERVING and Ray replaces it (default 180)")
     srv.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     srv.add_argument("--threads", type=int, default=None,
                      help="torch threads per replica (default: 1 on Ray, all cores in-process)")
@@ -548,6 +553,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from mirrorspec.serving.server import check_port_free
 
     check_max_sessions(args.max_sessions)
+    check_stall_timeout(args.stall_timeout_s)
     for field in ("port", "metrics_port"):  # the front door listens here, on a local Ray as on a cluster's head
         check_port_free(args.host, getattr(args, field), field)
     draft = resolve_draft(args.draft, args.target)
@@ -617,7 +623,7 @@ def _stack_spec(args: argparse.Namespace, target_gpus: float):
                      proposal_top_k=args.proposal_top_k, prompt_lookup=args.prompt_lookup,
                      draft_confidence=args.draft_confidence, draft_quantize=args.draft_quantize,
                      max_sessions=args.max_sessions, host=args.host, port=args.port, name=args.name,
-                     metrics_port=args.metrics_port)
+                     metrics_port=args.metrics_port, stall_timeout_s=args.stall_timeout_s)
 
 
 def _hint_lens(target, hint_layer: int | None):
@@ -740,11 +746,12 @@ def _serve_in_process(args: argparse.Namespace) -> int:
         drafter = DrafterConfig.for_draft(args.draft, dtype=args.dtype, device=args.device,
                                           max_sessions=args.max_sessions, proposal_top_k=args.proposal_top_k,
                                           prompt_lookup=args.prompt_lookup, draft_confidence=args.draft_confidence,
-                                          quantize=args.draft_quantize)
+                                          quantize=args.draft_quantize, stall_timeout_s=args.stall_timeout_s)
     with field_named("draft"):  # the target is loaded above: a model the stack fails to load is the draft
         stack = start_local_stack(TargetConfig(model=target.source, max_sessions=args.max_sessions,
                                                hint_layer=args.hint_layer,
-                                               hint_vocab=args.hint_vocab, hint_lens=args.hint_lens),
+                                               hint_vocab=args.hint_vocab, hint_lens=args.hint_lens,
+                                               stall_timeout_s=args.stall_timeout_s),
                                   drafter,
                                   target_model=target, host=args.host, port=args.port, num_speculative_tokens=args.k,
                                   metrics_port=args.metrics_port,

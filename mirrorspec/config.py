@@ -361,6 +361,13 @@ class ModelConfig:
     extra: dict = field(default_factory=dict)
 
 
+def check_stall_timeout(seconds: float) -> float:
+    if not 0 < seconds < math.inf:
+        raise InvalidRequest(f"stall_timeout_s must be a positive number of seconds, got {seconds}",
+                             field="stall_timeout_s")
+    return seconds
+
+
 @dataclass(frozen=True)
 class ReplicaConfig:
     """What every model-serving replica (drafter or target) needs: a model, a place, bounds."""
@@ -381,9 +388,7 @@ class ReplicaConfig:
     def __post_init__(self) -> None:
         check_port(self.port)
         check_max_sessions(self.max_sessions)
-        if not 0 < self.stall_timeout_s < math.inf:
-            raise InvalidRequest(f"stall_timeout_s must be a positive number of seconds, got {self.stall_timeout_s}",
-                                 field="stall_timeout_s")
+        check_stall_timeout(self.stall_timeout_s)
 
 
 @dataclass(frozen=True)
