@@ -247,6 +247,7 @@ class RemoteDrafter(Drafter):
     either, and picks up again when it clears."""
 
     name = "remote"
+    HUNG_AFTER_S = 1.0  # a window is a few tokens of a small model: tens of milliseconds when healthy
 
     def __init__(self, pool: ReplicaPool, prompt: Sequence[int], params: SamplingParams, seed: int, vocab_size: int,
                  draft_vocab: int | None = None, timeout_s: float | None = None, step_cost: float = Drafter.step_cost,
@@ -378,11 +379,21 @@ class RemoteDrafter(Drafter):
         except (grpc.RpcError, InvalidRequest, NoReplicaAvailable, SessionLimitReached) as err:
             detail = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else str(err)
             self.failure = detail
-            hung = isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            if hung and self.session.replica is not None:  # new sessions go elsewhere, where there is one
-                self.session.pool.report_slow(self.session.replica)
+            timed_out = isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            if timed_out and self.session.replica is not None:
+                self._report_timeout(self.session.replica)
             log.warning("drafter failed (%s); continuing target-only", detail)
             return None
+
+    def _report_timeout(self, replica: Replica) -> None:
+        """A drafter that had ``HUNG_AFTER_S`` to draft a window and did not is hung or swamped:
+        it is kept off for the cooldown, since drafts are optional and going target-only costs a
+        request little, where waiting on it again costs every request its drafter timeout. A
+        shorter deadline (a client's short one) only marks it slow."""
+        if self.session.timeout_s is not None and self.session.timeout_s >= self.HUNG_AFTER_S:
+            self.session.pool.report_failure(replica)
+        else:
+            self.session.pool.report_slow(replica)
 
     @property
     def moves(self) -> int:

@@ -1124,6 +1124,30 @@ def test_a_client_whose_own_deadline_runs_out_behind_a_busy_replica_keeps_no_req
         s.stop()
 
 
+def test_a_lone_hung_drafter_is_kept_off_so_later_requests_go_target_only_at_once(tiny_dir, monkeypatch):
+    """Drafts are optional: a drafter that had its whole drafter timeout and did not answer is
+    excluded for the cooldown, rather than cost every later request that timeout again (only
+    marking it slow did, with no other drafter to prefer)."""
+    from orchestrator.pool import ReplicaPool
+
+    excluded = []
+    report_failure = ReplicaPool.report_failure
+    monkeypatch.setattr(ReplicaPool, "report_failure", lambda pool, replica: (excluded.append(pool.name),
+                                                                             report_failure(pool, replica)))
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, drafter_timeout_s=1.5)
+    released = threading.Event()
+    try:
+        s.drafters[0].servicer.lane.later(released.wait, 120)  # wedged
+        with Client(s.address, timeout_s=60) as client:
+            completions = [client.generate([1, 2, 3, 4, 5], max_tokens=20) for _ in range(3)]
+        expected = target_only(load(tiny_dir["target16"]), [1, 2, 3, 4, 5], 20)
+        assert all(c.token_ids == expected and c.stats.drafter_fallback for c in completions)
+        assert excluded == ["drafter"]  # once: the later requests did not ask it again
+    finally:
+        released.set()
+        s.stop()
+
+
 def test_a_hung_drafter_among_two_is_left_by_the_requests_after_the_first(tiny_dir):
     """Its calls time out at half the client's budget; later requests draft on the other one."""
     s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, drafter_replicas=2)
