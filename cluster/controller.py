@@ -259,7 +259,7 @@ class Controller:
     def _save(self) -> None:
         """Called under the lock on every change a restarted controller must know of."""
         state = {"version": self._version, "wanted": self._wanted, "front_address": self._front_address,
-                 "next_id": self._next_id, "stopping": self._stopping, "drained": self._drained[-64:],
+                 "next_id": self._next_id, "stopping": self._stopping, "drained": self._drained,
                  "replicas": [r.saved() for r in self._replicas.values()]}
         internal_kv._internal_kv_put(self._checkpoint_key, json.dumps(state), namespace=CONTROLLER_NAMESPACE)
 
@@ -282,8 +282,8 @@ class Controller:
             record = self._adopt(saved)
             if record is not None:
                 self._replicas[record.replica_id] = record
-        highest = self._stop_orphans(keep={name for r in self._replicas.values()
-                                           for name in [self._rank_name(r.replica_id, k) for k in range(len(r.actors))]})
+        highest = self._stop_orphans(keep={self._rank_name(r.replica_id, k) for r in self._replicas.values()
+                                           for k in range(len(r.actors))})
         # never reuse a name an orphan held: Ray may not have freed it yet
         self._next_id = max(state.get("next_id", 1), highest + 1)
         for record in self._replicas.values():
@@ -304,16 +304,16 @@ class Controller:
         ones a dead incarnation launched after its last checkpoint, or left starting. Returns the
         highest replica number seen, held or not."""
         highest = 0
-        rank = re.compile(rf"{re.escape(self.spec.name)}-(?:{'|'.join(POOLS)})-(\d+)-rank\d+")
+        replica = rf"{re.escape(self.spec.name)}-(?:{'|'.join(POOLS)})-(\d+)"  # a placement group's name
+        rank = re.compile(replica + r"-rank\d+")
         for actor in ray.util.list_named_actors(all_namespaces=True):
             if actor["namespace"] == CONTROLLER_NAMESPACE and (match := rank.fullmatch(actor["name"])):
                 highest = max(highest, int(match.group(1)))
                 if actor["name"] not in keep and (handle := self._named_actor(actor["name"])) is not None:
                     ray.kill(handle, no_restart=True)
         kept_groups = {self._group_name(r.replica_id) for r in self._replicas.values()}
-        group = re.compile(rf"{re.escape(self.spec.name)}-(?:{'|'.join(POOLS)})-(\d+)")
         for info in placement_group_table().values():
-            if (match := group.fullmatch(info["name"])) and info["state"] != "REMOVED":
+            if (match := re.fullmatch(replica, info["name"])) and info["state"] != "REMOVED":
                 highest = max(highest, int(match.group(1)))
                 if info["name"] not in kept_groups:
                     remove_placement_group(get_placement_group(info["name"]))
@@ -423,7 +423,7 @@ class Controller:
                 break
             time.sleep(0.2)
         with self._changed:
-            self._drained.append(record.replica_id)
+            self._drained = [*self._drained[-63:], record.replica_id]
         self._forget(record)
 
     def _forget(self, record: ReplicaRecord) -> None:
