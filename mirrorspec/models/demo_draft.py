@@ -10,15 +10,18 @@ assembled from the two and cached, keyed by the weights' hash, so it then loads 
 from __future__ import annotations
 
 import hashlib
+import shutil
 from pathlib import Path
 
 import torch
 
 from mirrorspec.config import InvalidRequest
-from mirrorspec.models.demo_target import build_once, cache_root
+from mirrorspec.models.demo_target import build_once, cache_root, ensure_demo_target, write_atomically
 
 SHIPPED_WEIGHTS = Path(__file__).parent / "demo_draft" / "draft.safetensors"
 VOCAB_TENSOR = "draft_vocab"  # the sub-vocabulary's ids, stored beside the trained weights
+# what `save_pretrained` writes for the demo target's tokenizer (a fast one, and its chat template)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
 def weights_digest(path: Path) -> str:
@@ -49,8 +52,20 @@ def ensure_demo_draft(weights: Path = SHIPPED_WEIGHTS) -> Path:
         assemble_draft(target.model, weights, tmp)
         (tmp / "ASSEMBLED_OK").write_text(f"weights={weights}\nsha256={digest}\n")
 
-    return build_once(cache_root() / f"demo-draft-{digest[:12]}", "ASSEMBLED_OK", assemble,
-                      "assembling the demo draft from the target and its shipped weights")
+    out = build_once(cache_root() / f"demo-draft-{digest[:12]}", "ASSEMBLED_OK", assemble,
+                     "assembling the demo draft from the target and its shipped weights")
+    share_tokenizer(ensure_demo_target(), out)
+    return out
+
+
+def share_tokenizer(target_dir: Path, draft_dir: Path) -> None:
+    """Copy the target's tokenizer files beside the draft, which shares its tokenizer, so the
+    draft loads like any checkpoint (``load_causal_lm("demo-draft")`` with its tokenizer). Run on
+    every use, since drafts assembled before this have none; each file lands whole (a concurrent
+    reader never sees half of one)."""
+    for name in TOKENIZER_FILES:
+        if (target_dir / name).is_file() and not (draft_dir / name).is_file():
+            write_atomically(draft_dir / name, lambda tmp, source=target_dir / name: shutil.copyfile(source, tmp))
 
 
 def _check_draft_weights(weights: Path) -> None:

@@ -97,3 +97,20 @@ def test_a_file_that_is_not_draft_weights_is_refused_with_what_to_pass(tmp_path)
             with pytest.raises(InvalidRequest, match=message) as err:
                 read(str(path))
             assert err.value.field == "draft"
+
+
+@pytest.mark.slow
+def test_the_demo_draft_loads_with_its_targets_tokenizer_even_from_a_cache_assembled_without_one(demo_target):
+    """README: `load_causal_lm("demo-draft")` gives the draft. Drafts were assembled without
+    tokenizer files, so that call (tokenizer=True, the default) failed; a cached one is mended."""
+    from mirrorspec.models import load_causal_lm
+    from mirrorspec.models.demo_draft import TOKENIZER_FILES, ensure_demo_draft
+
+    assembled = ensure_demo_draft()
+    for name in TOKENIZER_FILES:  # as a cache from before the fix holds it
+        (assembled / name).unlink(missing_ok=True)
+    draft = load_causal_lm("demo-draft")
+    assert draft.tokenizer.get_vocab() == demo_target.tokenizer.get_vocab()
+    chat = [{"role": "user", "content": "Hi"}]
+    assert (draft.tokenizer.apply_chat_template(chat, tokenize=False)
+            == demo_target.tokenizer.apply_chat_template(chat, tokenize=False))
