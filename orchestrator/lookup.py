@@ -40,7 +40,7 @@ class FrontDoorLookup(HybridDrafter):
         self.remote = remote
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, seed: int) -> Proposal:
-        if not self.remote.drafting(k):
+        if not self.remote.drafting(k, context):
             return Proposal.empty()
         return super().propose(context, k, params, seed)
 
@@ -51,7 +51,7 @@ class FrontDoorNgram(NgramDrafter):
     pool session: no failures, no moves, no network time, and windows refused while paused."""
 
     name = "front-door-ngram"
-    failure = None
+    fell_back = False
     moves = 0
 
     def __init__(self, paused: Callable[[], bool] | None = None):

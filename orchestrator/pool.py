@@ -57,6 +57,11 @@ class ReplicaPool:
         self.set_members(addresses)
 
     @property
+    def cooldown_s(self) -> float:
+        """How long a replica reported failed is kept off."""
+        return self._cooldown_s
+
+    @property
     def addresses(self) -> list[str]:
         with self._changed:
             return list(self._members)

@@ -196,24 +196,25 @@ class PooledSession:
         self._stream = None
 
     def move(self, context: Sequence[int]) -> None:
-        self._let_go()
+        self.let_go()
         self.moves += 1
         self.prefill_pending = False  # a reopened session prefills in its open
         self.open(context)
 
-    def _let_go(self) -> None:
+    def let_go(self, wait: bool = True) -> None:
+        """Close the session on its replica (without waiting for the answer, unless ``wait``) and
+        hold none; ``open`` starts another."""
         if self.replica is None:
             return
         self._close_stream()
-        if self.pool.is_member(self.replica):
-            _close_quietly(self.replica.stub, self.session_id)
-        else:  # drained: closing still frees its KV cache so the drain can finish
-            _close_quietly(self.replica.stub, self.session_id, timeout=1)
+        # drained: closing still frees its KV cache so the drain can finish
+        timeout = 5 if self.pool.is_member(self.replica) else 1
+        _close_quietly(self.replica.stub, self.session_id, timeout=timeout, wait=wait)
         self.pool.release(self.replica)
         self.replica = self.session_id = None
 
     def release(self) -> None:
-        self._let_go()
+        self.let_go()
 
 
 class PauseGate:
@@ -241,13 +242,17 @@ def replica_step_cost(info: drafter_pb2.DrafterInfo) -> float:
 
 
 class RemoteDrafter(Drafter):
-    """A drafter session on a DrafterService pool. If no drafter can serve it any more, it turns
-    off for the rest of the request: windows then carry no drafts, i.e. the request goes on
-    target-only, unharmed. While ``paused()`` holds (the targets are saturated) it drafts nothing
-    either, and picks up again when it clears."""
+    """A drafter session on a DrafterService pool. If no drafter can serve it, it turns off for a
+    while: windows then carry no drafts, i.e. the request goes on target-only, unharmed. It then
+    opens a new session from the token log, on whichever replica the pool offers by then (one
+    restarted, or scaled up), after the pool's failure cooldown, doubling while it keeps failing:
+    a long request outlives a drafter's restart, and must not stay target-only for the rest of it.
+    While ``paused()`` holds (the targets are saturated) it drafts nothing either, and picks up
+    again when it clears."""
 
     name = "remote"
     HUNG_AFTER_S = 1.0  # a window is a few tokens of a small model: tens of milliseconds when healthy
+    MAX_RETRY_AFTER_S = 60.0  # the longest it stays off between tries, however often it failed
 
     def __init__(self, pool: ReplicaPool, prompt: Sequence[int], params: SamplingParams, seed: int, vocab_size: int,
                  draft_vocab: int | None = None, timeout_s: float | None = None, step_cost: float = Drafter.step_cost,
@@ -261,7 +266,13 @@ class RemoteDrafter(Drafter):
         # the width of the replicas' dense q rows: a draft table narrower than the target's is widened
         # here (sparse rows hold target ids: a replica's own lookup copies any from the context)
         self.draft_vocab = draft_vocab or vocab_size
-        self.failure: str | None = None
+        self.failure: str | None = None  # why drafting is off, while it is
+        self.fallbacks = 0  # how often it turned off
+        self._failures_in_a_row = 0
+        self._retry_at = 0.0  # monotonic time from which it tries again
+        self._lock = threading.Lock()  # between the request's thread and a reopen in the background
+        self._reopening: threading.Thread | None = None
+        self._ended = False
         self._ranks = True  # the replicas answer RankTokens (mirror guesses for looked-up windows)
         self._forks = True  # the replicas honour DraftBranches' branch_forks
         # drafts are optional: never wait for a drafter to come up, go on target-only instead
@@ -271,11 +282,16 @@ class RemoteDrafter(Drafter):
         self._guard(lambda: self.session.open(prompt))
 
     @property
+    def fell_back(self) -> bool:
+        """Whether any window of the request went without drafts because the drafter failed."""
+        return self.fallbacks > 0
+
+    @property
     def times(self) -> CallTimes:
         return self.session.times
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, seed: int) -> Proposal:
-        if not self.drafting(k):
+        if not self.drafting(k, context):
             return Proposal.empty()
         return self._guard(lambda: self._draft(context, k)[0][0]) or Proposal.empty()
 
@@ -285,7 +301,7 @@ class RemoteDrafter(Drafter):
         whichever point of ``head`` each forks at; on a replica built before fork points, one call
         per fork point."""
         none = [Proposal.empty() for _ in next_tokens]
-        if not self.drafting(k):
+        if not self.drafting(k, head):
             return none
         forks = fork_points_or_end(head, next_tokens, fork_points)
         return self._guard(lambda: self._draft_branches(head, list(next_tokens), forks, k)) or none
@@ -303,11 +319,40 @@ class RemoteDrafter(Drafter):
             by_fork.update(zip(at, drafts))
         return [by_fork[b] for b in range(len(tokens))]
 
-    def drafting(self, k: int) -> bool:
-        """Whether a call for ``k`` drafts gets any: not after a failure, nor while paused. Each
-        refused call while paused is counted: once per window when drafting serially, once per
-        branch group in mirror mode."""
-        return self.failure is None and k > 0 and self.gate.allows()
+    def drafting(self, k: int, context: Sequence[int]) -> bool:
+        """Whether a call for ``k`` drafts after ``context`` gets any: not while off after a
+        failure, nor while paused. Each refused call while paused is counted: once per window
+        when drafting serially, once per branch group in mirror mode."""
+        return k > 0 and self._up(context) and self.gate.allows()
+
+    def _up(self, context: Sequence[int]) -> bool:
+        """Whether drafting is on. Once a failure's retry time has come, a new session is opened
+        on ``context`` in the background, and drafting is on again once it is open: the request
+        goes on target-only meanwhile, however long a replica that hangs takes to refuse."""
+        if self.failure is None:
+            return True
+        with self._lock:
+            if self._reopening is None and not self._ended and time.monotonic() >= self._retry_at:
+                self._reopening = threading.Thread(target=self._reopen, args=(list(context),),
+                                                   name="drafter-reopen", daemon=True)
+                self._reopening.start()
+        return False
+
+    def _reopen(self, context: list[int]) -> None:
+        try:
+            self.session.open(context)
+            why = None
+        except (grpc.RpcError, NoReplicaAvailable, SessionLimitReached) as err:
+            why = _describe(err)
+        with self._lock:
+            self._reopening = None
+            if self._ended:  # the request ended meanwhile: nothing will close it otherwise
+                self.session.let_go(wait=False)
+            elif why is None:
+                log.info("drafter session reopened on %s; drafting again", self.session.replica.address)
+                self.failure = None
+            else:
+                log.info("drafter session could not reopen (%s); next try in %.3g s", why, self._retry_later(why))
 
     @property
     def paused_windows(self) -> int:
@@ -317,7 +362,7 @@ class RemoteDrafter(Drafter):
         """RankTokens on the replica (which commits ``tokens`` there, as a branch head would be).
         A replica that predates RankTokens answers UNIMPLEMENTED, and a model-free one answers
         none: then no more asking for the rest of the request, and the drafter goes on drafting."""
-        if not tokens or self.failure is not None or not self._ranks:
+        if not tokens or not self._ranks or not self._up(context):
             return RankedTokens()
 
         def rank() -> RankedTokens:
@@ -371,19 +416,37 @@ class RemoteDrafter(Drafter):
         response = self.session.call(context, rpc)
         self.times.call_s += time.perf_counter() - started
         self.times.server_s += response.draft_time_s
+        self._failures_in_a_row = 0
         return response
 
     def _guard(self, fn: Callable):
         try:
             return fn()
         except (grpc.RpcError, InvalidRequest, NoReplicaAvailable, SessionLimitReached) as err:
-            detail = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else str(err)
-            self.failure = detail
+            detail = _describe(err)
             timed_out = isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             if timed_out and self.session.replica is not None:
                 self._report_timeout(self.session.replica)
-            log.warning("drafter failed (%s); continuing target-only", detail)
+            retry_after = self._turn_off(detail)
+            log.warning("drafter failed (%s); continuing target-only, drafting again in %.3g s", detail, retry_after)
             return None
+
+    def _turn_off(self, why: str) -> float:
+        """Drafting off until the retry time. The session is let go now, without waiting for a
+        replica that may hang, so its KV cache is freed there: a new one replays the token log.
+        Returns the wait."""
+        self.fallbacks += 1
+        self.session.let_go(wait=False)
+        return self._retry_later(why)
+
+    def _retry_later(self, why: str) -> float:
+        """The wait: the pool's cooldown (after which a replica reported failed is offered again),
+        doubled for each failure in a row."""
+        retry_after = min(self.session.pool.cooldown_s * 2 ** self._failures_in_a_row, self.MAX_RETRY_AFTER_S)
+        self.failure = why
+        self._failures_in_a_row += 1
+        self._retry_at = time.monotonic() + retry_after
+        return retry_after
 
     def _report_timeout(self, replica: Replica) -> None:
         """A drafter that had ``HUNG_AFTER_S`` to draft a window and did not is hung or swamped:
@@ -400,7 +463,10 @@ class RemoteDrafter(Drafter):
         return self.session.moves
 
     def release(self) -> None:
-        self.session.release()
+        with self._lock:
+            self._ended = True
+            if self._reopening is None:  # else the reopen lets its session go when it ends
+                self.session.release()
 
 
 class _DraftSession(PooledSession):
@@ -487,10 +553,23 @@ def _verdict_of(events, on_hint: Callable[[EarlyExitHint], None] | None) -> targ
     return verdict
 
 
-def _close_quietly(stub, session_id: str | None, timeout: float = 5) -> None:
+def _close_quietly(stub, session_id: str | None, timeout: float = 5, wait: bool = True) -> None:
     if session_id is None:
         return
+    request = common_pb2.CloseSessionRequest(session_id=session_id)
+    if not wait:
+        stub.CloseSession.future(request, timeout=timeout).add_done_callback(
+            lambda call: call.code() != grpc.StatusCode.OK and _log_close_failure(session_id, call))
+        return
     try:
-        stub.CloseSession(common_pb2.CloseSessionRequest(session_id=session_id), timeout=timeout)
+        stub.CloseSession(request, timeout=timeout)
     except grpc.RpcError as err:
-        log.info("closing session %s failed: %s", session_id, err.code().name)
+        _log_close_failure(session_id, err)
+
+
+def _describe(err: Exception) -> str:
+    return f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else str(err)
+
+
+def _log_close_failure(session_id: str, err: grpc.RpcError) -> None:
+    log.info("closing session %s failed: %s", session_id, err.code().name)

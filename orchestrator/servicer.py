@@ -3,8 +3,8 @@
 Each request opens a session on a drafter and on a target, then runs the core's
 ``decode_windows`` loop over gRPC in a worker thread (the loop is synchronous and written once),
 streaming every window's tokens back to the event loop. The orchestrator owns the token log, so
-a drafter failure only turns speculation off for that request, and a lost target session is
-reopened from the log. Cancellation and deadlines stop the loop and close both sessions.
+a drafter failure only turns speculation off for that request until a drafter session reopens
+from the log, and a lost target session is reopened from the log. Cancellation and deadlines stop the loop and close both sessions.
 """
 
 from __future__ import annotations
@@ -69,6 +69,9 @@ class OrchestratorConfig:
     # prefills run that long (very long prompts on a slow target).
     window_timeout_s: float = 30.0
     replacement_wait_s: float = 60.0  # how long a request waits for a target replica to (re)appear
+    # how long new sessions keep off a replica found gone or hung; a request whose drafter failed
+    # tries to reopen one after it, then twice as long after each failed try (up to a minute)
+    failure_cooldown_s: float = 5.0
     metrics_port: int | None = None  # Prometheus text endpoint on host:metrics_port
     adaptive: AdaptiveKConfig | None = None  # K per window in [0, requested K]; None = fixed K
     # draft the next window's branches while the target verifies (a request's `mirror` overrides)
@@ -96,7 +99,7 @@ class OrchestratorConfig:
         for field_name in ("target", "drafter"):
             for address in parse_addresses(getattr(self, field_name)):
                 check_address(address, field_name)
-        for field_name in ("backend_timeout_s", "drafter_timeout_s", "window_timeout_s"):
+        for field_name in ("backend_timeout_s", "drafter_timeout_s", "window_timeout_s", "failure_cooldown_s"):
             if not getattr(self, field_name) > 0:  # nan too
                 raise InvalidRequest(f"must be > 0 seconds, got {getattr(self, field_name)}", field=field_name)
 
@@ -146,8 +149,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.metrics = metrics
         self.vocab_size = int(target_info.model.vocab_size)
         self.max_context = int(target_info.model.max_context)
-        self.targets = ReplicaPool("target", parse_addresses(config.target), target_pb2_grpc.TargetServiceStub)
-        self.drafters = ReplicaPool("drafter", parse_addresses(config.drafter), drafter_pb2_grpc.DrafterServiceStub)
+        self.targets = ReplicaPool("target", parse_addresses(config.target), target_pb2_grpc.TargetServiceStub,
+                                   failure_cooldown_s=config.failure_cooldown_s)
+        self.drafters = ReplicaPool("drafter", parse_addresses(config.drafter), drafter_pb2_grpc.DrafterServiceStub,
+                                    failure_cooldown_s=config.failure_cooldown_s)
         self._workers = ThreadPoolExecutor(max_workers=config.max_concurrent_requests,
                                            thread_name_prefix="request")
         # a request's drafter session opens here while its worker opens the target session
@@ -329,7 +334,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     outcome.finish_reason = finish
                     return
         finally:
-            outcome.drafter_fallback = remote is not None and remote.failure is not None
+            outcome.drafter_fallback = remote is not None and remote.fell_back
             outcome.target_moves = verifier.moves
             outcome.drafter_moves = remote.moves if remote is not None else 0
             outcome.paused_windows = remote.paused_windows if remote is not None else 0

@@ -1009,7 +1009,7 @@ def test_a_request_cancelled_while_it_waits_for_a_target_lets_go_of_its_drafter_
         s.stop()
 
 
-@pytest.mark.parametrize("field", ["backend_timeout_s", "drafter_timeout_s", "window_timeout_s"])
+@pytest.mark.parametrize("field", ["backend_timeout_s", "drafter_timeout_s", "window_timeout_s", "failure_cooldown_s"])
 @pytest.mark.parametrize("value", [0.0, float("nan")])
 def test_a_front_door_timeout_must_be_positive(field, value):
     with pytest.raises(InvalidRequest, match="must be > 0 seconds") as err:

@@ -1,0 +1,169 @@
+"""RemoteDrafter after a failure: drafting turns off for a while, then a session reopens from the
+token log, in the background, on whichever replica the pool offers by then."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from drafter_service.servicer import DrafterConfig
+from drafter_service.servicer import serve as serve_drafter
+from mirrorspec.client import Client
+from mirrorspec.config import SamplingParams
+from mirrorspec.serving.server import BackgroundServer, Service, start_grpc_server
+from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from orchestrator.pool import ReplicaPool
+from orchestrator.remote import RemoteDrafter
+from served_stack import start_stack
+from support import load, wait_until
+from test_generation_service import target_only
+from test_pool import targets_held
+
+PARAMS = SamplingParams(temperature=1.0, max_new_tokens=60)  # sampled drafts: the seed must carry over
+
+
+def drafter_server(tiny_dir) -> BackgroundServer:
+    return BackgroundServer(lambda: serve_drafter(DrafterConfig(strategy="draft-model", model=str(tiny_dir["draft16"]),
+                                                                proposal_top_k=4))).start()
+
+
+def address(server: BackgroundServer) -> str:
+    return f"127.0.0.1:{server.port}"
+
+
+def open_sessions(server: BackgroundServer) -> int:
+    return len(server.servicer.sessions)
+
+
+def test_a_request_whose_drafter_died_drafts_again_on_its_replacement_exactly_as_a_fresh_session(tiny_dir):
+    first, replacement = drafter_server(tiny_dir), None
+    pool = ReplicaPool("drafter", [address(first)], drafter_pb2_grpc.DrafterServiceStub, failure_cooldown_s=0.3)
+    prompt = [1, 4, 4]
+    try:
+        remote = RemoteDrafter(pool, prompt, PARAMS, 7, 16, timeout_s=30)
+        assert len(remote.propose(prompt, 3, PARAMS, 7).tokens) == 3
+        first.stop(grace=0)
+        context = [*prompt, 5, 6]
+        assert remote.propose(context, 3, PARAMS, 7).tokens == () and remote.fell_back
+        replacement = drafter_server(tiny_dir)
+        pool.set_members([address(replacement)])
+        assert remote.propose(context, 3, PARAMS, 7).tokens == ()  # off until the cooldown has passed
+        assert open_sessions(replacement) == 0
+        assert wait_until(lambda: remote.propose(context, 3, PARAMS, 7).tokens != (), timeout=10, every=0.05)
+        later = [*context, 2, 9, 11]
+        revived = remote.propose(later, 3, PARAMS, 7)
+        fresh_remote = RemoteDrafter(pool, later, PARAMS, 7, 16, timeout_s=30)
+        fresh = fresh_remote.propose(later, 3, PARAMS, 7)
+        assert revived.tokens == fresh.tokens and len(fresh.tokens) == 3
+        assert revived.q.dense(16).tolist() == fresh.q.dense(16).tolist()
+        assert remote.fallbacks == 1 and remote.failure is None
+        remote.release()
+        fresh_remote.release()
+        assert wait_until(lambda: open_sessions(replacement) == 0)
+    finally:
+        pool.close()
+        first.stop()
+        if replacement is not None:
+            replacement.stop()
+
+
+def test_while_no_drafter_answers_the_tries_to_reopen_back_off(tiny_dir):
+    """A pool with no replica at all: each try fails at once. The waits double from the pool's
+    cooldown (0.1, 0.2, 0.4, 0.8 s), so in 1.2 s there are at most three tries after the first
+    open, not one per window."""
+    pool = ReplicaPool("drafter", [], drafter_pb2_grpc.DrafterServiceStub, failure_cooldown_s=0.1)
+    tries = []
+    acquire = pool.acquire
+    pool.acquire = lambda *args, **kwargs: tries.append(time.monotonic()) or acquire(*args, **kwargs)
+    try:
+        remote = RemoteDrafter(pool, [1, 4, 4], PARAMS, 0, 16, timeout_s=30)
+        started = time.monotonic()
+        while time.monotonic() - started < 1.2:
+            assert remote.propose([1, 4, 4], 3, PARAMS, 0).tokens == ()
+            time.sleep(0.005)
+        assert 2 <= len(tries) <= 4, tries
+        gaps = [b - a for a, b in zip(tries, tries[1:])]
+        assert all(later > earlier for earlier, later in zip(gaps, gaps[1:])), gaps
+        assert remote.fallbacks == 1
+    finally:
+        pool.close()
+
+
+class SlowOpeningDrafter(drafter_pb2_grpc.DrafterServiceServicer):
+    """Its first open fails; the next ones answer once ``opening`` is set."""
+
+    def __init__(self):
+        self.opening = threading.Event()
+        self.opens = 0
+        self.closed: list[str] = []
+
+    async def OpenSession(self, request, context):
+        self.opens += 1
+        if self.opens == 1:
+            raise RuntimeError("the first open fails")
+        while not self.opening.is_set():
+            await asyncio.sleep(0.01)
+        return drafter_pb2.OpenDraftSessionResponse(session_id=f"s{self.opens}")
+
+    async def CloseSession(self, request, context):
+        self.closed.append(request.session_id)
+        return common_pb2.CloseSessionResponse()
+
+
+def test_a_session_reopened_after_the_request_ended_is_closed(tiny_dir):
+    """The request ends while its drafter session reopens in the background: the reopen finishes
+    later, and nothing but the reopen itself is left to close that session."""
+    servicer = SlowOpeningDrafter()
+    server = BackgroundServer(lambda: start_grpc_server([Service(drafter_pb2_grpc.add_DrafterServiceServicer_to_server,
+                                                                 servicer, "mirrorspec.v1.DrafterService")],
+                                                        "127.0.0.1", 0)).start()
+    pool = ReplicaPool("drafter", [address(server)], drafter_pb2_grpc.DrafterServiceStub, failure_cooldown_s=0.05)
+    try:
+        remote = RemoteDrafter(pool, [1, 4, 4], PARAMS, 0, 16, timeout_s=30)
+        assert remote.fell_back
+        time.sleep(0.1)
+        assert remote.propose([1, 4, 4, 2], 3, PARAMS, 0).tokens == ()  # starts the reopen
+        assert wait_until(lambda: servicer.opens == 2)
+        remote.release()
+        assert servicer.closed == [] and pool.load() == {address(server): 1}
+        servicer.opening.set()
+        assert wait_until(lambda: servicer.closed == ["s2"] and pool.load() == {address(server): 0})
+    finally:
+        pool.close()
+        server.stop()
+
+
+@pytest.mark.parametrize("mirror", [False, True], ids=["serial", "mirror"])
+def test_a_drafter_that_fails_a_call_mid_request_drafts_again_and_changes_nothing(tiny_dir, monkeypatch, mirror):
+    """Its second answer fails (INTERNAL): the request goes on target-only, and drafts again once
+    the cooldown has passed; the output is target-only's."""
+    import drafter_service.servicer as drafter_module
+
+    honest, answers, failed = drafter_module._draft_response, [], threading.Event()
+
+    def fails_once(proposal):
+        answers.append(time.monotonic())
+        if len(answers) == 2:
+            failed.set()
+            raise RuntimeError("the drafter's second answer fails")
+        return honest(proposal)
+
+    monkeypatch.setattr(drafter_module, "_draft_response", fails_once)
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, failure_cooldown_s=0.05)
+    try:
+        with Client(s.address) as client:
+            stream = client.stream([0, 7, 3], max_tokens=120, mirror=mirror)
+            first = next(stream)
+            assert failed.wait(10)
+            with targets_held(s):  # the request stays in flight past the cooldown
+                time.sleep(0.2)
+            failed_at = answers[1]
+            rest = list(stream)
+        tokens = list(first.token_ids) + [t for c in rest for t in c.token_ids]
+        assert tokens == target_only(load(tiny_dir["target16"]), [0, 7, 3], 120)
+        stats = rest[-1].stats
+        assert stats.drafter_fallback and any(at > failed_at for at in answers[2:])  # drafted again
+        assert wait_until(lambda: open_sessions(s.drafters[0]) == 0)
+    finally:
+        s.stop()
