@@ -109,7 +109,8 @@ class TargetReplica(_ServerActor):
         spec = self.spec
         config = TargetConfig(model=spec.target, dtype=spec.dtype, device=spec.device, host=self.host, port=0,
                               max_sessions=spec.max_sessions, hint_layer=spec.hint_layer, hint_vocab=spec.hint_vocab,
-                              hint_lens=spec.hint_lens, stall_timeout_s=spec.stall_timeout_s)
+                              hint_lens=spec.hint_lens, stall_timeout_s=spec.stall_timeout_s,
+                              prefill_chunk_tokens=spec.prefill_chunk_tokens)
         if spec.tp == 1:
             self.server = BackgroundServer(lambda: serve(config), "target").start(timeout=600)
         else:

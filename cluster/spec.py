@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from mirrorspec.config import (
     DEFAULT_DRAFT_QUANTIZE,
+    DEFAULT_PREFILL_CHUNK,
     DEFAULT_PROPOSAL_TOP_K,
     AdaptiveKConfig,
     InvalidRequest,
@@ -13,6 +14,7 @@ from mirrorspec.config import (
     check_draft_confidence,
     check_prompt_lookup,
     check_quantization,
+    check_prefill_chunk,
     check_stall_timeout,
 )
 
@@ -60,6 +62,7 @@ class StackSpec:
     name: str = "mirrorspec"  # the controller actor is "<name>-controller"
     drain_timeout_s: float = 60.0
     stall_timeout_s: float = 180.0  # a replica whose compute lane is on one job this long is replaced (ReplicaConfig)
+    prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK  # targets prefill long prompts this many tokens per lane job
 
     def __post_init__(self) -> None:
         for pool, count in (("drafters", self.drafters), ("targets", self.targets)):
@@ -78,6 +81,7 @@ class StackSpec:
         if self.threads < 1:
             raise InvalidRequest(f"threads must be >= 1, got {self.threads}", field="threads")
         check_stall_timeout(self.stall_timeout_s)
+        check_prefill_chunk(self.prefill_chunk_tokens)
 
     @property
     def controller_name(self) -> str:

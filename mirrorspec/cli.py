@@ -23,6 +23,7 @@ from mirrorspec.config import (
     DEFAULT_K,
     DEFAULT_K_CONFIDENT,
     DEFAULT_PROMPT_LOOKUP,
+    DEFAULT_PREFILL_CHUNK,
     DEFAULT_PROPOSAL_TOP_K,
     DTYPE_HELP,
     HINT_LENSES,
@@ -30,11 +31,13 @@ from mirrorspec.config import (
     DEFAULT_DRAFT_QUANTIZE,
     QUANTIZATIONS,
     InvalidRequest,
+    PREFILL_CHUNK_HELP,
     MirrorConfig,
     SamplingParams,
     SpeculationConfig,
     check_max_sessions,
     check_seed,
+    check_prefill_chunk,
     check_stall_timeout,
     default_k,
     field_named,
@@ -115,6 +118,7 @@ FLAG_FOR_FIELD = {
     "wait": "--wait",
     "max_sessions": "--max-sessions",
     "stall_timeout_s": "--stall-timeout",
+    "prefill_chunk_tokens": "--prefill-chunk",
     "seed": "--seed",
     "port": "--port",
     "metrics_port": "--metrics-port",
@@ -227,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--stall-timeout", type=float, default=180.0, dest="stall_timeout_s", metavar="SECONDS",
                      help="seconds a replica's compute lane may spend on one job (a forward, a collective) before "
                           "its health check answers NOT_SERVING and Ray replaces it (default 180)")
+    srv.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, dest="prefill_chunk_tokens",
+                     metavar="TOKENS", help=PREFILL_CHUNK_HELP)
     srv.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     srv.add_argument("--threads", type=int, default=None,
                      help="torch threads per replica (default: 1 on Ray, all cores in-process)")
@@ -554,6 +560,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     check_max_sessions(args.max_sessions)
     check_stall_timeout(args.stall_timeout_s)
+    check_prefill_chunk(args.prefill_chunk_tokens)
     for field in ("port", "metrics_port"):  # the front door listens here, on a local Ray as on a cluster's head
         check_port_free(args.host, getattr(args, field), field)
     draft = resolve_draft(args.draft, args.target)
@@ -623,7 +630,8 @@ def _stack_spec(args: argparse.Namespace, target_gpus: float):
                      proposal_top_k=args.proposal_top_k, prompt_lookup=args.prompt_lookup,
                      draft_confidence=args.draft_confidence, draft_quantize=args.draft_quantize,
                      max_sessions=args.max_sessions, host=args.host, port=args.port, name=args.name,
-                     metrics_port=args.metrics_port, stall_timeout_s=args.stall_timeout_s)
+                     metrics_port=args.metrics_port, stall_timeout_s=args.stall_timeout_s,
+                     prefill_chunk_tokens=args.prefill_chunk_tokens)
 
 
 def _hint_lens(target, hint_layer: int | None):
@@ -751,7 +759,8 @@ def _serve_in_process(args: argparse.Namespace) -> int:
         stack = start_local_stack(TargetConfig(model=target.source, max_sessions=args.max_sessions,
                                                hint_layer=args.hint_layer,
                                                hint_vocab=args.hint_vocab, hint_lens=args.hint_lens,
-                                               stall_timeout_s=args.stall_timeout_s),
+                                               stall_timeout_s=args.stall_timeout_s,
+                                               prefill_chunk_tokens=args.prefill_chunk_tokens),
                                   drafter,
                                   target_model=target, host=args.host, port=args.port, num_speculative_tokens=args.k,
                                   metrics_port=args.metrics_port,

@@ -64,9 +64,9 @@ class OrchestratorConfig:
     # a second on a replica that works, queued behind its other sessions' windows included. A
     # replica that answers none within it is taken for hung: reported failed, and the session
     # replays on another one. Opens, and windows that carry a prefill (a deferred one included),
-    # keep the request's deadline. A window queued behind another session's prefill longer than
-    # this is taken for hung too (its session replays, the request goes on): raise it where
-    # prefills run that long (very long prompts on a slow target).
+    # keep the request's deadline. A window queued behind another session's prefill waits for one
+    # chunk of it (TargetConfig.prefill_chunk_tokens); a chunk longer than this (a very slow
+    # target) would have it taken for hung: its session replays, the request goes on.
     window_timeout_s: float = 30.0
     replacement_wait_s: float = 60.0  # how long a request waits for a target replica to (re)appear
     # how long new sessions keep off a replica found gone or hung; a request whose drafter failed

@@ -10,7 +10,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
 
-from mirrorspec.config import HINT_LENSES, InvalidRequest, OutOfRange, ReplicaConfig
+from mirrorspec.config import (
+    DEFAULT_PREFILL_CHUNK,
+    HINT_LENSES,
+    InvalidRequest,
+    OutOfRange,
+    ReplicaConfig,
+    check_prefill_chunk,
+)
 from mirrorspec.drafting import Proposal
 from mirrorspec.drafting.draft_model import hint_vocabulary
 from mirrorspec.engine import TargetVerifier, validate_prompt
@@ -45,9 +52,13 @@ class TargetConfig(ReplicaConfig):
     # "tuned": read hints through a tuned lens fitted to this target (once, cached; see
     # mirrorspec.models.lens); "logit": the final norm and head on the layer as it is
     hint_lens: str = "tuned"
+    # a prompt longer than this is prefilled this many tokens per compute-lane job, so the other
+    # sessions' windows run between its chunks (vLLM's chunked prefill)
+    prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_prefill_chunk(self.prefill_chunk_tokens)
         if self.hint_lens not in HINT_LENSES:
             raise InvalidRequest(f"hint_lens must be one of {', '.join(HINT_LENSES)}, got {self.hint_lens!r}",
                                  field="hint_lens")
@@ -58,6 +69,7 @@ class TargetSession:
     sequence: SequenceState
     verifier: TargetVerifier
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    prefill_deferred: bool = False  # opened without its prefill: the first window brings it
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -94,16 +106,29 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         session = TargetSession(SequenceState(prompt, params, int(request.seed)),
                                 TargetVerifier(self.new_session(), self.probe, runner_up=True))
         session_id = self.sessions.open(session)
-        if request.defer_prefill:  # the first Verify scores the prompt with its window, in one pass
+        if request.defer_prefill:  # the first Verify scores the prompt (its last chunk) with its window, in one pass
+            session.prefill_deferred = True
             return target_pb2.OpenTargetSessionResponse(session_id=session_id)
         started = time.perf_counter()
         try:
-            await self.lane.run(session.verifier.session.logits_for, prompt, 1)  # prefill
+            await self._prefill_all_but_the_last_chunk(session, prompt)
+            await self.lane.run(session.verifier.session.logits_for, prompt, 1)  # the last chunk
         except BaseException:
             self.sessions.close(session_id)
             raise
         return target_pb2.OpenTargetSessionResponse(session_id=session_id,
                                                     prefill_time_s=time.perf_counter() - started)
+
+    async def _prefill_all_but_the_last_chunk(self, session: TargetSession, context: list[int]) -> None:
+        """Feed a fresh session's cache ``context`` up to its last chunk, one compute-lane job per
+        chunk: the lane is first come first served, so another session's window waits for one
+        chunk of a long prompt, not for all of it (which on CPU, 8k tokens of the demo target,
+        took longer than a window's deadline, and its session was taken for hung). The caller's
+        own pass scores the last 1 to ``prefill_chunk_tokens`` tokens. The cache holds the same
+        keys and values as after one pass: the chunks only split the work."""
+        step = self.config.prefill_chunk_tokens
+        for end in range(step, len(context), step):
+            await self.lane.run(session.verifier.session.logits_for, context[:end], 1)
 
     async def Verify(self, request, context):
         async with self._window(request) as (session, seq, proposal):
@@ -150,6 +175,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 raise OutOfRange(f"the window would pass the context window of {self.loaded.max_context}",
                                  field="draft_tokens")
             seq.commit(commit, int(request.context_length))
+            if session.prefill_deferred:
+                await self._prefill_all_but_the_last_chunk(session, seq.context)
+                session.prefill_deferred = False
             yield session, seq, proposal
 
     async def CloseSession(self, request, context):

@@ -49,6 +49,8 @@ from support import save_tiny_llama
     (["serve", "--num-cpus", "0"], "--num-cpus"),  # silently "this machine's" before
     (["serve", "--stall-timeout", "0"], "--stall-timeout"),
     (["serve", "--in-process", "--stall-timeout", "nan"], "--stall-timeout"),
+    (["serve", "--prefill-chunk", "0"], "--prefill-chunk"),
+    (["serve", "--in-process", "--prefill-chunk", "-8"], "--prefill-chunk"),
     # a local Ray too small for the replicas waited out --start-timeout (600 s), then blamed it
     (["serve", "--num-cpus", "1", "--replica-cpus", "1"], "--num-cpus"),
     (["serve", "--replica-cpus", "0.00001"], "--replica-cpus"),  # a Ray ValueError traceback before

@@ -41,3 +41,22 @@ def test_a_follower_whose_loop_failed_fails_its_ping_with_the_reason(tiny_dir, m
         follower.follow("tcp://127.0.0.1:1")
     with pytest.raises(RuntimeError, match="rank 1's follower loop failed: RuntimeError: connection reset by peer"):
         follower.ping()
+
+
+def test_a_target_replica_prefills_in_the_chunks_its_spec_asks_for(tiny_dir):
+    from cluster.replicas import TargetReplica
+
+    replica = TargetReplica(spec(tiny_dir, prefill_chunk_tokens=7))
+    replica.start()
+    try:
+        assert replica.server.servicer.config.prefill_chunk_tokens == 7
+    finally:
+        replica.stop()
+
+
+def test_a_spec_refuses_a_prefill_chunk_below_one_token(tiny_dir):
+    from mirrorspec.config import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="prefill_chunk_tokens must be a whole number") as err:
+        spec(tiny_dir, prefill_chunk_tokens=0)
+    assert err.value.field == "prefill_chunk_tokens"
