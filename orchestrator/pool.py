@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mirrorspec.serving.errors import NoReplicaAvailable
 from mirrorspec.serving.server import CHANNEL_OPTIONS
@@ -30,6 +31,16 @@ class Replica:
     stub: object
     sessions: int = 0  # sessions this orchestrator holds on it
     retired: bool = False  # left the pool; its channel closes once its last session has moved
+
+    def answers_serving(self, timeout_s: float) -> bool:
+        """Whether its server answers the health check SERVING within ``timeout_s``. A stopped
+        process answers nothing, and a wedged compute lane NOT_SERVING; a busy one answers at
+        once, since the check runs on its event loop, not its lane."""
+        try:
+            reply = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def parse_addresses(spec: str | Iterable[str] | None) -> list[str]:

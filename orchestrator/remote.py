@@ -64,6 +64,11 @@ class PooledSession:
     """One request's session on some replica of a pool, replayed elsewhere when it has to move."""
 
     max_moves_per_call = 4
+    # an open still running after this long has its replica's health asked, and again as often:
+    # an open prefills, which takes as long as the prompt is, so its deadline cannot tell a long
+    # prompt from a replica that stopped (a frozen process held a replayed session its whole budget)
+    probe_open_after_s = 5.0
+    probe_timeout_s = 5.0
     # a window call committing more tokens than this carries a prefill (a deferred one, or a long
     # stretch of the log): it may take as long as an open, and keeps the request's deadline
     prefill_free_tokens = 64
@@ -115,7 +120,13 @@ class PooledSession:
                         f"({', '.join(sorted(full))}); retry later or scale the {self.pool.name} pool up") from None
                 raise
             try:
-                response = replica.stub.OpenSession(self.open_request(context, params), timeout=self.timeout_s)
+                response = self._open_on(replica, self.open_request(context, params))
+            except _Unresponsive:
+                log.warning("%s replica %s stopped answering during an open; opening elsewhere", self.pool.name,
+                            replica.address)
+                self.pool.release(replica)
+                self.pool.report_failure(replica)  # kept off for the cooldown: another first, or this one later
+                continue
             except grpc.RpcError as err:
                 self.pool.release(replica)
                 if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # hung, or busy: others first for a while
@@ -132,6 +143,19 @@ class PooledSession:
                 continue
             self.replica, self.session_id, self.held = replica, response.session_id, list(context)
             return
+
+    def _open_on(self, replica: Replica, request):
+        """``OpenSession`` on ``replica``, for up to the request's deadline while the replica
+        answers its health check SERVING (asked each ``probe_open_after_s`` the open runs);
+        ``_Unresponsive`` once it does not."""
+        call = replica.stub.OpenSession.future(request, timeout=self.timeout_s)
+        while True:
+            try:
+                return call.result(timeout=self.probe_open_after_s)
+            except grpc.FutureTimeoutError:
+                if not replica.answers_serving(self.probe_timeout_s):
+                    call.cancel()
+                    raise _Unresponsive(replica.address) from None
 
     def call(self, context: Sequence[int], rpc: Callable[[Replica, str, int, list[int]], object]):
         """``rpc(replica, session_id, keep, commit_tokens)``: the session keeps its first ``keep``
@@ -565,6 +589,10 @@ def _close_quietly(stub, session_id: str | None, timeout: float = 5, wait: bool 
         stub.CloseSession(request, timeout=timeout)
     except grpc.RpcError as err:
         _log_close_failure(session_id, err)
+
+
+class _Unresponsive(Exception):
+    """A replica's open ran past ``probe_open_after_s`` and its health check went unanswered."""
 
 
 def _describe(err: Exception) -> str:

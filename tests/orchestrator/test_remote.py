@@ -1,5 +1,6 @@
-"""RemoteDrafter after a failure: drafting turns off for a while, then a session reopens from the
-token log, in the background, on whichever replica the pool offers by then."""
+"""Pooled sessions when replicas fail: a RemoteDrafter turns drafting off for a while, then
+reopens a session from the token log, in the background, on whichever replica the pool offers
+by then; an open on a replica that stopped answering goes elsewhere."""
 
 import asyncio
 import threading
@@ -14,7 +15,9 @@ from mirrorspec.config import SamplingParams
 from mirrorspec.serving.server import BackgroundServer, Service, start_grpc_server
 from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from orchestrator.pool import ReplicaPool
-from orchestrator.remote import RemoteDrafter
+from mirrorspec.drafting import Proposal
+from mirrorspec.v1 import target_pb2_grpc
+from orchestrator.remote import PooledSession, RemoteDrafter, RemoteVerifier
 from served_stack import start_stack
 from support import load, wait_until
 from test_generation_service import target_only
@@ -167,3 +170,68 @@ def test_a_drafter_that_fails_a_call_mid_request_drafts_again_and_changes_nothin
         assert wait_until(lambda: open_sessions(s.drafters[0]) == 0)
     finally:
         s.stop()
+
+
+@pytest.fixture()
+def frozen_target(tiny_dir):
+    """A target server process, stopped (SIGSTOP) once it listens: it accepts connections (the
+    kernel does) and answers nothing, as a frozen or swapped-out process does."""
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    from benchmarks.data_plane import _listening_port
+
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen([sys.executable, "-m", "target_service", "--model", str(tiny_dir["target16"]),
+                             "--threads", "1"], stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        address = f"127.0.0.1:{_listening_port(proc, log)}"
+        proc.send_signal(signal.SIGSTOP)
+        yield address
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+        log.close()
+
+
+@pytest.fixture()
+def quick_probes(monkeypatch):
+    monkeypatch.setattr(PooledSession, "probe_open_after_s", 0.3)
+    monkeypatch.setattr(PooledSession, "probe_timeout_s", 0.5)
+
+
+def test_an_open_on_a_frozen_replica_goes_elsewhere_before_its_deadline(stack, frozen_target, tiny_dir,
+                                                                        quick_probes):
+    """A replayed session's open hung on a frozen target for the request's whole budget (120 s),
+    and the request failed with DEADLINE_EXCEEDED while another target served."""
+    healthy = stack.front.servicer.targets.addresses[0]
+    prompt, params = [1, 4, 4], SamplingParams(max_new_tokens=20)
+    with ReplicaPool("target", [frozen_target, healthy], target_pb2_grpc.TargetServiceStub) as pool:
+        started = time.monotonic()
+        verifier = RemoteVerifier(pool, prompt, params, 0, 16, timeout_s=20)
+        assert verifier.replica.address == healthy and time.monotonic() - started < 10
+        assert verifier.verify(prompt, Proposal.empty(), params, 0).next_token == target_only(
+            load(tiny_dir["target16"]), prompt, 1)[0]
+        assert pool.acquire().address == healthy  # the frozen one is kept off for the cooldown
+        verifier.release()
+
+
+def test_an_open_on_a_busy_replica_waits_for_it(stack, tiny_dir, quick_probes):
+    """A long prefill (here: a lane held for 2 s) is not a frozen replica: its health check
+    answers, so the open waits, and nothing is reported."""
+    address = stack.front.servicer.targets.addresses[0]
+    prompt, params = [1, 4, 4], SamplingParams(max_new_tokens=20)
+    with ReplicaPool("target", [address], target_pb2_grpc.TargetServiceStub, failure_cooldown_s=60) as pool:
+        with targets_held(stack):
+            opening = threading.Thread(target=lambda: opened.append(RemoteVerifier(pool, prompt, params, 0, 16,
+                                                                                 timeout_s=20)))
+            opened: list = []
+            opening.start()
+            time.sleep(2.0)
+        opening.join(20)
+        assert opened and opened[0].replica.address == address and opened[0].moves == 0
+        assert pool.acquire().address == address  # not kept off
+        opened[0].release()
