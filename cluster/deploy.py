@@ -81,6 +81,13 @@ def find_controller(name: str = "mirrorspec"):
                              f"with `mirrorspec serve`", field="name") from None
 
 
+def drain_front_door(name: str, grace_s: float) -> None:
+    """Deployment ``name``'s front door refuses new requests and lets those in flight finish, for up
+    to ``grace_s``; ``teardown`` then stops the rest."""
+    front = ray.get_actor(f"{name}-front-door", namespace=CONTROLLER_NAMESPACE)
+    ray.get(front.drain.remote(grace_s), timeout=grace_s + 30)
+
+
 def teardown(controller) -> None:
     try:
         ray.get(controller.shutdown.remote(), timeout=60)

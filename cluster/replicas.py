@@ -208,6 +208,11 @@ class FrontDoor:
                 servicer.drafters.set_members(members["drafter"])
                 self._version = version
 
+    def drain(self, grace_s: float) -> None:
+        """Stop serving: new requests are refused, those in flight get ``grace_s`` to finish."""
+        if self.server is not None:
+            self.server.stop(grace=grace_s)
+
     def address(self) -> str:
         return f"{self.host}:{self.server.port}"
 

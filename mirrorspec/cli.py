@@ -13,7 +13,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -113,6 +113,7 @@ FLAG_FOR_FIELD = {
     "drafter_gpus": "--drafter-gpus",
     "target_gpus": "--target-gpus",
     "start_timeout": "--start-timeout",
+    "shutdown_grace": "--shutdown-grace",
     "timeout": "--timeout",
     "num_cpus": "--num-cpus",
     "wait": "--wait",
@@ -233,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "its health check answers NOT_SERVING and Ray replaces it (default 180)")
     srv.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, dest="prefill_chunk_tokens",
                      metavar="TOKENS", help=PREFILL_CHUNK_HELP)
+    srv.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
+                     help="on Ctrl-C or SIGTERM, the front door refuses new requests and gives those in flight this "
+                          "long to finish before the replicas stop (default 30; a second signal stops at once)")
     srv.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     srv.add_argument("--threads", type=int, default=None,
                      help="torch threads per replica (default: 1 on Ray, all cores in-process)")
@@ -561,6 +565,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_max_sessions(args.max_sessions)
     check_stall_timeout(args.stall_timeout_s)
     check_prefill_chunk(args.prefill_chunk_tokens)
+    check_finite_amount(args.shutdown_grace, "shutdown_grace")
     for field in ("port", "metrics_port"):  # the front door listens here, on a local Ray as on a cluster's head
         check_port_free(args.host, getattr(args, field), field)
     draft = resolve_draft(args.draft, args.target)
@@ -589,7 +594,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         check_local_ray_fits(args, spec)
     import ray
 
-    from cluster.deploy import connect, deploy, teardown
+    from cluster.deploy import connect, deploy, drain_front_door, teardown
     from cluster.local_ray import announced_local_ray
 
     with interrupted_by_termination():  # a stop while replicas start tears the deployment down
@@ -608,6 +613,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.address is None:  # status and scale find this Ray by the deployment's name
             announced.enter_context(announced_local_ray(spec.name, ray.get_runtime_context().gcs_address))
         _wait_for_stop()
+        _finish_in_flight(lambda: drain_front_door(spec.name, args.shutdown_grace), args.shutdown_grace)
     teardown(controller)
     return 0
 
@@ -737,6 +743,21 @@ def _wait_for_stop() -> None:
         pass
 
 
+def _finish_in_flight(drain: Callable[[], None], grace_s: float) -> None:
+    """After the first stop signal, ``drain``: the front door refuses new requests and lets those in
+    flight finish, for up to ``grace_s``, before the replicas stop (they used to be cut off at once,
+    UNAVAILABLE mid-stream). A second signal ends the wait."""
+    if grace_s <= 0:
+        return
+    print(f"mirrorspec: stopping: no new requests; those in flight have up to {grace_s:g} s to finish "
+          "(Ctrl-C again stops at once)", flush=True)
+    try:
+        with interrupted_by_termination():
+            drain()
+    except KeyboardInterrupt:
+        print("mirrorspec: stopping at once", flush=True)
+
+
 def _serve_in_process(args: argparse.Namespace) -> int:
     """Three servers in this process: target, drafter, and the front door."""
     import torch
@@ -771,6 +792,7 @@ def _serve_in_process(args: argparse.Namespace) -> int:
     print(f"mirrorspec: serving on {args.host}:{stack.front.port} (in-process; target {args.target} on {where}, "
           f"draft {args.draft}, K={args.k}{' mirror' if args.mirror else ''}); Ctrl-C stops", flush=True)
     _wait_for_stop()
+    _finish_in_flight(lambda: stack.front.stop(grace=args.shutdown_grace), args.shutdown_grace)
     stack.stop()
     return 0
 

@@ -23,7 +23,12 @@ parser.add_argument("--no-front-door-lookup", action="store_true",
 parser.add_argument("--runner-up", action="store_true",
                     help="windows also offer the targets the draft's runner-up for their first draft")
 parser.add_argument("--metrics-port", type=int, default=None)
+parser.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
+                    help="on SIGTERM or Ctrl-C, refuse new requests and give those in flight this long to finish "
+                         "(default 30; a second signal stops at once)")
 args = parser.parse_args()
+if not 0 <= args.shutdown_grace < float("inf"):
+    parser.error(f"argument --shutdown-grace: must be a finite number of seconds >= 0, got {args.shutdown_grace}")
 try:
     config = OrchestratorConfig(target=args.target, drafter=args.drafter, host=args.host, port=args.port,
                                 num_speculative_tokens=args.k, metrics_port=args.metrics_port,
@@ -33,4 +38,4 @@ try:
                                 front_door_lookup=not args.no_front_door_lookup, runner_up=args.runner_up)
 except InvalidRequest as err:
     refuse_setting(parser, err, {"num_speculative_tokens": "--k"})
-run_until_terminated(lambda: serve(config), "orchestrator", parser)
+run_until_terminated(lambda: serve(config), "orchestrator", parser, grace_s=args.shutdown_grace)

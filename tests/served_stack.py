@@ -1,5 +1,8 @@
 """A real served stack on loopback (target, drafter and orchestrator gRPC servers) for tests."""
 
+import threading
+from contextlib import contextmanager
+
 from drafter_service.servicer import DrafterConfig
 from mirrorspec.cli import LocalStack, start_local_stack
 from mirrorspec.config import DEFAULT_DRAFT_QUANTIZE
@@ -17,3 +20,16 @@ def start_stack(target_dir, draft_dir=None, strategy="draft-model", proposal_top
     target = TargetConfig(model=str(target_dir), max_sessions=target_max_sessions, hint_layer=hint_layer,
                           hint_vocab=hint_vocab)
     return start_local_stack(target, drafter, port=0, num_speculative_tokens=k, **replicas)
+
+
+@contextmanager
+def targets_held(stack: LocalStack):
+    """Every target replica's compute lane waits until the block exits: a request in flight stays
+    in flight (its next Verify queues), however fast the tiny models decode."""
+    release = threading.Event()
+    for server in stack.targets:
+        server.servicer.lane._pool.submit(release.wait, 60)
+    try:
+        yield
+    finally:
+        release.set()

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import grpc
 import pytest
 
 from mirrorspec.cli import main
@@ -50,6 +51,8 @@ from support import save_tiny_llama
     (["serve", "--stall-timeout", "0"], "--stall-timeout"),
     (["serve", "--in-process", "--stall-timeout", "nan"], "--stall-timeout"),
     (["serve", "--prefill-chunk", "0"], "--prefill-chunk"),
+    (["serve", "--shutdown-grace", "-1"], "--shutdown-grace"),
+    (["serve", "--in-process", "--shutdown-grace", "nan"], "--shutdown-grace"),
     (["serve", "--in-process", "--prefill-chunk", "-8"], "--prefill-chunk"),
     # a local Ray too small for the replicas waited out --start-timeout (600 s), then blamed it
     (["serve", "--num-cpus", "1", "--replica-cpus", "1"], "--num-cpus"),
@@ -258,6 +261,8 @@ def start_serving(*flags: str) -> tuple[subprocess.Popen, str]:
 def test_serve_on_local_ray_then_generate_scale_and_status():
     """The embedded default: `mirrorspec serve` starts a local Ray with one drafter and one target
     actor on the demo models; `generate`, `scale` and `status` are separate processes."""
+    import signal
+
     server, line = start_serving("--port", "50593", "--replica-cpus", "0.5", "--hint-layer", "24")
     try:
         assert "(Ray; deployment 'mirrorspec'" in line
@@ -282,6 +287,9 @@ def test_serve_on_local_ray_then_generate_scale_and_status():
         again = json.loads(run_cli("generate", prompt, "--server", "127.0.0.1:50593", "--max-tokens", "24",
                                    "--json", "--mirror").stdout)  # mirror, steered by the target's hints
         assert again["token_ids"] == local["token_ids"] and again["stats"]["mirror_windows"] > 0
+        tokens, last, refused, out = stop_while_streaming(server, "127.0.0.1:50593", signal.SIGTERM, max_tokens=64)
+        assert last.finish_reason in ("length", "stop") and (last.finish_reason == "stop" or tokens == 64)
+        assert refused == grpc.StatusCode.UNAVAILABLE  # the front door drains, then the deployment goes
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -308,6 +316,40 @@ def test_a_seeded_sample_is_the_same_from_generate_local_as_from_serve():
     assert "target demo-target on cpu in float32" in line  # the banner says what --device/--dtype auto chose
     assert served["token_ids"] == local["token_ids"] and served["stats"]["drafted"] > 0
     assert dense["token_ids"] != local["token_ids"]  # another q draws other (equally exact) tokens
+
+
+def stop_while_streaming(server: subprocess.Popen, address: str, sig, max_tokens: int = 200):
+    """Signal ``server`` once a stream through it has its first tokens: (the whole stream's token
+    count, its last message, what a request sent after the signal met, the server's output after)."""
+    from mirrorspec.client import Client
+
+    with Client(address) as client:
+        stream = client.stream("Write a long story about a lighthouse keeper.", max_tokens=max_tokens)
+        first = next(stream)
+        server.send_signal(sig)
+        time.sleep(1.0)
+        with pytest.raises(grpc.RpcError) as refused:
+            client.generate("hi", max_tokens=2)
+        rest = list(stream)
+    out, _ = server.communicate(timeout=120)
+    return len(first.token_ids) + sum(len(c.token_ids) for c in rest), rest[-1], refused.value.code(), out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_stopped_server_finishes_the_requests_in_flight_and_refuses_new_ones(sig):
+    """They were cut off at once, UNAVAILABLE mid-stream (review 2)."""
+    import signal
+
+    server, _ = start_serving("--in-process", "--port", "50595", "--threads", "1")
+    try:
+        tokens, last, refused, out = stop_while_streaming(server, "127.0.0.1:50595", getattr(signal, sig))
+    finally:
+        server.kill()
+        server.wait()
+    assert last.finish_reason in ("length", "stop") and (last.finish_reason == "stop" or tokens == 200)
+    assert refused == grpc.StatusCode.UNAVAILABLE
+    assert "those in flight have up to 30 s to finish" in out and server.returncode == 0
 
 
 @pytest.mark.slow

@@ -197,6 +197,27 @@ class ComputeLane:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def stop_gracefully_on_signals(running: RunningServer, grace_s: float, banner: str) -> list[asyncio.Task]:
+    """On this loop: the first SIGTERM or SIGINT stops ``running`` with ``grace_s`` for the calls in
+    flight, a second one at once. Returns where the stop's task will be."""
+    import signal
+
+    loop = asyncio.get_running_loop()
+    stopping: list[asyncio.Task] = []
+
+    def on_signal() -> None:
+        if not stopping:
+            log.warning("%s stopping: new calls are refused, those in flight have %g s to finish", banner, grace_s)
+            stopping.append(loop.create_task(running.stop(grace_s)))
+        else:
+            log.warning("%s stopping at once", banner)
+            loop.create_task(running.server.stop(None))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    return stopping
+
+
 class BackgroundServer:
     """Runs an async server factory on its own event loop in a daemon thread."""
 
@@ -245,15 +266,20 @@ class BackgroundServer:
 
 
 def run_until_terminated(factory: Callable[[], Awaitable[RunningServer]], banner: str,
-                         parser: argparse.ArgumentParser) -> None:
+                         parser: argparse.ArgumentParser, grace_s: float = 5.0) -> None:
     """For ``python -m <service>``: start, print where it listens (for launchers to parse), serve.
     A setting refused while starting (a model that does not load, a port in use) is named by its
-    flag (``refuse_setting``)."""
+    flag (``refuse_setting``). SIGTERM or Ctrl-C stops it gracefully: new calls are refused and
+    those in flight get ``grace_s`` to finish (a service manager's stop used to kill them); a
+    second signal stops it at once."""
 
     async def main() -> None:
         running = await factory()
         print(f"{banner} listening on port {running.port}", flush=True)
+        stopping = stop_gracefully_on_signals(running, grace_s, banner)
         await running.server.wait_for_termination()
+        for stop in stopping:  # it closes the servicers once the server has stopped
+            await stop
 
     try:
         asyncio.run(main())

@@ -16,7 +16,7 @@ from mirrorspec.serving.convert import proposal_from_proto
 from mirrorspec.client import AsyncClient, Client
 from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
 from orchestrator.servicer import OrchestratorConfig, _backend_info
-from served_stack import start_stack
+from served_stack import start_stack, targets_held
 from support import MemoSession, chi_square_pvalue, exact_joint, load, record_rpc, wait_until
 
 
@@ -1168,3 +1168,35 @@ def test_a_hung_drafter_among_two_is_left_by_the_requests_after_the_first(tiny_d
     finally:
         released.set()
         s.stop()
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_front_door_process_stopped_mid_request_finishes_it_and_refuses_new_ones(stack, tiny_dir, sig):
+    """`python -m orchestrator` under a service manager: SIGTERM killed it, and its streams with it."""
+    import signal
+    import subprocess
+    import sys
+
+    targets, drafters = (getattr(stack.front.servicer, pool).addresses[0] for pool in ("targets", "drafters"))
+    front = subprocess.Popen([sys.executable, "-m", "orchestrator", "--target", targets, "--drafter", drafters,
+                              "--port", "0", "--shutdown-grace", "20"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        port = int(front.stdout.readline().rsplit(" ", 1)[1])
+        with Client(f"127.0.0.1:{port}") as client:
+            with targets_held(stack):
+                stream = client.stream([0, 7, 3], max_tokens=60)
+                assert wait_until(lambda: len(stack.target.servicer.sessions) == 1)  # in flight, its prefill held
+                front.send_signal(getattr(signal, sig))
+                time.sleep(1.0)
+                with pytest.raises(grpc.RpcError) as refused:
+                    client.generate([1, 2], max_tokens=2)
+            chunks = list(stream)
+        _, err = front.communicate(timeout=60)
+    finally:
+        front.kill()
+        front.wait()
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert [t for c in chunks for t in c.token_ids] == target_only(load(tiny_dir["target16"]), [0, 7, 3], 60)
+    assert chunks[-1].finish_reason == "length" and front.returncode == 0
+    assert "orchestrator stopping: new calls are refused, those in flight have 20 s to finish" in err

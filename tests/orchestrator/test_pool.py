@@ -16,7 +16,7 @@ from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, target_pb2,
 from mirrorspec.serving.errors import NoReplicaAvailable
 from orchestrator.pool import ReplicaPool, parse_addresses
 from orchestrator.remote import RemoteDrafter, RemoteVerifier
-from served_stack import start_stack
+from served_stack import start_stack, targets_held
 from support import load
 from test_generation_service import target_only
 
@@ -175,19 +175,6 @@ def test_draining_a_target_replica_moves_its_session_and_frees_the_replica(poole
     assert tokens == target_only(load(tiny_dir["target16"]), [2, 2, 5], 50)
     assert last.stats.target_moves == 1
     assert len(drain.server.servicer.sessions) == 0  # closed on the way out, not left to the TTL
-
-
-@contextmanager
-def targets_held(stack):
-    """Every target replica's compute lane waits until the block exits: a request in flight stays
-    in flight (its next Verify queues), however fast the tiny models decode."""
-    release = threading.Event()
-    for server in stack.targets:
-        server.servicer.lane._pool.submit(release.wait, 60)
-    try:
-        yield
-    finally:
-        release.set()
 
 
 def test_killing_a_drafter_replica_moves_drafting_to_another_one(pooled, tiny_dir):

@@ -18,10 +18,9 @@ from orchestrator.pool import ReplicaPool
 from mirrorspec.drafting import Proposal
 from mirrorspec.v1 import target_pb2_grpc
 from orchestrator.remote import PooledSession, RemoteDrafter, RemoteVerifier
-from served_stack import start_stack
+from served_stack import start_stack, targets_held
 from support import load, wait_until
 from test_generation_service import target_only
-from test_pool import targets_held
 
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=60)  # sampled drafts: the seed must carry over
 
