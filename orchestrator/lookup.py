@@ -30,8 +30,9 @@ from orchestrator.remote import CallTimes, PauseGate, RemoteDrafter
 
 
 class FrontDoorLookup(HybridDrafter):
-    """Lookup here, the replica's draft model behind it; it drafts nothing, looked up or not,
-    where the remote drafter would not (after a drafter failure, or while speculation is paused)."""
+    """Lookup here, the replica's draft model behind it. While speculation is paused it drafts
+    nothing; while the drafter is off after a failure, lookup goes on alone (it needs no drafter,
+    and a looked-up token is as exact as any)."""
 
     name = "front-door-lookup"
 
@@ -40,7 +41,7 @@ class FrontDoorLookup(HybridDrafter):
         self.remote = remote
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, seed: int) -> Proposal:
-        if not self.remote.drafting(k, context):
+        if k <= 0 or not self.remote.gate.allows():
             return Proposal.empty()
         return super().propose(context, k, params, seed)
 

@@ -234,3 +234,22 @@ def test_an_open_on_a_busy_replica_waits_for_it(stack, tiny_dir, quick_probes):
         assert opened and opened[0].replica.address == address and opened[0].moves == 0
         assert pool.acquire().address == address  # not kept off
         opened[0].release()
+
+
+def test_while_the_drafter_is_off_the_front_doors_lookup_goes_on_alone(tiny_dir, monkeypatch):
+    """Every drafter answer fails, so drafting is off for the request (a minute's cooldown); the
+    front door's prompt lookup needs no drafter, and its windows are as exact as any."""
+    import drafter_service.servicer as drafter_module
+
+    def fails(proposal):
+        raise RuntimeError("this drafter fails every answer")
+
+    monkeypatch.setattr(drafter_module, "_draft_response", fails)
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, prompt_lookup=2, failure_cooldown_s=60)
+    try:
+        with Client(s.address) as client:
+            served = client.generate([2, 9, 4], max_tokens=100)  # nothing to look up at first: the drafter is asked
+        assert list(served.token_ids) == target_only(load(tiny_dir["target16"]), [2, 9, 4], 100)
+        assert served.stats.drafter_fallback and served.stats.drafted > 0 and served.stats.accepted > 0
+    finally:
+        s.stop()
