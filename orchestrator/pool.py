@@ -24,7 +24,7 @@ from orchestrator.window_stream import Watchdog
 __all__ = ["NoReplicaAvailable", "Replica", "ReplicaPool", "parse_addresses"]
 
 
-@dataclass
+@dataclass(eq=False)  # one per member: compared and hashed by identity
 class Replica:
     address: str
     channel: grpc.Channel
@@ -64,6 +64,7 @@ class ReplicaPool:
         self._members: dict[str, Replica] = {}
         self._failed_at: dict[str, float] = {}  # gone or hung: kept off for the cooldown
         self._slow_at: dict[str, float] = {}  # a call ran out of time there: others first for the cooldown
+        self._retiring: set[Replica] = set()  # left the pool with sessions on it: its channel still open
         self.watchdog = Watchdog(f"{name}-deadlines")  # per-window deadlines of its sessions' streams
         self.set_members(addresses)
 
@@ -142,13 +143,15 @@ class ReplicaPool:
             replica.sessions = max(replica.sessions - 1, 0)
             if replica.retired and replica.sessions == 0:
                 replica.channel.close()
+                self._retiring.discard(replica)
 
-    @staticmethod
-    def _retire(replica: Replica) -> None:
+    def _retire(self, replica: Replica) -> None:
         """In-flight calls and the closing of moved sessions still need the channel."""
         replica.retired = True
         if replica.sessions == 0:
             replica.channel.close()
+        else:
+            self._retiring.add(replica)
 
     def report_failure(self, replica: Replica) -> None:
         """Keep new sessions off this replica for a cooldown; the controller replaces dead ones."""
@@ -168,7 +171,14 @@ class ReplicaPool:
             return {a: r.sessions for a, r in self._members.items()}
 
     def close(self) -> None:
+        """Every channel closes now, sessions or not: the calls still in flight on them are
+        cancelled, so the threads making them unwind (a stopped front door waited on them, for as
+        long as a slow backend took, before its process could exit)."""
         self.set_members([])
+        with self._changed:
+            for replica in self._retiring:
+                replica.channel.close()
+            self._retiring.clear()
         self.watchdog.stop()
 
     def __enter__(self) -> ReplicaPool:

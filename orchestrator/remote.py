@@ -366,7 +366,7 @@ class RemoteDrafter(Drafter):
         try:
             self.session.open(context)
             why = None
-        except (grpc.RpcError, NoReplicaAvailable, SessionLimitReached) as err:
+        except Exception as err:  # noqa: BLE001 - whatever it was, the request goes on and tries again later
             why = _describe(err)
         with self._lock:
             self._reopening = None

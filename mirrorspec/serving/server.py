@@ -198,8 +198,8 @@ class ComputeLane:
 
 
 def stop_gracefully_on_signals(running: RunningServer, grace_s: float, banner: str) -> list[asyncio.Task]:
-    """On this loop: the first SIGTERM or SIGINT stops ``running`` with ``grace_s`` for the calls in
-    flight, a second one at once. Returns where the stop's task will be."""
+    """On this loop: the first SIGTERM, SIGINT or SIGHUP stops ``running`` with ``grace_s`` for the
+    calls in flight, a second one at once. Returns where the stop's task will be."""
     import signal
 
     loop = asyncio.get_running_loop()
@@ -213,7 +213,7 @@ def stop_gracefully_on_signals(running: RunningServer, grace_s: float, banner: s
             log.warning("%s stopping at once", banner)
             loop.create_task(running.server.stop(None))
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, on_signal)
     return stopping
 
@@ -269,7 +269,7 @@ def run_until_terminated(factory: Callable[[], Awaitable[RunningServer]], banner
                          parser: argparse.ArgumentParser, grace_s: float = 5.0) -> None:
     """For ``python -m <service>``: start, print where it listens (for launchers to parse), serve.
     A setting refused while starting (a model that does not load, a port in use) is named by its
-    flag (``refuse_setting``). SIGTERM or Ctrl-C stops it gracefully: new calls are refused and
+    flag (``refuse_setting``). SIGTERM, SIGHUP or Ctrl-C stops it gracefully: new calls are refused and
     those in flight get ``grace_s`` to finish (a service manager's stop used to kill them); a
     second signal stops it at once."""
 

@@ -1170,19 +1170,48 @@ def test_a_hung_drafter_among_two_is_left_by_the_requests_after_the_first(tiny_d
         s.stop()
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
-def test_a_front_door_process_stopped_mid_request_finishes_it_and_refuses_new_ones(stack, tiny_dir, sig):
-    """`python -m orchestrator` under a service manager: SIGTERM killed it, and its streams with it."""
-    import signal
+def start_front_door_process(stack, *flags: str):
+    """`python -m orchestrator` over ``stack``'s target and drafter: (process, its port)."""
     import subprocess
     import sys
 
     targets, drafters = (getattr(stack.front.servicer, pool).addresses[0] for pool in ("targets", "drafters"))
     front = subprocess.Popen([sys.executable, "-m", "orchestrator", "--target", targets, "--drafter", drafters,
-                              "--port", "0", "--shutdown-grace", "20"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
+                              "--port", "0", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return front, int(front.stdout.readline().rsplit(" ", 1)[1])
+
+
+def test_a_front_door_process_exits_once_its_grace_has_passed_though_a_backend_call_still_blocks(stack):
+    """The gRPC server stopped after the grace, but the process lived on until the request's
+    blocked backend call returned (a slow or hung target: as long as its timeouts), and a service
+    manager would kill it (review 3)."""
+    import signal
+
+    release = threading.Event()
+    stack.target.servicer.lane._pool.submit(release.wait, 120)
+    front, port = start_front_door_process(stack, "--shutdown-grace", "1")
     try:
-        port = int(front.stdout.readline().rsplit(" ", 1)[1])
+        with Client(f"127.0.0.1:{port}") as client:
+            stream = client.stream([0, 7, 3], max_tokens=60)
+            assert wait_until(lambda: len(stack.target.servicer.sessions) == 1)  # in flight, its prefill held
+            front.send_signal(signal.SIGTERM)
+            with pytest.raises(grpc.RpcError):
+                list(stream)
+        front.communicate(timeout=30)  # while the target still holds the call
+        assert front.returncode == 0 and not release.is_set()
+    finally:
+        release.set()
+        front.kill()
+        front.wait()
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "SIGHUP"])
+def test_a_front_door_process_stopped_mid_request_finishes_it_and_refuses_new_ones(stack, tiny_dir, sig):
+    """`python -m orchestrator` under a service manager: SIGTERM killed it, and its streams with it."""
+    import signal
+
+    front, port = start_front_door_process(stack, "--shutdown-grace", "20")
+    try:
         with Client(f"127.0.0.1:{port}") as client:
             with targets_held(stack):
                 stream = client.stream([0, 7, 3], max_tokens=60)

@@ -253,3 +253,24 @@ def test_while_the_drafter_is_off_the_front_doors_lookup_goes_on_alone(tiny_dir,
         assert served.stats.drafter_fallback and served.stats.drafted > 0 and served.stats.accepted > 0
     finally:
         s.stop()
+
+
+def test_a_reopen_that_fails_unexpectedly_is_tried_again_later(tiny_dir):
+    """Any error in the background reopen, not only a gRPC one: it left the reopen marked running
+    for good, and the request target-only (review 3)."""
+    server = drafter_server(tiny_dir)
+    pool = ReplicaPool("drafter", [address(server)], drafter_pb2_grpc.DrafterServiceStub, failure_cooldown_s=0.05)
+    prompt = [1, 4, 4]
+    try:
+        remote = RemoteDrafter(pool, prompt, PARAMS, 7, 16, timeout_s=30)
+        remote._turn_off("planted")
+        opens = []
+        honest = remote.session.open
+        remote.session.open = lambda context: opens.append(context) or (
+            honest(context) if len(opens) > 1 else (_ for _ in ()).throw(ValueError("not a gRPC error")))
+        assert wait_until(lambda: remote.propose(prompt, 3, PARAMS, 7).tokens != (), timeout=10, every=0.02)
+        assert len(opens) == 2 and remote.fallbacks == 1
+        remote.release()
+    finally:
+        pool.close()
+        server.stop()
