@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, dest="prefill_chunk_tokens",
                      metavar="TOKENS", help=PREFILL_CHUNK_HELP)
     srv.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
-                     help="on Ctrl-C or SIGTERM, the front door refuses new requests and gives those in flight this "
+                     help="on Ctrl-C, SIGTERM or SIGHUP, the front door refuses new requests and gives those in flight this "
                           "long to finish before the replicas stop (default 30; a second signal stops at once)")
     srv.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     srv.add_argument("--threads", type=int, default=None,

@@ -24,7 +24,7 @@ parser.add_argument("--runner-up", action="store_true",
                     help="windows also offer the targets the draft's runner-up for their first draft")
 parser.add_argument("--metrics-port", type=int, default=None)
 parser.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
-                    help="on SIGTERM or Ctrl-C, refuse new requests and give those in flight this long to finish "
+                    help="on SIGTERM, SIGHUP or Ctrl-C, refuse new requests and give those in flight this long to finish "
                          "(default 30; a second signal stops at once)")
 args = parser.parse_args()
 if not 0 <= args.shutdown_grace < float("inf"):
