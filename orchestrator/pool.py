@@ -132,6 +132,12 @@ class ReplicaPool:
 
         return min(healthy, key=preference, default=None)
 
+    def unusable(self) -> str | None:
+        """Why no new session could go to this pool now (no member, or every one failed of late),
+        or None where one could."""
+        with self._changed:
+            return self._why_none(set()) if self._least_loaded(set()) is None else None
+
     def _why_none(self, avoid: set[str]) -> str:
         if not self._members:
             return f"no {self.name} replica is registered; scale the {self.name} pool up (mirrorspec scale {self.name} 1)"

@@ -164,6 +164,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.eos_ids = tuple(sorted(t for t in eos if t < self.vocab_size))
         self.in_flight = 0  # requests running now (read by workers, changed on the event loop)
 
+    def unready(self) -> str | None:
+        """Why this front door cannot serve a request now, if it cannot (its health check then
+        answers NOT_SERVING): no target replica it could open a session on."""
+        return self.targets.unusable()
+
     def close(self) -> None:
         """After the server stopped (its RPCs cancelled): the request threads, the channels to the
         backends with their deadline watchdogs, and the metrics endpoint."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import socket
 import threading
 import time
@@ -93,7 +94,8 @@ def port_refused(host: str, port: int, why: str, field: str = "port") -> Invalid
 async def start_grpc_server(services: list[Service], host: str, port: int,
                             stall_timeout_s: float | None = None) -> RunningServer:
     """``stall_timeout_s``: the health check answers NOT_SERVING while a servicer's compute lane
-    has been on one job that long (``watch_lanes``)."""
+    has been on one job that long, or while a servicer's ``unready()`` says why it cannot serve
+    (``watch_health``)."""
     server = grpc.aio.server(interceptors=[ExceptionToStatusInterceptor()], options=SERVER_OPTIONS)
     for service in services:
         service.add_to_server(service.servicer, server)
@@ -111,9 +113,13 @@ async def start_grpc_server(services: list[Service], host: str, port: int,
     await server.start()
     await _set_health(health_servicer, names, serving=True)
     lanes = [lane for s in services if isinstance(lane := getattr(s.servicer, "lane", None), ComputeLane)]
+    if stall_timeout_s is None:
+        lanes = []
+    readiness = [unready for s in services if (unready := getattr(s.servicer, "unready", None)) is not None]
     watch = None
-    if stall_timeout_s is not None and lanes:
-        watch = asyncio.get_running_loop().create_task(watch_lanes(health_servicer, names, lanes, stall_timeout_s))
+    if lanes or readiness:
+        watch = asyncio.get_running_loop().create_task(
+            watch_health(health_servicer, names, lanes, stall_timeout_s or math.inf, readiness))
     return RunningServer(server, bound, [s.servicer for s in services], watch)
 
 
@@ -123,24 +129,30 @@ async def _set_health(health_servicer, names: list[str], serving: bool) -> None:
         await health_servicer.set(name, status)
 
 
-async def watch_lanes(health_servicer, names: list[str], lanes: list[ComputeLane], stall_timeout_s: float) -> None:
-    """A wedged compute lane (a hung GPU kernel, a collective whose peer is stopped) leaves the event
-    loop free, so the server answered its health check SERVING and its supervisor kept it for good,
-    while every request routed to it waited out its window timeout. A lane on one job longer than
-    ``stall_timeout_s`` now makes the check answer NOT_SERVING, as vLLM's engine iteration timeout
-    does, and SERVING again once the job ends."""
-    serving = True
+async def watch_health(health_servicer, names: list[str], lanes: list[ComputeLane], stall_timeout_s: float,
+                       readiness: list[Callable[[], str | None]]) -> None:
+    """The health check answers NOT_SERVING while the server cannot serve, and SERVING again once it
+    can; checked every second.
+
+    A wedged compute lane (a hung GPU kernel, a collective whose peer is stopped) leaves the event
+    loop free, so the server answered SERVING and its supervisor kept it for good, while every
+    request routed to it waited out its window timeout. A lane on one job longer than
+    ``stall_timeout_s`` now counts as down, as vLLM's engine iteration timeout does. So does a
+    servicer whose ``unready()`` names a reason (a front door with no target it can use), so that
+    a load balancer sends requests elsewhere rather than into a wait."""
+    down: str | None = None
     while True:
         await asyncio.sleep(min(stall_timeout_s / 4, 1.0))
-        stalled = max(lane.busy_for() for lane in lanes)
-        if (stalled <= stall_timeout_s) != serving:
-            serving = not serving
-            if serving:
-                log.warning("compute lane free again; the health check answers SERVING")
+        stalled = max((lane.busy_for() for lane in lanes), default=0.0)
+        why = (f"compute lane on one job for {stalled:.0f} s (stall_timeout_s {stall_timeout_s:.0f} s)"
+               if stalled > stall_timeout_s else next((r for check in readiness if (r := check())), None))
+        if (why is None) != (down is None):
+            if why is None:
+                log.warning("%s no longer holds; the health check answers SERVING", down)
             else:
-                log.error("compute lane on one job for %.0f s (stall_timeout_s %.0f s); the health check answers "
-                          "NOT_SERVING", stalled, stall_timeout_s)
-            await _set_health(health_servicer, names, serving)
+                log.error("%s; the health check answers NOT_SERVING", why)
+            await _set_health(health_servicer, names, serving=why is None)
+        down = why
 
 
 def check_health(address: str, timeout_s: float = 5.0) -> None:

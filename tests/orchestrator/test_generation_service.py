@@ -721,6 +721,31 @@ def test_health_and_reflection_on_every_server(stack):
         assert service in {s.name for s in reply.list_services_response.service}
 
 
+def test_a_front_door_with_no_target_it_can_use_answers_its_health_check_not_serving(tiny_dir):
+    """It answered SERVING while every target was failed or frozen, and a request sent there waited
+    for one (review 2). A load balancer now sends requests elsewhere until a target is back."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], failure_cooldown_s=3.0)
+    check = health_pb2_grpc.HealthStub(grpc.insecure_channel(s.address)).Check
+    status = lambda: check(health_pb2.HealthCheckRequest(), timeout=5).status  # noqa: E731
+    try:
+        pool, (address,) = s.front.servicer.targets, s.front.servicer.targets.addresses
+        replica = pool.acquire()
+        pool.release(replica)
+        pool.report_failure(replica)  # as a session does when its target stops answering
+        assert wait_until(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=5)
+        assert wait_until(lambda: status() == health_pb2.HealthCheckResponse.SERVING, timeout=10)  # cooled down
+        pool.set_members([])
+        assert wait_until(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=5)
+        pool.set_members([address])
+        assert wait_until(lambda: status() == health_pb2.HealthCheckResponse.SERVING, timeout=5)
+        with Client(s.address) as client:
+            assert len(client.generate([0, 7, 3], max_tokens=4).token_ids) == 4
+    finally:
+        s.stop()
+
+
 def test_metrics_count_drafts_like_vllm(stack):
     with Client(stack.address) as client:
         client.generate([0, 5], max_tokens=10, k=3)
