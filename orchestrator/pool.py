@@ -65,6 +65,7 @@ class ReplicaPool:
         self._failed_at: dict[str, float] = {}  # gone or hung: kept off for the cooldown
         self._slow_at: dict[str, float] = {}  # a call ran out of time there: others first for the cooldown
         self._retiring: set[Replica] = set()  # left the pool with sessions on it: its channel still open
+        self.closed = False  # its channels closed under the calls in flight (the front door stopped)
         self.watchdog = Watchdog(f"{name}-deadlines")  # per-window deadlines of its sessions' streams
         self.set_members(addresses)
 
@@ -180,6 +181,7 @@ class ReplicaPool:
         """Every channel closes now, sessions or not: the calls still in flight on them are
         cancelled, so the threads making them unwind (a stopped front door waited on them, for as
         long as a slow backend took, before its process could exit)."""
+        self.closed = True
         self.set_members([])
         with self._changed:
             for replica in self._retiring:

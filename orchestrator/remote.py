@@ -175,6 +175,8 @@ class PooledSession:
                 result = rpc(self.replica, self.session_id, keep, commit)
                 self.prefill_pending = False
             except grpc.RpcError as err:
+                if self.pool.closed:  # the front door stopped, cancelling its calls: no replica failed
+                    raise
                 if err.code() in _REPLICA_GONE or self._hung(err):
                     log.warning("%s replica %s is %s; replaying the session elsewhere", self.pool.name,
                                 self.replica.address, "unreachable" if err.code() in _REPLICA_GONE else "hung")
