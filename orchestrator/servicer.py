@@ -163,11 +163,26 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         eos = {*target_info.model.stop_token_ids, *_eos_ids(tokenizer)}
         self.eos_ids = tuple(sorted(t for t in eos if t < self.vocab_size))
         self.in_flight = 0  # requests running now (read by workers, changed on the event loop)
+        self.draining = False  # stopping: new requests are refused, those in flight finish
 
     def unready(self) -> str | None:
         """Why this front door cannot serve a request now, if it cannot (its health check then
-        answers NOT_SERVING): no target replica it could open a session on."""
-        return self.targets.unusable()
+        answers NOT_SERVING): it is stopping, or has no target replica it could open a session on."""
+        return "this front door is stopping" if self.draining else self.targets.unusable()
+
+    def start_draining(self) -> None:
+        """Refuse new requests, with a status that says why, while those in flight finish
+        (``RunningServer.stop``): the port stays open meanwhile, where a plain graceful stop
+        closes it and a client sees only "connection refused"."""
+        self.draining = True
+
+    def busy(self) -> bool:
+        return self.in_flight > 0
+
+    def _refuse_while_draining(self) -> None:
+        if self.draining:
+            raise NoReplicaAvailable("this front door is stopping (its requests in flight are finishing); send the "
+                                     "request to another front door, or retry once it is back")
 
     def close(self) -> None:
         """After the server stopped (its RPCs cancelled): the request threads, the channels to the
@@ -180,6 +195,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     # ---- RPCs -------------------------------------------------------------------------------
     async def Generate(self, request, context):
+        self._refuse_while_draining()
         prepared = self.prepare(request)
         outcome = RequestOutcome()
         async for _ in self._run(prepared, outcome, context):
@@ -190,6 +206,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             prompt_tokens=len(prepared.prompt))
 
     async def GenerateStream(self, request, context):
+        self._refuse_while_draining()
         prepared = self.prepare(request)
         outcome = RequestOutcome()
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None

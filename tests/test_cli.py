@@ -289,7 +289,8 @@ def test_serve_on_local_ray_then_generate_scale_and_status():
         assert again["token_ids"] == local["token_ids"] and again["stats"]["mirror_windows"] > 0
         tokens, last, refused, out = stop_while_streaming(server, "127.0.0.1:50593", signal.SIGTERM, max_tokens=64)
         assert last.finish_reason in ("length", "stop") and (last.finish_reason == "stop" or tokens == 64)
-        assert refused == grpc.StatusCode.UNAVAILABLE  # the front door drains, then the deployment goes
+        assert refused.code() == grpc.StatusCode.UNAVAILABLE  # the front door drains, then the deployment goes
+        assert "this front door is stopping" in refused.details()
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -332,7 +333,7 @@ def stop_while_streaming(server: subprocess.Popen, address: str, sig, max_tokens
             client.generate("hi", max_tokens=2)
         rest = list(stream)
     out, _ = server.communicate(timeout=120)
-    return len(first.token_ids) + sum(len(c.token_ids) for c in rest), rest[-1], refused.value.code(), out
+    return len(first.token_ids) + sum(len(c.token_ids) for c in rest), rest[-1], refused.value, out
 
 
 @pytest.mark.slow
@@ -348,7 +349,7 @@ def test_a_stopped_server_finishes_the_requests_in_flight_and_refuses_new_ones(s
         server.kill()
         server.wait()
     assert last.finish_reason in ("length", "stop") and (last.finish_reason == "stop" or tokens == 200)
-    assert refused == grpc.StatusCode.UNAVAILABLE
+    assert refused.code() == grpc.StatusCode.UNAVAILABLE and "this front door is stopping" in refused.details()
     assert "those in flight have up to 30 s to finish" in out and server.returncode == 0
 
 

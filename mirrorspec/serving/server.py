@@ -41,13 +41,35 @@ class RunningServer:
     port: int
     servicers: list[object]
     watch: asyncio.Task | None = None  # keeps the health status in step with the compute lanes
+    health: object | None = None  # its health servicer
+    names: tuple[str, ...] = ()  # the services it serves
+
+    async def _drain(self, grace: float | None) -> float | None:
+        """The grace left for gRPC's own stop: none once the draining servicers are idle."""
+        draining = [s for s in self.servicers if hasattr(s, "start_draining")]
+        if not draining or not grace:
+            return grace
+        if self.health is not None:
+            await _set_health(self.health, list(self.names), serving=False)
+        for servicer in draining:
+            servicer.start_draining()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while any(s.busy() for s in draining) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return None
 
     async def stop(self, grace: float | None = None) -> None:
         """Stops the server, then lets each servicer that has a ``close`` free what it holds (compute
         lanes, channels to other servers, watchdog threads): an embedding process that starts and
-        stops servers must not be left with their threads running into interpreter shutdown."""
+        stops servers must not be left with their threads running into interpreter shutdown.
+
+        Servicers that can drain (``start_draining``, ``busy``: the front door) refuse new calls
+        themselves while the port stays open, and the server stops once they are idle or ``grace``
+        has passed; others get gRPC's own graceful stop, which closes the port at once."""
         if self.watch is not None:
             self.watch.cancel()
+        grace = await self._drain(grace)
         await self.server.stop(grace)
         for servicer in self.servicers:
             close = getattr(servicer, "close", None)
@@ -120,7 +142,7 @@ async def start_grpc_server(services: list[Service], host: str, port: int,
     if lanes or readiness:
         watch = asyncio.get_running_loop().create_task(
             watch_health(health_servicer, names, lanes, stall_timeout_s or math.inf, readiness))
-    return RunningServer(server, bound, [s.servicer for s in services], watch)
+    return RunningServer(server, bound, [s.servicer for s in services], watch, health_servicer, tuple(names))
 
 
 async def _set_health(health_servicer, names: list[str], serving: bool) -> None:
