@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mirrorspec.serving.errors import NoReplicaAvailable
 from mirrorspec.serving.server import CHANNEL_OPTIONS
+from mirrorspec.v1 import common_pb2
 from orchestrator.window_stream import Watchdog
 
 __all__ = ["NoReplicaAvailable", "Replica", "ReplicaPool", "parse_addresses"]
@@ -66,6 +67,7 @@ class ReplicaPool:
         self._slow_at: dict[str, float] = {}  # a call ran out of time there: others first for the cooldown
         self._retiring: set[Replica] = set()  # left the pool with sessions on it: its channel still open
         self.closed = False  # its channels closed under the calls in flight (the front door stopped)
+        self._held: set[tuple[Replica, str]] = set()  # the sessions open on its replicas now
         self.watchdog = Watchdog(f"{name}-deadlines")  # per-window deadlines of its sessions' streams
         self.set_members(addresses)
 
@@ -173,6 +175,15 @@ class ReplicaPool:
         with self._changed:
             self._slow_at[replica.address] = time.monotonic()
 
+    def holds(self, replica: Replica, session_id: str) -> None:
+        """A session opened on ``replica``: ``close`` closes it there if its caller has not."""
+        with self._changed:
+            self._held.add((replica, session_id))
+
+    def let_go(self, replica: Replica, session_id: str) -> None:
+        with self._changed:
+            self._held.discard((replica, session_id))
+
     def load(self) -> dict[str, int]:
         with self._changed:
             return {a: r.sessions for a, r in self._members.items()}
@@ -182,12 +193,27 @@ class ReplicaPool:
         cancelled, so the threads making them unwind (a stopped front door waited on them, for as
         long as a slow backend took, before its process could exit)."""
         self.closed = True
+        self._close_held_sessions()
         self.set_members([])
         with self._changed:
             for replica in self._retiring:
                 replica.channel.close()
             self._retiring.clear()
         self.watchdog.stop()
+
+    def _close_held_sessions(self, timeout_s: float = 2.0) -> None:
+        """Closes, on their replicas, the sessions still open (requests cut off as the front door
+        stops), waiting up to ``timeout_s`` in all: they held their KV caches and session slots
+        there until the replicas' TTL, ten minutes, and a restarted front door found them full."""
+        with self._changed:
+            held, self._held = list(self._held), set()
+        closing = [replica.stub.CloseSession.future(common_pb2.CloseSessionRequest(session_id=session_id),
+                                                    timeout=timeout_s) for replica, session_id in held]
+        for call in closing:
+            try:
+                call.result()
+            except (grpc.RpcError, grpc.FutureCancelledError):  # down or hung: its TTL frees it
+                pass
 
     def __enter__(self) -> ReplicaPool:
         return self

@@ -142,6 +142,7 @@ class PooledSession:
                 tried.add(replica.address)
                 continue
             self.replica, self.session_id, self.held = replica, response.session_id, list(context)
+            self.pool.holds(replica, response.session_id)
             return
 
     def _open_on(self, replica: Replica, request):
@@ -233,6 +234,7 @@ class PooledSession:
         if self.replica is None:
             return
         self._close_stream()
+        self.pool.let_go(self.replica, self.session_id)
         # drained: closing still frees its KV cache so the drain can finish
         timeout = 5 if self.pool.is_member(self.replica) else 1
         _close_quietly(self.replica.stub, self.session_id, timeout=timeout, wait=wait)

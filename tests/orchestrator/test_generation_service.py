@@ -1228,6 +1228,8 @@ def test_a_front_door_process_exits_once_its_grace_has_passed_though_a_backend_c
         _, err = front.communicate(timeout=30)  # while the target still holds the call
         assert front.returncode == 0 and not release.is_set()
         assert "unreachable" not in err  # the calls the stop cancelled are not blamed on the target
+        # and the request's session on the target is closed: it held a session slot for ten minutes
+        assert len(stack.target.servicer.sessions) == opened
     finally:
         release.set()
         front.kill()
