@@ -2,6 +2,7 @@
 
 import argparse
 
+from mirrorspec.cli import check_finite_amount
 from mirrorspec.config import AdaptiveKConfig, InvalidRequest, MirrorConfig, refuse_setting
 from mirrorspec.serving.server import run_until_terminated
 from orchestrator.servicer import OrchestratorConfig, serve
@@ -27,9 +28,8 @@ parser.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECON
                     help="on SIGTERM, SIGHUP or Ctrl-C, refuse new requests and give those in flight this long to finish "
                          "(default 30; a second signal stops at once)")
 args = parser.parse_args()
-if not 0 <= args.shutdown_grace < float("inf"):
-    parser.error(f"argument --shutdown-grace: must be a finite number of seconds >= 0, got {args.shutdown_grace}")
 try:
+    check_finite_amount(args.shutdown_grace, "shutdown_grace")
     config = OrchestratorConfig(target=args.target, drafter=args.drafter, host=args.host, port=args.port,
                                 num_speculative_tokens=args.k, metrics_port=args.metrics_port,
                                 adaptive=AdaptiveKConfig() if args.adaptive else None,

@@ -15,10 +15,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from mirrorspec.serving.errors import NoReplicaAvailable
-from mirrorspec.serving.server import CHANNEL_OPTIONS
+from mirrorspec.serving.server import CHANNEL_OPTIONS, health_status
 from mirrorspec.v1 import common_pb2
 from orchestrator.window_stream import Watchdog
 
@@ -38,10 +38,9 @@ class Replica:
         process answers nothing, and a wedged compute lane NOT_SERVING; a busy one answers at
         once, since the check runs on its event loop, not its lane."""
         try:
-            reply = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            return health_status(self.channel, timeout_s) == health_pb2.HealthCheckResponse.SERVING
         except grpc.RpcError:
             return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def parse_addresses(spec: str | Iterable[str] | None) -> list[str]:

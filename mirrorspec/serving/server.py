@@ -177,15 +177,21 @@ async def watch_health(health_servicer, names: list[str], lanes: list[ComputeLan
         down = why
 
 
+def health_status(channel: grpc.Channel, timeout_s: float) -> int:
+    """What the server behind ``channel`` answers gRPC's own health check within ``timeout_s``
+    (``HealthCheckResponse.SERVING``, ...); raises ``grpc.RpcError`` where it answers nothing."""
+    return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s).status
+
+
 def check_health(address: str, timeout_s: float = 5.0) -> None:
     """Raises unless the server at ``address`` answers gRPC's own health check with SERVING in
     ``timeout_s``. A supervisor asks this, not the process hosting the server: a process can answer
     while its server has stopped or its event loop is wedged, and clients see only the server."""
     with grpc.insecure_channel(address) as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
-    if reply.status != health_pb2.HealthCheckResponse.SERVING:
-        status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-        raise RuntimeError(f"the server at {address} answers its health check with {status}")
+        status = health_status(channel, timeout_s)
+    if status != health_pb2.HealthCheckResponse.SERVING:
+        name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+        raise RuntimeError(f"the server at {address} answers its health check with {name}")
 
 
 class ComputeLane:
