@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -24,6 +25,7 @@ from tqdm import tqdm
 from mirrorspec import GenerationStats, SamplingParams, generate
 from mirrorspec.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_PROMPT_LOOKUP, DEFAULT_PROPOSAL_TOP_K
 from mirrorspec.drafting import NgramDrafter
+from mirrorspec.models.attention import IMPLEMENTATION as ATTENTION
 from mirrorspec.models.loading import LoadedModel, encode_prompt
 
 from benchmarks.prompts import Prompt
@@ -79,7 +81,9 @@ class Mode:
     description: str = ""
     in_process: bool = True  # False: the draft runs in a server process, loaded there
     needs_equal_vocab: bool = False  # the draft's vocabulary table must be as wide as the target's
-    twin: str | None = None  # a served mode: the in-process mode whose tokens it must reproduce, seed for seed
+    # a mode whose sampled tokens must equal another's, seed for seed: a served mode's in-process
+    # twin, or the same mode on another attention implementation
+    twin: str | None = None
 
     def with_draft_quantized(self, quantize: str) -> Mode:
         """This mode on the draft loaded as ``quantize``, named ``MODE@quantize``: side-by-side
@@ -183,6 +187,39 @@ def mirrorspec_hybrid_confident_runner_up(target: LoadedModel, drafts: Drafts, i
     first draft, in the same target pass (``generate(runner_up=True)``)."""
     return _mirrorspec(target, drafts.model, ids, params, k, seed, prompt_lookup=DEFAULT_PROMPT_LOOKUP,
                        draft_confidence=DEFAULT_DRAFT_CONFIDENCE, runner_up=True)
+
+
+@contextmanager
+def transformers_sdpa(*models: torch.nn.Module | None) -> Iterator[None]:
+    """The models on transformers' own ``sdpa`` attention for a while, where they run
+    ``mirrorspec_sdpa`` (``mirrorspec.models.attention``: bit-identical logits, cheaper verify
+    passes on CPU): what a mode cost before it, measured side by side with what it costs now."""
+    switched = [m for m in models if m is not None and m.config._attn_implementation == ATTENTION]
+    for model in switched:
+        model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        for model in switched:
+            model.set_attn_implementation(ATTENTION)
+
+
+@register_mode("mirrorspec-ngram-on-sdpa", uses_k=True, twin="mirrorspec-ngram")
+def mirrorspec_ngram_on_sdpa(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
+                             k: int, seed: int) -> RunOutput:
+    """mirrorspec-ngram with the target on transformers' own sdpa attention."""
+    with transformers_sdpa(target.model):
+        return mirrorspec_ngram(target, drafts, ids, params, k, seed)
+
+
+@register_mode("mirrorspec-hybrid-confident-runner-up-on-sdpa", uses_k=True, needs_draft_model=True,
+               twin="mirrorspec-hybrid-confident-runner-up")
+def mirrorspec_hybrid_confident_runner_up_on_sdpa(target: LoadedModel, drafts: Drafts, ids: list[int],
+                                                  params: SamplingParams, k: int, seed: int) -> RunOutput:
+    """mirrorspec-hybrid-confident-runner-up with the target and the draft on transformers' own
+    sdpa attention."""
+    with transformers_sdpa(target.model, drafts.model):
+        return mirrorspec_hybrid_confident_runner_up(target, drafts, ids, params, k, seed)
 
 
 @register_mode("mirrorspec-hybrid-adaptive", uses_k=True, needs_draft_model=True)
@@ -384,7 +421,7 @@ class RunRecord:
     token_ids: list[int]
     stats: dict | None = None
     identical_to_target_only: bool | None = None
-    identical_to_in_process: bool | None = None  # sampled served runs: tokens equal the in-process twin's
+    identical_to_in_process: bool | None = None  # sampled runs of a mode with a twin: tokens equal the twin's
 
 
 @dataclass(frozen=True)

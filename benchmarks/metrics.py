@@ -54,7 +54,7 @@ class Summary:
     branch_hit_rate: float | None = None  # mirror modes: windows whose draft was ready at the verdict
     runner_up_hit_rate: float | None = None  # runner-up modes: windows whose first slot went to the runner-up
     identical: bool | None = None  # greedy only: all prompts token-identical to target-only
-    # sampled served modes: prompts whose tokens equal the in-process twin's, "n/m"
+    # sampled modes with a twin (served, -on-sdpa): prompts whose tokens equal the twin's, "n/m"
     same_as_in_process: str | None = None
 
 

@@ -1,6 +1,6 @@
 """What a target pass over K drafts costs, in one-token steps: the table adaptive K plans with.
 
-    python -m benchmarks.pass_cost [--target demo-target] [--threads 2] [--max-k 8] [--reps 30]
+    python -m benchmarks.pass_cost [--target demo-target] [--threads 2] [--max-k 8] [--reps 30] [--context-tokens N]
                                    [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16|float16]
 
 For each K it times the very call verification makes (``KVSession.logits_for`` over the last
@@ -8,7 +8,10 @@ K + 1 positions of a cached context, then the roll-back), interleaving K values 
 of a shared machine hits them all alike, and prints medians over a one-token step plus the tuple
 to put in ``AdaptiveKConfig.pass_costs``. On CPU it measures the model twice in one run, as
 ``from_pretrained`` leaves it (``nn.Linear``) and with its linears prepacked for oneDNN (what
-``load_causal_lm`` serves with, see ``mirrorspec.models.prepack``), and prints their ratio.
+``load_causal_lm`` serves with, see ``mirrorspec.models.prepack``), and prints their ratio. The
+prepacked model is timed twice, pass by pass: on ``mirrorspec_sdpa`` (what ``load_causal_lm``
+runs CPU models on, see ``mirrorspec.models.attention``) and on transformers' own ``sdpa``, with
+their ratio and a check that both give the same logits.
 Unpacked, the table is far from linear: kernels change with the shape, so a 2-token pass can
 cost as much as a 5-token one. On CUDA each timed call ends with a device synchronisation (kernels
 run asynchronously, so the clock would otherwise stop at the last launch, not the last result).
@@ -26,6 +29,7 @@ import torch
 
 from mirrorspec.config import DTYPE_HELP, InvalidRequest, field_named, refuse_setting
 from mirrorspec.models import KVSession, encode_prompt, load_causal_lm
+from mirrorspec.models.attention import IMPLEMENTATION as ATTENTION
 from mirrorspec.models.loading import device_flag
 from mirrorspec.models.prepack import prepack_linears
 
@@ -34,21 +38,47 @@ def measure(model: torch.nn.Module, context: list[int], max_k: int, reps: int,
             vocab_ids: torch.Tensor | None = None) -> dict[int, float]:
     """Median seconds of a pass over k + 1 tokens, for k = 0..max_k (``vocab_ids``: a draft's
     sub-vocabulary head, as it drafts)."""
+    return measure_implementations(model, context, max_k, reps, (None,), vocab_ids)[None]
+
+
+def measure_implementations(model: torch.nn.Module, context: list[int], max_k: int, reps: int,
+                            implementations: tuple[str | None, ...],
+                            vocab_ids: torch.Tensor | None = None) -> dict[str | None, dict[int, float]]:
+    """``measure`` on each attention implementation (None: the model's own), interleaved pass by
+    pass so that a slow stretch of a shared machine hits them all alike."""
     session = KVSession(model, vocab_ids)
     session.logits_for(context, 1)  # prefill once
-    times: dict[int, list[float]] = {k: [] for k in range(max_k + 1)}
+    times = {name: {k: [] for k in range(max_k + 1)} for name in implementations}
     drafts = [context[i % len(context)] for i in range(max_k)]
     sync = torch.cuda.synchronize if session.device.type == "cuda" else (lambda: None)
     for _ in range(reps):
         for k in range(max_k + 1):
-            window = context + drafts[:k]
-            sync()
-            started = time.perf_counter()
-            session.logits_for(window, k + 1)
-            sync()
-            times[k].append(time.perf_counter() - started)
-            session.rollback(len(context) - 1)  # the next call re-feeds the last context token too
-    return {k: statistics.median(v) for k, v in times.items()}
+            for name in implementations:
+                if name is not None:
+                    model.set_attn_implementation(name)
+                sync()
+                started = time.perf_counter()
+                session.logits_for(context + drafts[:k], k + 1)
+                sync()
+                times[name][k].append(time.perf_counter() - started)
+                session.rollback(len(context) - 1)  # the next call re-feeds the last context token too
+    return {name: {k: statistics.median(v) for k, v in by_k.items()} for name, by_k in times.items()}
+
+
+def same_logits(model: torch.nn.Module, context: list[int], max_k: int, *implementations: str) -> bool:
+    """Whether every pass of ``measure`` gives the same logits, bit for bit, on each implementation."""
+    outputs = []
+    for implementation in implementations:
+        model.set_attn_implementation(implementation)
+        session = KVSession(model)
+        session.logits_for(context, 1)
+        drafts = [context[i % len(context)] for i in range(max_k)]
+        passes = []
+        for k in range(max_k + 1):
+            session.rollback(len(context) - 1)
+            passes.append(session.logits_for(context + drafts[:k], k + 1).clone())
+        outputs.append(passes)
+    return all(torch.equal(a, b) for other in outputs[1:] for a, b in zip(outputs[0], other, strict=True))
 
 
 def table(medians: dict[int, float]) -> tuple[float, ...]:
@@ -61,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-k", type=int, default=8)
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--context-tokens", type=int, default=0,
+                   help="cached context before each pass: the prompt repeated to this many tokens (default: "
+                        "the prompt alone); attention's share of a pass grows with it")
     p.add_argument("--device", default="auto", type=device_flag, help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -72,19 +105,29 @@ def main(argv: list[str] | None = None) -> int:
     except InvalidRequest as err:
         refuse_setting(p, err)
     context = encode_prompt(target.tokenizer, "Write a Python function that merges two sorted lists.")
+    context = (context * (args.context_tokens // len(context) + 1))[:max(args.context_tokens, len(context))]
     runs = {"plain": measure(target.model, context, args.max_k, args.reps)}
     if prepack_linears(target.model):
-        runs["prepacked"] = measure(target.model, context, args.max_k, args.reps)
+        if target.model.config._attn_implementation == ATTENTION:  # and on transformers' own sdpa, side by side
+            both = measure_implementations(target.model, context, args.max_k, args.reps, (ATTENTION, "sdpa"))
+            runs["prepacked"], runs["transformers sdpa"] = both[ATTENTION], both["sdpa"]
+            print(f"{ATTENTION} logits bit-identical to sdpa's: "
+                  f"{same_logits(target.model, context, args.max_k, ATTENTION, 'sdpa')}")
+        else:
+            runs["prepacked"] = measure(target.model, context, args.max_k, args.reps)
     for k in range(args.max_k + 1):
         cells = [f"{name} {m[k] * 1e3:6.1f} ms {m[k] / m[0]:4.2f} steps" for name, m in runs.items()]
-        ratio = f"  plain/prepacked {runs['plain'][k] / runs['prepacked'][k]:.2f}x" if len(runs) == 2 else ""
+        ratio = f"  plain/prepacked {runs['plain'][k] / runs['prepacked'][k]:.2f}x" if "prepacked" in runs else ""
+        if "transformers sdpa" in runs:
+            ratio += f"  sdpa/{ATTENTION} {runs['transformers sdpa'][k] / runs['prepacked'][k]:.2f}x"
         print(f"K={k}: " + "   ".join(cells) + ratio)
     tables = {name: table(m) for name, m in runs.items()}
     for name, t in tables.items():
         print(f"{name}: AdaptiveKConfig(pass_costs={t})")
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"pass-cost-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps({"target": args.target, "threads": args.threads, "device": str(target.model.device),
+    out.write_text(json.dumps({"target": args.target, "threads": args.threads, "context_tokens": len(context),
+                               "device": str(target.model.device),
                                "dtype": str(target.model.dtype),
                                "runs": {name: {"step_s": m[0], "median_s": m, "pass_costs": tables[name]}
                                         for name, m in runs.items()}}, indent=2))

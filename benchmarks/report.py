@@ -149,8 +149,9 @@ LEGEND = "\n".join((
     "          each request's first window, which prefills the prompt too, is left out of both",
     "hits      mirror: share of branched windows (drafted on while verified) whose branch matched",
     "bound     (1 - a^(K+1)) / ((1 - a)(K c + 1)), Leviathan et al. 2023",
-    "identical greedy: tokens equal target-only's on every prompt; sampled served: prompts whose tokens equal",
-    "          its in-process mode's (same seed and q: all of them, as a rule)",
+    "identical greedy: tokens equal target-only's on every prompt; sampled, a mode with a twin (served: its",
+    "          in-process mode; -on-sdpa: the mode on mirrorspec_sdpa): prompts whose tokens equal the twin's",
+    "          (same seed and q: all of them, as a rule)",
 ))
 
 

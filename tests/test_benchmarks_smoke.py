@@ -231,3 +231,18 @@ def test_served_modes_start_their_servers_where_and_as_the_in_process_modes_run(
     assert server_placement(LoadedModel(model, None, "t")) == ("--device", device, "--dtype", "float32")
     half = LoadedModel(model.to(torch.bfloat16), None, "t")
     assert server_placement(half) == ("--device", device, "--dtype", "bfloat16")
+
+
+@pytest.mark.slow
+def test_modes_on_transformers_sdpa_give_the_tokens_of_the_same_modes_on_mirrorspec_sdpa(tmp_path):
+    """The demo target groups 9 query heads over 3 key/value heads, so its verify passes run
+    ``mirrorspec_sdpa``'s own path; the A/B modes that switch back to transformers' ``sdpa``
+    must decode the very same tokens, greedy and sampled (bit-identical logits)."""
+    modes = ["target-only", "mirrorspec-ngram", "mirrorspec-ngram-on-sdpa", "mirrorspec-hybrid-confident-runner-up",
+             "mirrorspec-hybrid-confident-runner-up-on-sdpa"]
+    out = _run(tmp_path, "--datasets", "humaneval,code-edit", "--num-prompts", "2", "--max-tokens", "16", "--k", "4",
+               "--temperatures", "0,0.7", "--modes", ",".join(modes), "--draft", "truncate:2")
+    records = out["records"]
+    assert all(r["identical_to_target_only"] is True for r in records if r["temperature"] == 0.0)
+    on_sdpa = [r for r in records if r["mode"].endswith("-on-sdpa") and r["temperature"] > 0.0]
+    assert len(on_sdpa) == 8 and all(r["identical_to_in_process"] is True for r in on_sdpa)

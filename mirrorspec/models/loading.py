@@ -16,6 +16,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretr
                           PreTrainedTokenizerBase)
 
 from mirrorspec.config import InvalidRequest, check_quantization, check_shared_vocabulary, check_text, field_named
+from mirrorspec.models.attention import use_cpu_verify_attention
 from mirrorspec.models.prepack import prepack_linears
 from mirrorspec.models.quantize import apply_quantization
 
@@ -166,6 +167,7 @@ def load_causal_lm(source: str, *, dtype: str = "auto", device: str = "auto", to
     kwargs: dict = {"dtype": resolve_dtype(dtype, dev, stored), **(gguf or {"config": config})}
     with _not_loadable_as_invalid(source):
         model = AutoModelForCausalLM.from_pretrained(location, **kwargs).to(dev).eval()
+    use_cpu_verify_attention(model)  # bit-identical logits, cheaper multi-token passes (models.attention)
     apply_quantization(model, quantize)  # first: packing a layer int8 then replaces is wasted work
     if prepack:
         prepack_linears(model)  # what int8 left as nn.Linear (the tied head, shapes it refused)
