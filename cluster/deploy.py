@@ -81,6 +81,15 @@ def find_controller(name: str = "mirrorspec"):
                              f"with `mirrorspec serve`", field="name") from None
 
 
+def deployed(name: str) -> bool:
+    """Whether deployment ``name``'s controller still lives on this Ray (``teardown`` kills it last)."""
+    try:
+        find_controller(name)
+    except InvalidRequest:
+        return False
+    return True
+
+
 def drain_front_door(name: str, grace_s: float) -> None:
     """Deployment ``name``'s front door refuses new requests and lets those in flight finish, for up
     to ``grace_s``; ``teardown`` then stops the rest."""

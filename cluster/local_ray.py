@@ -1,5 +1,5 @@
 """Finding the local Ray of a running ``mirrorspec serve`` from another process (``status``,
-``scale``). Ray's own ``auto`` takes whichever Ray it finds running on the machine, which need not
+``scale``, ``stop``). Ray's own ``auto`` takes whichever Ray it finds running on the machine, which need not
 be this deployment's. No ray import here: ``use_announced_ray`` must run before Ray's is.
 """
 

@@ -260,6 +260,16 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print the rows as JSON")
     status.set_defaults(handler=cmd_status, subparser=status)
 
+    stop = commands.add_parser("stop", help="stop a deployment on Ray gracefully: no new requests, those in "
+                                            "flight finish, then its replicas and controller go")
+    stop.add_argument("--address", default="auto", help="the Ray cluster ('auto' = the local Ray of a running "
+                                                         "`serve --name NAME`, else the one on this machine)")
+    stop.add_argument("--name", default="mirrorspec", help="deployment name")
+    stop.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
+                      help="how long requests in flight have to finish before the replicas stop (default 30; "
+                           "Ctrl-C stops at once)")
+    stop.set_defaults(handler=cmd_stop, subparser=stop)
+
     demo = commands.add_parser("demo", help="the demo draft: provenance, a side-by-side run, or --rebuild it")
     demo.add_argument("--prompt", default="Write a Python function that checks whether a string is a palindrome.",
                       help="the prompt of the side-by-side run")
@@ -610,9 +620,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.detach:
         return 0
     with contextlib.ExitStack() as announced:
-        if args.address is None:  # status and scale find this Ray by the deployment's name
+        if args.address is None:  # status, scale and stop find this Ray by the deployment's name
             announced.enter_context(announced_local_ray(spec.name, ray.get_runtime_context().gcs_address))
-        _wait_for_stop()
+        if not _wait_for_stop(lambda: _stopped_elsewhere(spec.name)):
+            print(f"mirrorspec: deployment {spec.name!r} was stopped (`mirrorspec stop`)", flush=True)
+            return 0
         _finish_in_flight(lambda: drain_front_door(spec.name, args.shutdown_grace), args.shutdown_grace)
     teardown(controller)
     return 0
@@ -731,16 +743,21 @@ def interrupted_by_termination():
             signal.signal(sig, handler)
 
 
-def _wait_for_stop() -> None:
+def _wait_for_stop(gone: Callable[[], bool] = lambda: False, every_s: float = 2.0) -> bool:
     """Until Ctrl-C, SIGTERM or SIGHUP, each ending serving alike: the caller then tears the
-    deployment down (a closed terminal used to kill the process before that, leaving it running)."""
+    deployment down (a closed terminal used to kill the process before that, leaving it running).
+    False where ``gone()`` said first that the deployment was stopped from elsewhere (``mirrorspec
+    stop``): nothing is left to tear down, and a ``serve`` left waiting would never end."""
     import threading
 
+    tick = threading.Event()
     try:
         with interrupted_by_termination():
-            threading.Event().wait()
+            while not gone():
+                tick.wait(every_s)
     except KeyboardInterrupt:
-        pass
+        return True
+    return False
 
 
 def _finish_in_flight(drain: Callable[[], None], grace_s: float) -> None:
@@ -830,6 +847,36 @@ def cmd_status(args: argparse.Namespace) -> int:
     connect(address)
     rows = ray.get(find_controller(args.name).status.remote())
     print(json.dumps(rows, indent=2) if args.json else format_status(rows))
+    return 0
+
+
+def _stopped_elsewhere(name: str) -> bool:
+    """Whether deployment ``name`` is gone from its Ray; not where Ray cannot say just now (a head
+    that is restarting must not end a `serve` that should tear its deployment down later)."""
+    from cluster.deploy import deployed
+
+    try:
+        return not deployed(name)
+    except Exception:  # noqa: BLE001 - a GCS hiccup: ask again at the next tick
+        return False
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    """What Ctrl-C does to a `serve` that waits for it, for a deployment that has none (``--detach``)
+    or from another shell: the front door refuses new requests, those in flight get
+    ``--shutdown-grace`` to finish, then the controller stops every replica and itself. A `serve`
+    still waiting on the deployment sees it gone and exits."""
+    check_finite_amount(args.shutdown_grace, "shutdown_grace")
+    from cluster.local_ray import use_announced_ray
+
+    address = use_announced_ray(args.address, args.name)  # before Ray is imported
+    from cluster.deploy import connect, drain_front_door, find_controller, teardown
+
+    connect(address)
+    controller = find_controller(args.name)
+    _finish_in_flight(lambda: drain_front_door(args.name, args.shutdown_grace), args.shutdown_grace)
+    teardown(controller)
+    print(f"mirrorspec: deployment {args.name!r} stopped", flush=True)
     return 0
 
 

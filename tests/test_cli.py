@@ -8,9 +8,11 @@ import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 
 from mirrorspec.cli import main
 from mirrorspec.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_K, DEFAULT_K_CONFIDENT, default_k
+from mirrorspec.serving.server import health_status
 from support import save_tiny_llama
 
 
@@ -41,6 +43,8 @@ from support import save_tiny_llama
     (["serve", "--detach"], "--detach"),
     (["serve", "--address", "127.0.0.1:1"], "--address"),
     (["scale", "target", "0"], "REPLICAS"),
+    (["stop", "--shutdown-grace", "nan"], "--shutdown-grace"),
+    (["stop", "--address", "127.0.0.1:1"], "--address"),
     (["serve", "--target-gpus", "-1"], "--target-gpus"),
     (["serve", "--replica-cpus", "-1"], "--replica-cpus"),
     (["serve", "--replica-cpus", "nan"], "--replica-cpus"),  # a ValueError from math.ceil before
@@ -287,10 +291,27 @@ def test_serve_on_local_ray_then_generate_scale_and_status():
         again = json.loads(run_cli("generate", prompt, "--server", "127.0.0.1:50593", "--max-tokens", "24",
                                    "--json", "--mirror").stdout)  # mirror, steered by the target's hints
         assert again["token_ids"] == local["token_ids"] and again["stats"]["mirror_windows"] > 0
-        tokens, last, refused, out = stop_while_streaming(server, "127.0.0.1:50593", signal.SIGTERM, max_tokens=64)
-        assert last.finish_reason in ("length", "stop") and (last.finish_reason == "stop" or tokens == 64)
+        # `mirrorspec stop` from another shell, as for a --detach'ed deployment: a drain, then teardown,
+        # and the `serve` that waits on the deployment sees it gone and exits by itself
+        stopping = []
+
+        def start_stop():  # and wait for the drain to begin: the new process needs seconds to reach Ray
+            stopping.append(subprocess.Popen([sys.executable, "-m", "mirrorspec", "stop", "--shutdown-grace", "60"],
+                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            with grpc.insecure_channel("127.0.0.1:50593") as channel:
+                deadline = time.monotonic() + 120
+                while health_status(channel, 5) == health_pb2.HealthCheckResponse.SERVING:
+                    assert time.monotonic() < deadline and stopping[0].poll() is None
+                    time.sleep(0.2)
+
+        tokens, last, refused, out = stop_while_streaming(server, "127.0.0.1:50593", start_stop, max_tokens=200)
+        assert last.finish_reason in ("length", "stop") and (last.finish_reason == "stop" or tokens == 200)
         assert refused.code() == grpc.StatusCode.UNAVAILABLE  # the front door drains, then the deployment goes
         assert "this front door is stopping" in refused.details()
+        stop_out, _ = stopping[0].communicate(timeout=120)
+        assert stopping[0].returncode == 0 and "deployment 'mirrorspec' stopped" in stop_out, stop_out
+        assert "was stopped (`mirrorspec stop`)" in out
+        assert run_cli("status").returncode != 0  # nothing left to show
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -320,14 +341,15 @@ def test_a_seeded_sample_is_the_same_from_generate_local_as_from_serve():
 
 
 def stop_while_streaming(server: subprocess.Popen, address: str, sig, max_tokens: int = 200):
-    """Signal ``server`` once a stream through it has its first tokens: (the whole stream's token
-    count, its last message, what a request sent after the signal met, the server's output after)."""
+    """Signal ``server`` (or call ``sig``, to stop it another way) once a stream through it has its
+    first tokens: (the whole stream's token count, its last message, what a request sent after the
+    stop met, the server's output after)."""
     from mirrorspec.client import Client
 
     with Client(address) as client:
         stream = client.stream("Write a long story about a lighthouse keeper.", max_tokens=max_tokens)
         first = next(stream)
-        server.send_signal(sig)
+        sig() if callable(sig) else server.send_signal(sig)
         time.sleep(1.0)
         with pytest.raises(grpc.RpcError) as refused:
             client.generate("hi", max_tokens=2)
