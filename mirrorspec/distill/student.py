@@ -70,7 +70,9 @@ def init_student(target: PreTrainedModel, layers: int) -> PreTrainedModel:
     config.num_hidden_layers = layers
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:layers]
-    student = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # trained on transformers' own sdpa, as the shipped draft was: the target may run
+    # mirrorspec_sdpa (models.attention), whose logits match but whose gradients round differently
+    student = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     picks = [round(i * (target.config.num_hidden_layers - 1) / max(layers - 1, 1)) for i in range(layers)]
     for mine, theirs in zip(student.model.layers, picks):
         mine.load_state_dict(target.model.layers[theirs].state_dict())

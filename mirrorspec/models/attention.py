@@ -19,7 +19,8 @@ greedy output stays token-identical to target-only decoding. Everything else goe
 transformers' own function unchanged: no mask (a prefill, a one-token step), one query row
 (``sdpa`` already reads grouped heads there, by folding them into the query, and a different
 layout would round differently), position bias, softcapping, dropout. It is for CPU only: on CUDA a mask with grouped heads sends SDPA to its slow math
-kernel, so GPU models keep ``sdpa``.
+kernel, so GPU models keep ``sdpa``. And only for the model types listed below, whose code does
+not branch on the implementation's name.
 """
 
 from __future__ import annotations
@@ -58,9 +59,18 @@ def additive_sdpa_mask(*args, dtype: torch.dtype = torch.float32, **kwargs) -> t
     return torch.where(mask, zero, torch.full_like(zero, float("-inf")))
 
 
+# Model types whose modeling code reads the attention implementation only to look it up in
+# AttentionInterface and masking_utils. Others may branch on its name: Gemma 4's KV-shared layers
+# slice their input only where it is "sdpa", so on any other name a first window (prompt and drafts
+# into an empty cache) came out misaligned and greedy output left target-only's (found in review).
+SWITCHED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
 def use_cpu_verify_attention(model: PreTrainedModel) -> bool:
-    """Switch a CPU model that runs ``sdpa`` to ``mirrorspec_sdpa``; whether it switched."""
-    if model.device.type != "cpu" or model.config._attn_implementation != "sdpa":
+    """Switch a CPU model that runs ``sdpa`` to ``mirrorspec_sdpa`` where its type is known to
+    allow it (``SWITCHED_MODEL_TYPES``); whether it switched."""
+    if (model.device.type != "cpu" or model.config._attn_implementation != "sdpa"
+            or model.config.model_type not in SWITCHED_MODEL_TYPES):
         return False
     AttentionInterface.register(IMPLEMENTATION, masked_gqa_sdpa)  # idempotent: the same function each time
     AttentionMaskInterface.register(IMPLEMENTATION, additive_sdpa_mask)

@@ -53,6 +53,17 @@ def test_distillation_raises_agreement_with_the_target(tiny_dir, tmp_path):
     assert torch.equal(student.lm_head.weight, target.lm_head.weight)
 
 
+def test_the_student_trains_on_transformers_sdpa_whatever_the_target_runs(tiny_dir):
+    """A target loaded for serving runs mirrorspec_sdpa on CPU: its logits match sdpa's bit for
+    bit but its gradients round differently, and the shipped draft was trained on sdpa."""
+    from mirrorspec.models import load_causal_lm
+    from mirrorspec.models.attention import IMPLEMENTATION
+
+    target = load_causal_lm(str(tiny_dir["target16"]), tokenizer=False, prepack=False).model
+    assert target.config._attn_implementation == IMPLEMENTATION
+    assert init_student(target, layers=1).config._attn_implementation == "sdpa"
+
+
 def test_shipped_weights_reassemble_into_a_plain_checkpoint(tiny_dir, tmp_path):
     import support
 

@@ -114,3 +114,27 @@ def test_a_left_padded_batch_is_bit_identical_where_it_is_not_padding(gqa_model)
         return [model(input_ids=ids, attention_mask=mask).logits * mask[..., None]]  # pad rows: 0, not NaN
 
     assert_bitwise(*both(gqa_model, padded))
+
+
+def test_a_model_type_that_branches_on_the_implementation_name_stays_on_sdpa(tmp_path):
+    """Gemma 4's KV-shared layers slice their input only where the implementation is named
+    "sdpa": switched, a first window (prompt and drafts into an empty cache) came out misaligned
+    and greedy speculation left target-only's output (found in review)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
+
+    from mirrorspec import SamplingParams, generate
+
+    config = Gemma4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=8,
+                              sliding_window=16, vocab_size_per_layer_input=64, hidden_size_per_layer_input=8,
+                              layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+                              max_position_embeddings=256)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = load_causal_lm(str(tmp_path), tokenizer=False, prepack=False).model
+    assert model.config._attn_implementation == "sdpa"
+    prompt = [3, 5, 7, 9, 11, 13, 15, 17, 19, 21]
+    params = SamplingParams(max_new_tokens=24)
+    spec = generate(model, "ngram", prompt, params, num_speculative_tokens=4)
+    assert spec.token_ids == generate(model, None, prompt, params).token_ids
