@@ -17,7 +17,7 @@ from mirrorspec.models import LoadedModel, load_causal_lm
 from mirrorspec.serving.convert import (check_token_ids, describe_model, params_from_proto, proposal_to_proto,
                                         ranked_to_proto)
 from mirrorspec.serving.server import ComputeLane, Service, start_grpc_server
-from mirrorspec.serving.sessions import SequenceState, SessionStore
+from mirrorspec.serving.sessions import SequenceState, SessionStore, orphaned_at_end
 from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 
@@ -66,7 +66,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.loaded = loaded
         self.vocab_size = int(loaded.model.config.vocab_size) if loaded else 1 << 31
         self.sessions: SessionStore[DraftSession] = SessionStore(
-            config.max_sessions, config.session_ttl_s, on_evict=lambda s: self.lane.later(s.drafter.release))
+            config.max_sessions, config.session_ttl_s, on_evict=lambda s: self.lane.later(s.drafter.release),
+            orphan_ttl_s=config.orphaned_session_ttl_s)
         self.lane = lane or ComputeLane("drafter-compute")
         self.step_cost = draft_model_step_cost(loaded.model) if loaded is not None else NgramDrafter.step_cost
 
@@ -104,8 +105,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     async def DraftWindows(self, requests, context):
         """Draft call after Draft call of one caller on one stream, each answered as Draft would."""
-        async for request in requests:
-            yield await self.Draft(request, context)
+        with orphaned_at_end(self.sessions) as streamed:
+            async for request in requests:
+                streamed.session_id = request.session_id
+                yield await self.Draft(request, context)
 
     async def DraftBranches(self, request, context):
         session = self.sessions.get(request.session_id)

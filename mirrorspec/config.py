@@ -391,6 +391,9 @@ class ReplicaConfig:
     port: int = 0
     max_sessions: int = 64
     session_ttl_s: float = 600.0
+    # a session whose window stream ended (a front door that crashed takes its connections with it)
+    # and that gets no call for this long is evicted (mirrorspec.serving.sessions)
+    orphaned_session_ttl_s: float = 30.0
     max_speculative_tokens: int = 16
     # a compute lane busy this long with one job (a forward, a collective) is wedged: the server then
     # answers its health check NOT_SERVING, and a supervisor (the Ray controller) replaces it. Above
@@ -401,6 +404,9 @@ class ReplicaConfig:
         check_port(self.port)
         check_max_sessions(self.max_sessions)
         check_stall_timeout(self.stall_timeout_s)
+        if not (math.isfinite(self.orphaned_session_ttl_s) and self.orphaned_session_ttl_s > 0):
+            raise InvalidRequest(f"must be a finite number of seconds > 0, got {self.orphaned_session_ttl_s}",
+                                 field="orphaned_session_ttl_s")
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from mirrorspec.serving.convert import (
     proposal_from_proto,
 )
 from mirrorspec.serving.server import ComputeLane, Service, start_grpc_server
-from mirrorspec.serving.sessions import SequenceState, SessionStore
+from mirrorspec.serving.sessions import SequenceState, SessionStore, orphaned_at_end
 from mirrorspec.v1 import common_pb2, target_pb2, target_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -91,7 +91,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             self.probe = EarlyExitProbe(loaded.model, config.hint_layer, config.hint_top_k, vocab_ids, lens)
         self.new_session = new_session or (lambda: KVSession(loaded.model))
         self.sessions: SessionStore[TargetSession] = SessionStore(
-            config.max_sessions, config.session_ttl_s, on_evict=lambda s: self.lane.later(s.verifier.session.close))
+            config.max_sessions, config.session_ttl_s, on_evict=lambda s: self.lane.later(s.verifier.session.close),
+            orphan_ttl_s=config.orphaned_session_ttl_s)
         self.lane = lane or ComputeLane("target-compute")
 
     def close(self) -> None:
@@ -154,8 +155,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def VerifyWindows(self, requests, context):
         """Window after window of one caller on one stream, each answered as VerifyWindow would."""
-        async for request in requests:
-            yield await self.VerifyWindow(request, context)
+        with orphaned_at_end(self.sessions) as streamed:
+            async for request in requests:
+                streamed.session_id = request.session_id
+                yield await self.VerifyWindow(request, context)
 
     @asynccontextmanager
     async def _window(self, request) -> AsyncIterator[tuple[TargetSession, SequenceState, Proposal]]:

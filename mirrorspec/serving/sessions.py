@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from mirrorspec.config import InvalidRequest, SamplingParams
@@ -22,14 +23,23 @@ S = TypeVar("S")
 @dataclass
 class _Entry(Generic[S]):
     state: S
-    last_used: float = field(default_factory=time.monotonic)
+    last_used: float
+    ttl_s: float
 
 
 class SessionStore(Generic[S]):
+    """``orphan_ttl_s``: how long a session whose window stream ended (its caller closed or
+    cancelled it, or the caller's process died and took the connection) stays without another
+    call. A live caller calls again at its next window, within milliseconds, or closes the
+    session; a front door that crashed never will, and its sessions held their slots for the whole
+    ``ttl_s`` (ten minutes), so a restarted front door found its replicas full."""
+
     def __init__(self, max_sessions: int = 64, ttl_s: float = 600.0,
-                 on_evict: Callable[[S], None] | None = None, clock: Callable[[], float] = time.monotonic):
+                 on_evict: Callable[[S], None] | None = None, clock: Callable[[], float] = time.monotonic,
+                 orphan_ttl_s: float = 30.0):
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
+        self.orphan_ttl_s = orphan_ttl_s
         self._on_evict = on_evict or (lambda state: None)
         self._clock = clock
         self._entries: dict[str, _Entry[S]] = {}
@@ -44,15 +54,22 @@ class SessionStore(Generic[S]):
                 f"this replica already holds {self.max_sessions} sessions (its --max-sessions); "
                 f"close finished sessions or retry on another replica")
         session_id = uuid.uuid4().hex
-        self._entries[session_id] = _Entry(state, self._clock())
+        self._entries[session_id] = _Entry(state, self._clock(), self.ttl_s)
         return session_id
 
     def get(self, session_id: str) -> S:
         entry = self._entries.get(session_id)
         if entry is None:
             raise SessionNotFound(session_id)
-        entry.last_used = self._clock()
+        entry.last_used, entry.ttl_s = self._clock(), self.ttl_s  # called again: not orphaned
         return entry.state
+
+    def orphan(self, session_id: str) -> None:
+        """The session's window stream ended: unless a call comes for it within
+        ``orphan_ttl_s``, it is evicted (a session already closed is left alone)."""
+        entry = self._entries.get(session_id)
+        if entry is not None:
+            entry.last_used, entry.ttl_s = self._clock(), min(entry.ttl_s, self.orphan_ttl_s)
 
     def close(self, session_id: str) -> bool:
         entry = self._entries.pop(session_id, None)
@@ -62,10 +79,29 @@ class SessionStore(Generic[S]):
 
     def evict_expired(self) -> int:
         now = self._clock()
-        stale = [sid for sid, e in self._entries.items() if now - e.last_used > self.ttl_s]
+        stale = [sid for sid, e in self._entries.items() if now - e.last_used > e.ttl_s]
         for sid in stale:
             self.close(sid)
         return len(stale)
+
+
+@dataclass
+class StreamedSession:
+    session_id: str | None = None  # the session of the last window a stream carried
+
+
+@contextmanager
+def orphaned_at_end(sessions: SessionStore) -> Iterator[StreamedSession]:
+    """Around a window stream's servicer loop: when the stream ends, its session is ``orphan``ed.
+    However it ended: gRPC hands the servicer a caller's cancel, and a caller's process dying, as
+    the same end of its request stream as a half-close. A live caller's session outlives its
+    stream only by a call at its next window (which un-orphans it), or goes by ``CloseSession``."""
+    streamed = StreamedSession()
+    try:
+        yield streamed
+    finally:
+        if streamed.session_id is not None:
+            sessions.orphan(streamed.session_id)
 
 
 @dataclass

@@ -22,6 +22,23 @@ def test_bound_ttl_and_close():
     assert store.close(a) and not store.close(a) and len(store) == 0
 
 
+def test_an_orphaned_session_goes_after_the_short_ttl_unless_called_again():
+    now = [0.0]
+    evicted = []
+    store = SessionStore(max_sessions=3, ttl_s=600, orphan_ttl_s=30, on_evict=evicted.append, clock=lambda: now[0])
+    orphan, revived, kept = store.open("orphan"), store.open("revived"), store.open("kept")
+    now[0] = 100
+    store.orphan(orphan)
+    store.orphan(revived)
+    store.orphan("closed-already")  # nothing to do
+    now[0] = 120
+    assert store.get(revived) == "revived"  # its caller came back: the full TTL again
+    now[0] = 131
+    assert store.evict_expired() == 1 and evicted == ["orphan"]
+    now[0] = 721
+    assert store.evict_expired() == 2 and sorted(evicted) == ["kept", "orphan", "revived"]
+
+
 def test_sequence_commit_checks_the_callers_view():
     seq = SequenceState([1, 2], SamplingParams(), seed=0)
     seq.commit([3, 4], expected_length=4)

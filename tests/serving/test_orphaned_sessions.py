@@ -1,0 +1,120 @@
+"""A front door that dies mid-request takes its window streams with it; the sessions they served
+are evicted after ``orphaned_session_ttl_s``, not the ten-minute TTL, so a front door restarted
+in its place finds room on its replicas. Over real loopback gRPC, the caller a real process."""
+
+import queue
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import grpc
+import pytest
+
+from mirrorspec.models import load_causal_lm
+from mirrorspec.serving.server import BackgroundServer
+from mirrorspec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from target_service.servicer import TargetConfig, serve
+
+ORPHAN_TTL_S = 0.5
+
+CALLER = textwrap.dedent("""
+    import queue, sys, time
+    import grpc
+    from mirrorspec.v1 import common_pb2, target_pb2, target_pb2_grpc
+    stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(sys.argv[1]))
+    params = common_pb2.SamplingParams(temperature=0.0, max_new_tokens=50)
+    session = stub.OpenSession(target_pb2.OpenTargetSessionRequest(prompt_ids=[3, 1, 4], params=params)).session_id
+    windows = queue.SimpleQueue()
+    verdicts = stub.VerifyWindows(iter(windows.get, None))
+    windows.put(target_pb2.VerifyRequest(session_id=session, context_length=3))
+    next(verdicts)
+    print(session, flush=True)
+    time.sleep(600)  # mid-request, stream open, until killed
+""")
+
+
+@pytest.fixture
+def target(tiny_dir):
+    config = TargetConfig(model=str(tiny_dir["target16"]), orphaned_session_ttl_s=ORPHAN_TTL_S)
+    loaded = load_causal_lm(str(tiny_dir["target16"]), tokenizer=False)
+    server = BackgroundServer(lambda: serve(config, loaded)).start()
+    yield f"127.0.0.1:{server.port}"
+    server.stop()
+
+
+def open_sessions(stub) -> int:
+    return stub.Info(common_pb2.InfoRequest()).open_sessions  # Info evicts what has expired
+
+
+def test_the_sessions_of_a_killed_caller_are_evicted_after_the_orphan_ttl(target):
+    stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(target))
+    caller = subprocess.Popen([sys.executable, "-c", CALLER, target], stdout=subprocess.PIPE, text=True)
+    try:
+        session = caller.stdout.readline().strip()
+        assert session and open_sessions(stub) == 1
+        time.sleep(2 * ORPHAN_TTL_S)
+        assert open_sessions(stub) == 1  # a live caller's idle stream keeps its session
+    finally:
+        caller.send_signal(signal.SIGKILL)
+        caller.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while open_sessions(stub) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert open_sessions(stub) == 0
+    with pytest.raises(grpc.RpcError) as gone:
+        stub.VerifyWindow(target_pb2.VerifyRequest(session_id=session, context_length=3))
+    assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def cancelled_after_one_window(stub, session: str) -> None:
+    """A window stream that the caller cancels once its first window is answered (what the front
+    door's watchdog does to a window past its deadline)."""
+    windows = queue.SimpleQueue()
+    stream = stub.VerifyWindows(iter(windows.get, None))
+    windows.put(target_pb2.VerifyRequest(session_id=session, context_length=3))
+    next(stream)
+    stream.cancel()
+
+
+def test_a_session_outlives_its_ended_stream_only_by_another_call(target):
+    """gRPC shows a servicer a caller's cancel as the same end of its request stream as a
+    half-close, so either end leaves the session orphaned; the caller's next call keeps it."""
+    stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(target))
+    params = common_pb2.SamplingParams(temperature=0.0, max_new_tokens=50)
+    closed, cancelled, abandoned = (stub.OpenSession(target_pb2.OpenTargetSessionRequest(
+        prompt_ids=[3, 1, 4], params=params)).session_id for _ in range(3))
+    for session in (closed, abandoned):
+        assert len(list(stub.VerifyWindows(iter([target_pb2.VerifyRequest(session_id=session,
+                                                                          context_length=3)])))) == 1
+    cancelled_after_one_window(stub, cancelled)
+    time.sleep(ORPHAN_TTL_S / 2)
+    for session in (closed, cancelled):  # their callers are back
+        stub.VerifyWindow(target_pb2.VerifyRequest(session_id=session, context_length=3))
+    time.sleep(2 * ORPHAN_TTL_S)
+    assert open_sessions(stub) == 2
+    with pytest.raises(grpc.RpcError) as gone:
+        stub.VerifyWindow(target_pb2.VerifyRequest(session_id=abandoned, context_length=3))
+    assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_drafter_session_whose_stream_ended_goes_too():
+    from drafter_service.servicer import DrafterConfig
+    from drafter_service.servicer import serve as serve_drafter
+    from mirrorspec.v1 import drafter_pb2, drafter_pb2_grpc
+
+    server = BackgroundServer(lambda: serve_drafter(DrafterConfig(orphaned_session_ttl_s=ORPHAN_TTL_S))).start()
+    try:
+        stub = drafter_pb2_grpc.DrafterServiceStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
+        params = common_pb2.SamplingParams(temperature=0.0, max_new_tokens=50)
+        kept, abandoned = (stub.OpenSession(drafter_pb2.OpenDraftSessionRequest(
+            prompt_ids=[3, 1, 4, 3, 1], params=params)).session_id for _ in range(2))
+        for session in (kept, abandoned):
+            assert len(list(stub.DraftWindows(iter([drafter_pb2.DraftRequest(session_id=session, context_length=5,
+                                                                             k=2)])))) == 1
+        stub.Draft(drafter_pb2.DraftRequest(session_id=kept, context_length=5, k=2))
+        time.sleep(2 * ORPHAN_TTL_S)
+        assert stub.Info(common_pb2.InfoRequest()).open_sessions == 1
+    finally:
+        server.stop()
