@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Callable
 
 import ray
 
@@ -93,12 +94,28 @@ def deployed(name: str) -> bool:
 def drain_front_door(name: str, grace_s: float) -> None:
     """Deployment ``name``'s front door refuses new requests and lets those in flight finish, for up
     to ``grace_s``; ``teardown`` then stops the rest."""
-    front = ray.get_actor(f"{name}-front-door", namespace=CONTROLLER_NAMESPACE)
-    ray.get(front.drain.remote(grace_s), timeout=grace_s + 30)
+    try:
+        front = ray.get_actor(f"{name}-front-door", namespace=CONTROLLER_NAMESPACE)
+        ray.get(front.drain.remote(grace_s), timeout=grace_s + 30)
+    except (ValueError, ray.exceptions.RayActorError):  # gone: another stop tore the deployment down
+        return
 
 
 def teardown(controller) -> None:
+    """Stop every replica, then the controller. Two at once (a `mirrorspec stop` while `serve`
+    gets its own signal) both end well: the one whose controller the other killed finds it done."""
     try:
         ray.get(controller.shutdown.remote(), timeout=60)
+    except ray.exceptions.RayActorError:
+        pass  # killed by the other teardown, after its shutdown
     finally:
         ray.kill(controller, no_restart=True)
+
+
+def ask_controller(name: str, call: Callable):
+    """``call(controller)``'s result, for deployment ``name``; a deployment stopped meanwhile is
+    named as such, not as a Ray traceback (a `scale` that a `mirrorspec stop` overtook)."""
+    try:
+        return ray.get(call(find_controller(name)))
+    except ray.exceptions.RayActorError:
+        raise InvalidRequest(f"deployment {name!r} was stopped meanwhile (`mirrorspec stop`)", field="name") from None

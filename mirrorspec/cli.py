@@ -818,16 +818,14 @@ def cmd_scale(args: argparse.Namespace) -> int:
     from cluster.local_ray import use_announced_ray
 
     address = use_announced_ray(args.address, args.name)  # before Ray is imported
-    import ray
-
-    from cluster.deploy import connect, find_controller
+    from cluster.deploy import ask_controller, connect
 
     if args.replicas < (1 if args.pool == "target" else 0):
         raise InvalidRequest(f"the {args.pool} pool cannot go below {1 if args.pool == 'target' else 0} replicas, "
                              f"got {args.replicas}", field="replicas")
     check_finite_amount(args.wait, "wait")
     connect(address)
-    rows = ray.get(find_controller(args.name).scale.remote(args.pool, args.replicas, args.wait))
+    rows = ask_controller(args.name, lambda controller: controller.scale.remote(args.pool, args.replicas, args.wait))
     print(format_status(rows))
     serving = sum(r["pool"] == args.pool and r["state"] == "serving" for r in rows)
     if serving != args.replicas:
@@ -840,12 +838,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     from cluster.local_ray import use_announced_ray
 
     address = use_announced_ray(args.address, args.name)  # before Ray is imported
-    import ray
-
-    from cluster.deploy import connect, find_controller
+    from cluster.deploy import ask_controller, connect
 
     connect(address)
-    rows = ray.get(find_controller(args.name).status.remote())
+    rows = ask_controller(args.name, lambda controller: controller.status.remote())
     print(json.dumps(rows, indent=2) if args.json else format_status(rows))
     return 0
 

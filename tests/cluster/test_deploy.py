@@ -36,3 +36,52 @@ def test_serve_starts_a_local_ray_of_its_own_where_another_is_announced_and_stat
             assert not local_ray_file("killed").exists()
     finally:
         ray.shutdown()
+
+
+def test_two_teardowns_at_once_and_a_call_a_stop_overtakes_end_without_tracebacks(monkeypatch):
+    """`mirrorspec stop` while `serve` got its own signal ran two teardowns at once, and the one
+    whose controller the other killed raised ActorDiedError (serve exited 1); a `scale` that a stop
+    overtook printed the same traceback (both found in review)."""
+    import threading
+    import time
+
+    from cluster.deploy import ask_controller, drain_front_door, teardown
+    from cluster.spec import CONTROLLER_NAMESPACE
+    from mirrorspec.config import InvalidRequest
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+    @ray.remote(num_cpus=0, max_concurrency=4)
+    class SlowController:
+        def shutdown(self):
+            time.sleep(1.0)
+
+        def scale(self):
+            time.sleep(30.0)
+
+    connect(num_cpus=1)
+    try:
+        controller = SlowController.options(name="t-controller", namespace=CONTROLLER_NAMESPACE).remote()
+        errors = []
+
+        def tear():
+            try:
+                teardown(controller)
+            except Exception as err:  # noqa: BLE001
+                errors.append(err)
+
+        scaling = threading.Thread(target=lambda: errors.append(
+            pytest.raises(InvalidRequest, ask_controller, "t", lambda c: c.scale.remote())))
+        scaling.start()
+        time.sleep(0.5)
+        tearing = [threading.Thread(target=tear) for _ in range(2)]
+        for thread in tearing:  # the second's shutdown still runs when the first kills the controller
+            thread.start()
+            time.sleep(0.5)
+        for thread in (*tearing, scaling):
+            thread.join(timeout=60)
+        [overtaken] = errors  # neither teardown raised
+        assert "deployment 't' was stopped meanwhile" in str(overtaken.value)
+        drain_front_door("t", 1.0)  # nothing left to drain: returns
+    finally:
+        ray.shutdown()
