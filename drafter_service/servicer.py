@@ -82,6 +82,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         prompt = validate_prompt(request.prompt_ids, vocab_size, max_context, params, field="prompt_ids")
         session_id = self.sessions.open(DraftSession(SequenceState(prompt, params, int(request.seed)),
                                                      self._new_drafter(request.caller_looks_up), vocab_size))
+        self.sessions.orphan(session_id)  # until its first call (SessionStore)
         return drafter_pb2.OpenDraftSessionResponse(session_id=session_id)
 
     def _new_drafter(self, caller_looks_up: bool) -> Drafter:

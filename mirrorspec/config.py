@@ -391,9 +391,10 @@ class ReplicaConfig:
     port: int = 0
     max_sessions: int = 64
     session_ttl_s: float = 600.0
-    # a session whose window stream ended (a front door that crashed takes its connections with it)
-    # and that gets no call for this long is evicted (mirrorspec.serving.sessions)
-    orphaned_session_ttl_s: float = 30.0
+    # a session that gets no call this long after it opened, or after its window stream ended (a front
+    # door that crashed takes its connections with it), is evicted (mirrorspec.serving.sessions);
+    # well above the front door's window_timeout_s (30 s), so a slow window is not taken for a crash
+    orphaned_session_ttl_s: float = 60.0
     max_speculative_tokens: int = 16
     # a compute lane busy this long with one job (a forward, a collective) is wedged: the server then
     # answers its health check NOT_SERVING, and a supervisor (the Ray controller) replaces it. Above

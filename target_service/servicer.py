@@ -109,6 +109,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         session_id = self.sessions.open(session)
         if request.defer_prefill:  # the first Verify scores the prompt (its last chunk) with its window, in one pass
             session.prefill_deferred = True
+            self.sessions.orphan(session_id)  # until its first call (SessionStore)
             return target_pb2.OpenTargetSessionResponse(session_id=session_id)
         started = time.perf_counter()
         try:
@@ -117,6 +118,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         except BaseException:
             self.sessions.close(session_id)
             raise
+        self.sessions.orphan(session_id)  # prefilled: from now until its first call (SessionStore)
         return target_pb2.OpenTargetSessionResponse(session_id=session_id,
                                                     prefill_time_s=time.perf_counter() - started)
 

@@ -28,15 +28,17 @@ class _Entry(Generic[S]):
 
 
 class SessionStore(Generic[S]):
-    """``orphan_ttl_s``: how long a session whose window stream ended (its caller closed or
-    cancelled it, or the caller's process died and took the connection) stays without another
-    call. A live caller calls again at its next window, within milliseconds, or closes the
+    """``orphan_ttl_s``: how long a session stays without a call once it is opened, and once its
+    window stream ended (its caller closed or cancelled it, or the caller's process died and took
+    the connection). A live caller calls at its next window, within milliseconds, or closes the
     session; a front door that crashed never will, and its sessions held their slots for the whole
-    ``ttl_s`` (ten minutes), so a restarted front door found its replicas full."""
+    ``ttl_s`` (ten minutes), so a restarted front door found its replicas full. A live caller's
+    session evicted all the same (one idle longer, e.g. a drafter's while speculation is paused)
+    costs a reopen: the caller replays it from its token log on NOT_FOUND."""
 
     def __init__(self, max_sessions: int = 64, ttl_s: float = 600.0,
                  on_evict: Callable[[S], None] | None = None, clock: Callable[[], float] = time.monotonic,
-                 orphan_ttl_s: float = 30.0):
+                 orphan_ttl_s: float = 60.0):
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
         self.orphan_ttl_s = orphan_ttl_s
@@ -65,7 +67,7 @@ class SessionStore(Generic[S]):
         return entry.state
 
     def orphan(self, session_id: str) -> None:
-        """The session's window stream ended: unless a call comes for it within
+        """The session was just opened, or its window stream ended: unless a call comes for it within
         ``orphan_ttl_s``, it is evicted (a session already closed is left alone)."""
         entry = self._entries.get(session_id)
         if entry is not None:

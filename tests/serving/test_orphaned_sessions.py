@@ -83,8 +83,8 @@ def test_a_session_outlives_its_ended_stream_only_by_another_call(target):
     half-close, so either end leaves the session orphaned; the caller's next call keeps it."""
     stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(target))
     params = common_pb2.SamplingParams(temperature=0.0, max_new_tokens=50)
-    closed, cancelled, abandoned = (stub.OpenSession(target_pb2.OpenTargetSessionRequest(
-        prompt_ids=[3, 1, 4], params=params)).session_id for _ in range(3))
+    closed, cancelled, abandoned, never_called = (stub.OpenSession(target_pb2.OpenTargetSessionRequest(
+        prompt_ids=[3, 1, 4], params=params)).session_id for _ in range(4))
     for session in (closed, abandoned):
         assert len(list(stub.VerifyWindows(iter([target_pb2.VerifyRequest(session_id=session,
                                                                           context_length=3)])))) == 1
@@ -94,12 +94,13 @@ def test_a_session_outlives_its_ended_stream_only_by_another_call(target):
         stub.VerifyWindow(target_pb2.VerifyRequest(session_id=session, context_length=3))
     time.sleep(2 * ORPHAN_TTL_S)
     assert open_sessions(stub) == 2
-    with pytest.raises(grpc.RpcError) as gone:
-        stub.VerifyWindow(target_pb2.VerifyRequest(session_id=abandoned, context_length=3))
-    assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+    for session in (abandoned, never_called):  # a caller that died before its first window leaves one too
+        with pytest.raises(grpc.RpcError) as gone:
+            stub.VerifyWindow(target_pb2.VerifyRequest(session_id=session, context_length=3))
+        assert gone.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def test_a_drafter_session_whose_stream_ended_goes_too():
+def test_a_drafter_session_whose_stream_ended_or_that_was_never_called_goes_too():
     from drafter_service.servicer import DrafterConfig
     from drafter_service.servicer import serve as serve_drafter
     from mirrorspec.v1 import drafter_pb2, drafter_pb2_grpc
@@ -108,8 +109,9 @@ def test_a_drafter_session_whose_stream_ended_goes_too():
     try:
         stub = drafter_pb2_grpc.DrafterServiceStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
         params = common_pb2.SamplingParams(temperature=0.0, max_new_tokens=50)
-        kept, abandoned = (stub.OpenSession(drafter_pb2.OpenDraftSessionRequest(
-            prompt_ids=[3, 1, 4, 3, 1], params=params)).session_id for _ in range(2))
+        # never_called: opened while the front door's speculation was paused, say, and then it died
+        kept, abandoned, never_called = (stub.OpenSession(drafter_pb2.OpenDraftSessionRequest(
+            prompt_ids=[3, 1, 4, 3, 1], params=params)).session_id for _ in range(3))
         for session in (kept, abandoned):
             assert len(list(stub.DraftWindows(iter([drafter_pb2.DraftRequest(session_id=session, context_length=5,
                                                                              k=2)])))) == 1
