@@ -211,4 +211,5 @@ async def serve(config: DrafterConfig, loaded: LoadedModel | None = None):
     servicer = DrafterServicer(config, loaded, lane)
     service = Service(drafter_pb2_grpc.add_DrafterServiceServicer_to_server, servicer,
                       drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name)
-    return await start_grpc_server([service], config.host, config.port, stall_timeout_s=config.stall_timeout_s)
+    return await start_grpc_server([service], config.host, config.port, stall_timeout_s=config.stall_timeout_s,
+                                   keepalive_s=config.keepalive_s)

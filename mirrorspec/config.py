@@ -395,6 +395,9 @@ class ReplicaConfig:
     # door that crashed takes its connections with it), is evicted (mirrorspec.serving.sessions);
     # well above the front door's window_timeout_s (30 s), so a slow window is not taken for a crash
     orphaned_session_ttl_s: float = 60.0
+    # the server pings a caller's connection this often, and drops it unanswered this long after: a
+    # dead caller host's streams end, and their sessions are orphaned (serving.server.keepalive_options)
+    keepalive_s: float = 30.0
     max_speculative_tokens: int = 16
     # a compute lane busy this long with one job (a forward, a collective) is wedged: the server then
     # answers its health check NOT_SERVING, and a supervisor (the Ray controller) replaces it. Above
@@ -405,9 +408,9 @@ class ReplicaConfig:
         check_port(self.port)
         check_max_sessions(self.max_sessions)
         check_stall_timeout(self.stall_timeout_s)
-        if not (math.isfinite(self.orphaned_session_ttl_s) and self.orphaned_session_ttl_s > 0):
-            raise InvalidRequest(f"must be a finite number of seconds > 0, got {self.orphaned_session_ttl_s}",
-                                 field="orphaned_session_ttl_s")
+        for field in ("orphaned_session_ttl_s", "keepalive_s"):
+            if not (math.isfinite(getattr(self, field)) and getattr(self, field) > 0):
+                raise InvalidRequest(f"must be a finite number of seconds > 0, got {getattr(self, field)}", field=field)
 
 
 @dataclass(frozen=True)

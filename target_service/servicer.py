@@ -251,4 +251,5 @@ async def serve(config: TargetConfig, loaded: LoadedModel | None = None,
     servicer = TargetServicer(loaded, config, new_session, lane, lens)
     service = Service(target_pb2_grpc.add_TargetServiceServicer_to_server, servicer,
                       target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name)
-    return await start_grpc_server([service], config.host, config.port, stall_timeout_s=config.stall_timeout_s)
+    return await start_grpc_server([service], config.host, config.port, stall_timeout_s=config.stall_timeout_s,
+                                   keepalive_s=config.keepalive_s)

@@ -113,12 +113,26 @@ def port_refused(host: str, port: int, why: str, field: str = "port") -> Invalid
     return InvalidRequest(f"cannot listen on {host}:{port}: {why}; pick another port, or 0 for a free one", field=field)
 
 
+def keepalive_options(keepalive_s: float) -> list[tuple[str, int]]:
+    """The server pings each connection that has calls open every ``keepalive_s``, and drops one
+    whose peer does not answer within ``keepalive_s``: a caller's host that died or was cut off
+    sends no FIN, so without pings its window streams (and, through them, its sessions: see
+    ``SessionStore``) stayed open until TCP gave up, hours later. Pings without data in between
+    are unlimited and as frequent (gRPC's defaults: two, then one per five minutes): a front
+    door's open stream between two requests carries no data."""
+    ms = int(keepalive_s * 1000)
+    return [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms),
+            ("grpc.http2.max_pings_without_data", 0), ("grpc.http2.min_sent_ping_interval_without_data_ms", ms),
+            ("grpc.http2.min_time_between_pings_ms", ms), ("grpc.http2.ping_timeout_ms", ms)]
+
+
 async def start_grpc_server(services: list[Service], host: str, port: int,
-                            stall_timeout_s: float | None = None) -> RunningServer:
+                            stall_timeout_s: float | None = None, keepalive_s: float = 30.0) -> RunningServer:
     """``stall_timeout_s``: the health check answers NOT_SERVING while a servicer's compute lane
     has been on one job that long, or while a servicer's ``unready()`` says why it cannot serve
-    (``watch_health``)."""
-    server = grpc.aio.server(interceptors=[ExceptionToStatusInterceptor()], options=SERVER_OPTIONS)
+    (``watch_health``). ``keepalive_s``: ``keepalive_options``."""
+    server = grpc.aio.server(interceptors=[ExceptionToStatusInterceptor()],
+                             options=[*SERVER_OPTIONS, *keepalive_options(keepalive_s)])
     for service in services:
         service.add_to_server(service.servicer, server)
     health_servicer = health.aio.HealthServicer()

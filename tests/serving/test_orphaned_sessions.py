@@ -120,3 +120,27 @@ def test_a_drafter_session_whose_stream_ended_or_that_was_never_called_goes_too(
         assert stub.Info(common_pb2.InfoRequest()).open_sessions == 1
     finally:
         server.stop()
+
+
+def test_a_caller_that_stops_answering_is_dropped_by_keepalive_and_its_session_goes(tiny_dir):
+    """A caller's host that dies or is cut off sends no FIN, so its connection stayed open and its
+    session lived on; a stopped process stands in for it here (it answers no HTTP/2 ping)."""
+    config = TargetConfig(model=str(tiny_dir["target16"]), orphaned_session_ttl_s=ORPHAN_TTL_S, keepalive_s=0.5)
+    server = BackgroundServer(lambda: serve(config, load_causal_lm(str(tiny_dir["target16"]), tokenizer=False)))
+    server.start()
+    address = f"127.0.0.1:{server.port}"
+    stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(address))
+    caller = subprocess.Popen([sys.executable, "-c", CALLER, address], stdout=subprocess.PIPE, text=True)
+    try:
+        assert caller.stdout.readline().strip() and open_sessions(stub) == 1
+        time.sleep(3)
+        assert open_sessions(stub) == 1  # alive: it answers the pings
+        caller.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 20
+        while open_sessions(stub) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert open_sessions(stub) == 0
+    finally:
+        caller.kill()
+        caller.wait(timeout=30)
+        server.stop()
