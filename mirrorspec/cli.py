@@ -604,7 +604,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         check_local_ray_fits(args, spec)
     import ray
 
-    from cluster.deploy import connect, deploy, drain_front_door, teardown
+    from cluster.deploy import connect, deploy
     from cluster.local_ray import announced_local_ray
 
     with interrupted_by_termination():  # a stop while replicas start tears the deployment down
@@ -625,9 +625,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if not _wait_for_stop(lambda: _stopped_elsewhere(spec.name)):
             print(f"mirrorspec: deployment {spec.name!r} was stopped (`mirrorspec stop`)", flush=True)
             return 0
-        _finish_in_flight(lambda: drain_front_door(spec.name, args.shutdown_grace), args.shutdown_grace)
-    teardown(controller)
+        _drain_and_tear_down(spec.name, controller, args.shutdown_grace)
     return 0
+
+
+def _drain_and_tear_down(name: str, controller, grace_s: float) -> None:
+    """How a deployment on Ray stops, from `serve` or `stop`: its front door drains for up to
+    ``grace_s`` (a second Ctrl-C ends that), then every replica and the controller go."""
+    from cluster.deploy import drain_front_door, teardown
+
+    _finish_in_flight(lambda: drain_front_door(name, grace_s), grace_s)
+    teardown(controller)
 
 
 def _stack_spec(args: argparse.Namespace, target_gpus: float):
@@ -866,12 +874,10 @@ def cmd_stop(args: argparse.Namespace) -> int:
     from cluster.local_ray import use_announced_ray
 
     address = use_announced_ray(args.address, args.name)  # before Ray is imported
-    from cluster.deploy import connect, drain_front_door, find_controller, teardown
+    from cluster.deploy import connect, find_controller
 
     connect(address)
-    controller = find_controller(args.name)
-    _finish_in_flight(lambda: drain_front_door(args.name, args.shutdown_grace), args.shutdown_grace)
-    teardown(controller)
+    _drain_and_tear_down(args.name, find_controller(args.name), args.shutdown_grace)
     print(f"mirrorspec: deployment {args.name!r} stopped", flush=True)
     return 0
 

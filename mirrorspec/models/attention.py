@@ -18,9 +18,10 @@ same, so the logits are bit for bit those of ``sdpa`` (``tests/models/test_atten
 greedy output stays token-identical to target-only decoding. Everything else goes to
 transformers' own function unchanged: no mask (a prefill, a one-token step), one query row
 (``sdpa`` already reads grouped heads there, by folding them into the query, and a different
-layout would round differently), position bias, softcapping, dropout. It is for CPU only: on CUDA a mask with grouped heads sends SDPA to its slow math
-kernel, so GPU models keep ``sdpa``. And only for the model types listed below, whose code does
-not branch on the implementation's name.
+layout would round differently), position bias, softcapping, dropout. It is for CPU only: on
+CUDA a mask with grouped heads sends SDPA to its slow math kernel, so GPU models keep ``sdpa``.
+And only for the model types listed below, whose code does not branch on the implementation's
+name.
 """
 
 from __future__ import annotations
