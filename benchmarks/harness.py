@@ -277,9 +277,10 @@ def _served(client, ids: list[int], params: SamplingParams, k: int, seed: int) -
                            stop_token_ids=list(params.stop_token_ids))
     wall = time.perf_counter() - started
     s = done.stats
+    # committed: what the windows gave the output, as in process (the table's tokens per pass)
     stats = GenerationStats(windows=s.windows, drafted=s.drafted, accepted=s.accepted, rejected=s.rejected,
                             draft_time_s=s.draft_time_s, verify_time_s=s.verify_time_s,
-                            runner_up_hits=s.runner_up_hits)
+                            runner_up_hits=s.runner_up_hits, committed=len(done.token_ids))
     return RunOutput(list(done.token_ids), wall, done.finish_reason, stats)
 
 

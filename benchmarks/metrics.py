@@ -78,7 +78,7 @@ def _spec_fields(stats: list[dict], k: int) -> dict:
     draft_time = sum(s["draft_time_s"] for s in stats)
     mirror_windows = sum(s.get("mirror_windows", 0) for s in stats)
     runner_up_hits = sum(s.get("runner_up_hits", 0) for s in stats)  # tokens kept beside the chain's drafts
-    # committed tokens (a stop token cuts its window; records of the served path carry no count)
+    # committed tokens (a stop token cuts its window; records written before served rows counted them carry none)
     committed = sum(s.get("committed", s["accepted"] + s.get("runner_up_hits", 0) + s["windows"]) for s in stats)
     out: dict = {"mean_accepted_length": committed / windows if windows else None,
                  "verify_s_per_window": _verify_per_window(stats),
