@@ -38,47 +38,37 @@ def measure(model: torch.nn.Module, context: list[int], max_k: int, reps: int,
             vocab_ids: torch.Tensor | None = None) -> dict[int, float]:
     """Median seconds of a pass over k + 1 tokens, for k = 0..max_k (``vocab_ids``: a draft's
     sub-vocabulary head, as it drafts)."""
-    return measure_implementations(model, context, max_k, reps, (None,), vocab_ids)[None]
+    return measure_implementations(model, context, max_k, reps, (None,), vocab_ids)[0][None]
 
 
 def measure_implementations(model: torch.nn.Module, context: list[int], max_k: int, reps: int,
-                            implementations: tuple[str | None, ...],
-                            vocab_ids: torch.Tensor | None = None) -> dict[str | None, dict[int, float]]:
+                            implementations: tuple[str | None, ...], vocab_ids: torch.Tensor | None = None
+                            ) -> tuple[dict[str | None, dict[int, float]], bool]:
     """``measure`` on each attention implementation (None: the model's own), interleaved pass by
-    pass so that a slow stretch of a shared machine hits them all alike."""
+    pass so that a slow stretch of a shared machine hits them all alike; and whether every
+    implementation gave the same logits, bit for bit, on the same pass."""
     session = KVSession(model, vocab_ids)
     session.logits_for(context, 1)  # prefill once
     times = {name: {k: [] for k in range(max_k + 1)} for name in implementations}
+    same = True
     drafts = [context[i % len(context)] for i in range(max_k)]
     sync = torch.cuda.synchronize if session.device.type == "cuda" else (lambda: None)
     for _ in range(reps):
         for k in range(max_k + 1):
+            first = None
             for name in implementations:
                 if name is not None:
                     model.set_attn_implementation(name)
                 sync()
                 started = time.perf_counter()
-                session.logits_for(context + drafts[:k], k + 1)
+                logits = session.logits_for(context + drafts[:k], k + 1)
                 sync()
                 times[name][k].append(time.perf_counter() - started)
                 session.rollback(len(context) - 1)  # the next call re-feeds the last context token too
-    return {name: {k: statistics.median(v) for k, v in by_k.items()} for name, by_k in times.items()}
-
-
-def same_logits(model: torch.nn.Module, context: list[int], max_k: int, *implementations: str) -> bool:
-    """Whether every pass of ``measure`` gives the same logits, bit for bit, on each implementation."""
-    outputs = []
-    for implementation in implementations:
-        model.set_attn_implementation(implementation)
-        session = KVSession(model)
-        session.logits_for(context, 1)
-        drafts = [context[i % len(context)] for i in range(max_k)]
-        passes = []
-        for k in range(max_k + 1):
-            session.rollback(len(context) - 1)
-            passes.append(session.logits_for(context + drafts[:k], k + 1).clone())
-        outputs.append(passes)
-    return all(torch.equal(a, b) for other in outputs[1:] for a, b in zip(outputs[0], other, strict=True))
+                first = logits if first is None else first
+                same = same and torch.equal(logits, first)
+    medians = {name: {k: statistics.median(v) for k, v in by_k.items()} for name, by_k in times.items()}
+    return medians, same
 
 
 def table(medians: dict[int, float]) -> tuple[float, ...]:
@@ -109,10 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = {"plain": measure(target.model, context, args.max_k, args.reps)}
     if prepack_linears(target.model):
         if target.model.config._attn_implementation == ATTENTION:  # and on transformers' own sdpa, side by side
-            both = measure_implementations(target.model, context, args.max_k, args.reps, (ATTENTION, "sdpa"))
+            both, same = measure_implementations(target.model, context, args.max_k, args.reps, (ATTENTION, "sdpa"))
             runs["prepacked"], runs["transformers sdpa"] = both[ATTENTION], both["sdpa"]
-            print(f"{ATTENTION} logits bit-identical to sdpa's: "
-                  f"{same_logits(target.model, context, args.max_k, ATTENTION, 'sdpa')}")
+            print(f"{ATTENTION} logits bit-identical to sdpa's on every timed pass: {same}")
         else:
             runs["prepacked"] = measure(target.model, context, args.max_k, args.reps)
     for k in range(args.max_k + 1):

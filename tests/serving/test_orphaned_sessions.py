@@ -37,7 +37,8 @@ CALLER = textwrap.dedent("""
 
 @pytest.fixture
 def target(tiny_dir):
-    config = TargetConfig(model=str(tiny_dir["target16"]), orphaned_session_ttl_s=ORPHAN_TTL_S)
+    """A target that pings its callers every 0.5 s (a live caller answers; ``keepalive_s``)."""
+    config = TargetConfig(model=str(tiny_dir["target16"]), orphaned_session_ttl_s=ORPHAN_TTL_S, keepalive_s=0.5)
     loaded = load_causal_lm(str(tiny_dir["target16"]), tokenizer=False)
     server = BackgroundServer(lambda: serve(config, loaded)).start()
     yield f"127.0.0.1:{server.port}"
@@ -46,6 +47,14 @@ def target(tiny_dir):
 
 def open_sessions(stub) -> int:
     return stub.Info(common_pb2.InfoRequest()).open_sessions  # Info evicts what has expired
+
+
+def until_no_sessions(stub, within_s: float) -> int:
+    """Open sessions once none are left, or ``within_s`` has passed."""
+    deadline = time.monotonic() + within_s
+    while open_sessions(stub) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return open_sessions(stub)
 
 
 def test_the_sessions_of_a_killed_caller_are_evicted_after_the_orphan_ttl(target):
@@ -59,10 +68,7 @@ def test_the_sessions_of_a_killed_caller_are_evicted_after_the_orphan_ttl(target
     finally:
         caller.send_signal(signal.SIGKILL)
         caller.wait(timeout=30)
-    deadline = time.monotonic() + 10
-    while open_sessions(stub) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert open_sessions(stub) == 0
+    assert until_no_sessions(stub, within_s=10) == 0
     with pytest.raises(grpc.RpcError) as gone:
         stub.VerifyWindow(target_pb2.VerifyRequest(session_id=session, context_length=3))
     assert gone.value.code() == grpc.StatusCode.NOT_FOUND
@@ -122,25 +128,17 @@ def test_a_drafter_session_whose_stream_ended_or_that_was_never_called_goes_too(
         server.stop()
 
 
-def test_a_caller_that_stops_answering_is_dropped_by_keepalive_and_its_session_goes(tiny_dir):
+def test_a_caller_that_stops_answering_is_dropped_by_keepalive_and_its_session_goes(target):
     """A caller's host that dies or is cut off sends no FIN, so its connection stayed open and its
     session lived on; a stopped process stands in for it here (it answers no HTTP/2 ping)."""
-    config = TargetConfig(model=str(tiny_dir["target16"]), orphaned_session_ttl_s=ORPHAN_TTL_S, keepalive_s=0.5)
-    server = BackgroundServer(lambda: serve(config, load_causal_lm(str(tiny_dir["target16"]), tokenizer=False)))
-    server.start()
-    address = f"127.0.0.1:{server.port}"
-    stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(address))
-    caller = subprocess.Popen([sys.executable, "-c", CALLER, address], stdout=subprocess.PIPE, text=True)
+    stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(target))
+    caller = subprocess.Popen([sys.executable, "-c", CALLER, target], stdout=subprocess.PIPE, text=True)
     try:
         assert caller.stdout.readline().strip() and open_sessions(stub) == 1
         time.sleep(3)
         assert open_sessions(stub) == 1  # alive: it answers the pings
         caller.send_signal(signal.SIGSTOP)
-        deadline = time.monotonic() + 20
-        while open_sessions(stub) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert open_sessions(stub) == 0
+        assert until_no_sessions(stub, within_s=20) == 0
     finally:
         caller.kill()
         caller.wait(timeout=30)
-        server.stop()
