@@ -175,7 +175,7 @@ class FrontDoor:
             target=",".join(members["target"]), drafter=",".join(members["drafter"]) or None, host=spec.host,
             port=spec.port, num_speculative_tokens=spec.num_speculative_tokens, adaptive=spec.adaptive,
             mirror=spec.mirror, metrics_port=spec.metrics_port, speculation_off_above=spec.speculation_off_above,
-            runner_up=spec.runner_up)
+            runner_up=spec.runner_up, windows_on_target=spec.windows_on_target)
         self.server = None
         self.host = spec.host
         self._version = version

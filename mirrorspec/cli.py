@@ -208,6 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--no-runner-up", action="store_true",
                      help="verify chains only. By default windows also offer the targets the draft's runner-up "
                           "for their first draft, in the same pass (same output distribution)")
+    srv.add_argument("--windows-on-target", action="store_true",
+                     help="serial windows run on the targets, which ask the drafters for drafts themselves: one "
+                          "round trip per window instead of two through the front door (the drafters run their "
+                          "own prompt lookup; mirror and --adaptive windows stay at the front door)")
     srv.add_argument("--mirror", action="store_true",
                      help="by default, draft the next window's likely branches while the target verifies "
                           "(a request's `mirror` field overrides; the output is the same either way)")
@@ -650,7 +654,7 @@ def _stack_spec(args: argparse.Namespace, target_gpus: float):
                      threads=args.threads or 1, dtype=args.dtype, device=args.device,
                      num_speculative_tokens=args.k, adaptive=AdaptiveKConfig() if args.adaptive else None,
                      mirror=MirrorConfig() if args.mirror else None, runner_up=not args.no_runner_up,
-                     hint_layer=args.hint_layer,
+                     windows_on_target=args.windows_on_target, hint_layer=args.hint_layer,
                      hint_vocab=args.hint_vocab, hint_lens=args.hint_lens,
                      speculation_off_above=args.speculation_off_above,
                      proposal_top_k=args.proposal_top_k, prompt_lookup=args.prompt_lookup,
@@ -812,7 +816,8 @@ def _serve_in_process(args: argparse.Namespace) -> int:
                                   metrics_port=args.metrics_port,
                                   adaptive=AdaptiveKConfig() if args.adaptive else None,
                                   mirror=MirrorConfig() if args.mirror else None,
-                                  speculation_off_above=args.speculation_off_above, runner_up=not args.no_runner_up)
+                                  speculation_off_above=args.speculation_off_above, runner_up=not args.no_runner_up,
+                                  windows_on_target=args.windows_on_target)
     where = f"{target.model.device} in {target.dtype_name}"  # what auto chose
     print(f"mirrorspec: serving on {args.host}:{stack.front.port} (in-process; target {args.target} on {where}, "
           f"draft {args.draft}, K={args.k}{' mirror' if args.mirror else ''}); Ctrl-C stops", flush=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
@@ -166,6 +166,7 @@ class GenerationStats:
     draft_time_off_path_s: float = 0.0  # branch drafting that overlapped a verify
     runner_up_hits: int = 0  # windows whose first slot went to the drafter's runner-up
     committed: int = 0  # tokens the windows committed (a stop token cuts the window it falls in)
+    windows_on_target: int = 0  # served: windows the target ran, asking the drafter itself
     # the first window's verify, which prefills the prompt too: per-window costs leave it out
     first_verify_time_s: float = 0.0
     # (what, start, end) in perf_counter seconds, what = draft | verify | branches; None = not kept
@@ -187,6 +188,14 @@ class GenerationStats:
         for i in range(num_drafted):
             self.drafted_per_position[i] += 1
             self.accepted_per_position[i] += int(i < num_accepted)
+
+    def record_window(self, num_drafted: int, verdict: WindowVerdict, num_committed: int,
+                      verify_time_s: float) -> None:
+        self.verify_time_s += verify_time_s
+        self.first_verify_time_s = self.first_verify_time_s or verify_time_s
+        self.record(num_drafted, verdict.drafts_accepted)
+        self.runner_up_hits += verdict.runner_up is not None
+        self.committed += num_committed
 
     @property
     def acceptance_rate(self) -> float:
@@ -320,28 +329,28 @@ def decode_windows(
             ended = time.perf_counter()
             verify_time = ended - started
             stats.span("verify", started, ended)
-        stats.verify_time_s += verify_time
-        stats.first_verify_time_s = stats.first_verify_time_s or verify_time
-        stats.record(len(proposal), verdict.drafts_accepted)
         if policy:
             policy.observe(len(proposal), verdict.drafts_accepted)
         last = verdict
 
-        tokens = [*verdict.accepted_tokens(proposal.tokens), verdict.next_token]
-        stats.runner_up_hits += verdict.runner_up is not None
-        finish = None
-        for i, token in enumerate(tokens):
-            if token in stop:
-                tokens, finish = tokens[:i + 1], "stop"
-                break
+        tokens, finish = window_tokens(verdict, proposal, stop, produced, params.max_new_tokens)
+        stats.record_window(len(proposal), verdict, len(tokens), verify_time)
         produced += len(tokens)
-        stats.committed += len(tokens)
-        if finish is None and produced >= params.max_new_tokens:
-            finish = "length"
         context += tokens
         yield WindowEvent(tokens, len(proposal), verdict.num_accepted, verdict.next_kind, finish)
         if finish:
             return
+
+
+def window_tokens(verdict: WindowVerdict, proposal: Proposal, stop: Collection[int], produced: int,
+                  max_new_tokens: int) -> tuple[list[int], str | None]:
+    """The tokens a window commits (its accepted drafts, then the next token), cut after a stop
+    token, and why the request finishes with them, if it does."""
+    tokens = [*verdict.accepted_tokens(proposal.tokens), verdict.next_token]
+    for i, token in enumerate(tokens):
+        if token in stop:
+            return tokens[:i + 1], "stop"
+    return tokens, "length" if produced + len(tokens) >= max_new_tokens else None
 
 
 def window_policy(spec: SpeculationConfig, drafter: Drafter | None) -> AdaptiveK | None:

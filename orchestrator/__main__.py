@@ -23,6 +23,9 @@ parser.add_argument("--no-front-door-lookup", action="store_true",
                          "and call a drafter only where lookup finds nothing)")
 parser.add_argument("--runner-up", action="store_true",
                     help="windows also offer the targets the draft's runner-up for their first draft")
+parser.add_argument("--windows-on-target", action="store_true",
+                    help="serial windows run on the targets, which ask the drafters for drafts themselves: one "
+                         "round trip per window instead of two through here")
 parser.add_argument("--metrics-port", type=int, default=None)
 parser.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                     help="on SIGTERM, SIGHUP or Ctrl-C, refuse new requests and give those in flight this long to finish "
@@ -35,7 +38,8 @@ try:
                                 adaptive=AdaptiveKConfig() if args.adaptive else None,
                                 mirror=MirrorConfig() if args.mirror else None,
                                 speculation_off_above=args.speculation_off_above,
-                                front_door_lookup=not args.no_front_door_lookup, runner_up=args.runner_up)
+                                front_door_lookup=not args.no_front_door_lookup, runner_up=args.runner_up,
+                                windows_on_target=args.windows_on_target)
 except InvalidRequest as err:
     refuse_setting(parser, err, {"num_speculative_tokens": "--k"})
 run_until_terminated(lambda: serve(config), "orchestrator", parser, grace_s=args.shutdown_grace)

@@ -27,12 +27,12 @@ from mirrorspec.models.early_exit import EarlyExitHint
 from mirrorspec.sampling import WindowVerdict
 from mirrorspec.serving.errors import SessionLimitReached
 from mirrorspec.serving.convert import (
-    TOKEN_KIND_FROM_PROTO,
     hint_from_proto,
     params_to_proto,
     proposal_from_proto,
     proposal_to_proto,
     ranked_from_proto,
+    verdict_from_proto,
 )
 from mirrorspec.v1 import common_pb2, drafter_pb2, target_pb2
 from orchestrator.pool import NoReplicaAvailable, Replica, ReplicaPool
@@ -92,6 +92,9 @@ class PooledSession:
         self.session_id: str | None = None
         self.held: list[int] = []  # the context the remote session holds
         self.moves = 0  # reopenings after the first open
+        # the session may hold tokens past ``held`` (a target running the windows sent it more than
+        # it reported before its run broke off): the next call says how many to keep
+        self.may_hold_more = False
         self.streams = True  # window calls go as messages on a stream (until a replica predates that)
         self._stream: WindowStream | None = None  # on ``self.replica``; a move closes it
 
@@ -174,7 +177,7 @@ class PooledSession:
                 prefills = self.prefill_pending or len(commit) > self.prefill_free_tokens
                 self.call_timeout_s = self.timeout_s if prefills else self.window_timeout_s
                 result = rpc(self.replica, self.session_id, keep, commit)
-                self.prefill_pending = False
+                self.prefill_pending = self.may_hold_more = False
             except grpc.RpcError as err:
                 if self.pool.closed:  # the front door stopped, cancelling its calls: no replica failed
                     raise
@@ -225,7 +228,7 @@ class PooledSession:
     def move(self, context: Sequence[int]) -> None:
         self.let_go()
         self.moves += 1
-        self.prefill_pending = False  # a reopened session prefills in its open
+        self.prefill_pending = self.may_hold_more = False  # a reopened session prefills in its open
         self.open(context)
 
     def let_go(self, wait: bool = True) -> None:
@@ -432,7 +435,7 @@ class RemoteDrafter(Drafter):
             request = drafter_pb2.DraftRequest(session_id=session_id, commit_tokens=commit,
                                                context_length=len(context), k=k, branch_tokens=branch_tokens or (),
                                                branch_forks=fork_points or ())
-            if keep < len(self.session.held):
+            if keep < len(self.session.held) or self.session.may_hold_more:
                 request.keep = keep
             if method == "Draft":
                 response = self.session.stream_call(replica, "DraftWindows", request)
@@ -451,13 +454,16 @@ class RemoteDrafter(Drafter):
         try:
             return fn()
         except (grpc.RpcError, InvalidRequest, NoReplicaAvailable, SessionLimitReached) as err:
-            detail = _describe(err)
-            timed_out = isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            if timed_out and self.session.replica is not None:
-                self._report_timeout(self.session.replica)
-            retry_after = self._turn_off(detail)
-            log.warning("drafter failed (%s); continuing target-only, drafting again in %.3g s", detail, retry_after)
+            self.failed(_describe(err), isinstance(err, grpc.RpcError)
+                        and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED)
             return None
+
+    def failed(self, detail: str, timed_out: bool) -> None:
+        """A draft call failed (here, or made by a target running the windows): drafting turns off."""
+        if timed_out and self.session.replica is not None:
+            self._report_timeout(self.session.replica)
+        retry_after = self._turn_off(detail)
+        log.warning("drafter failed (%s); continuing target-only, drafting again in %.3g s", detail, retry_after)
 
     def _turn_off(self, why: str) -> float:
         """Drafting off until the retry time. The session is let go now, without waiting for a
@@ -526,6 +532,7 @@ class RemoteVerifier(PooledSession):
         self.defer_prefill = defer_prefill
         self.runner_up = runner_up  # offer the drafter's runner-up for windows' first drafts
         self._unary = True  # windows without hints go by VerifyWindow (until a replica lacks it)
+        self.runs_windows = True  # the replicas take RunWindows (orchestrator.direct; until one lacks it)
         self.open(prompt)
         self.prefill_pending, self.defer_prefill = defer_prefill, False
 
@@ -561,9 +568,7 @@ class RemoteVerifier(PooledSession):
         verdict = self.call(context, rpc)
         self.times.call_s += time.perf_counter() - started
         self.times.server_s += verdict.verify_time_s
-        return WindowVerdict(num_accepted=verdict.num_accepted, next_token=verdict.next_token,
-                             next_kind=TOKEN_KIND_FROM_PROTO[verdict.next_kind],
-                             runner_up=verdict.runner_up if verdict.HasField("runner_up") else None)
+        return verdict_from_proto(verdict)
 
     def offered_runner_up(self, proposal: Proposal) -> int | None:
         return runner_up_to_offer(self.runner_up, proposal)

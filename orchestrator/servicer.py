@@ -37,6 +37,7 @@ from mirrorspec.v1 import (
     generation_pb2_grpc,
     target_pb2_grpc,
 )
+from orchestrator.direct import windows_on_target
 from orchestrator.lookup import FrontDoorNgram, front_door_drafter, looks_up_whole_window
 from orchestrator.metrics import SpecDecodeMetrics
 from orchestrator.pool import NoReplicaAvailable, ReplicaPool, parse_addresses
@@ -87,6 +88,11 @@ class OrchestratorConfig:
     # windows also offer the targets the drafter's runner-up for their first draft, in the same
     # pass (TargetVerifier); mirror requests too (a runner-up's win has branches of its own)
     runner_up: bool = False
+    # serial windows run on the target, which asks the drafter for each window's drafts itself:
+    # one round trip per window instead of two through here (orchestrator.direct). Mirror, adaptive
+    # K, timelines and a speculation_off_above limit keep their windows here. The drafter replicas
+    # then run their own prompt lookup (front_door_lookup applies to n-gram pools only).
+    windows_on_target: bool = False
 
     def __post_init__(self) -> None:
         check_port(self.port)
@@ -337,9 +343,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if cancelled.is_set():  # the client left during the prefill
                 outcome.finish_reason = "cancelled"
                 return
-            for event in decode_windows(drafter, verifier, prepared.prompt, prepared.params, prepared.spec,
+            if self._on_target(prepared) and opened is not None:
+                events = windows_on_target(remote, drafter, verifier, prepared.prompt, prepared.params, prepared.spec,
+                                           prepared.seed, outcome.stats, self.config.runner_up)
+            else:
+                events = decode_windows(drafter, verifier, prepared.prompt, prepared.params, prepared.spec,
                                         prepared.seed, outcome.stats, pipeline,
-                                        opened.drafted_ahead if opened is not None else None):
+                                        opened.drafted_ahead if opened is not None else None)
+            for event in events:
                 if cancelled.is_set():
                     outcome.finish_reason = "cancelled"
                     return
@@ -380,9 +391,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                                draft_vocab=drafter_vocabulary(self.drafter_info, self.vocab_size),
                                timeout_s=min(self.config.drafter_timeout_s, timeout / 2),
                                step_cost=replica_step_cost(self.drafter_info), paused=self._saturated,
-                               caller_lookup=self._lookup_here())
+                               caller_lookup=self._lookup_here(prepared))
         drafter = front_door_drafter(remote)
-        return OpenedDrafter(remote, drafter, self._draft_ahead(prepared, drafter))
+        # windows on the target draft there: nothing to draft ahead here
+        return OpenedDrafter(remote, drafter, None if self._on_target(prepared) else self._draft_ahead(prepared, drafter))
 
     @staticmethod
     def _draft_ahead(prepared: PreparedRequest, drafter: Drafter) -> tuple[int, Proposal] | None:
@@ -393,11 +405,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         """An n-gram pool's strategy is lookup alone, which the front door runs on its token log."""
         return self.config.front_door_lookup and self.drafter_info.strategy == "ngram"
 
-    def _lookup_here(self) -> int:
+    def _lookup_here(self, prepared: PreparedRequest) -> int:
         """The min match of the prompt lookup this front door runs for its draft-model replicas
         (their own ``prompt_lookup``); 0 where it runs none."""
-        lookup_here = self.config.front_door_lookup and self.drafter_info.strategy == "draft-model"
+        lookup_here = (self.config.front_door_lookup and self.drafter_info.strategy == "draft-model"
+                       and not self._on_target(prepared))
         return self.drafter_info.prompt_lookup if lookup_here else 0
+
+    def _on_target(self, prepared: PreparedRequest) -> bool:
+        """Whether the request's windows run on the target (``windows_on_target``): serial
+        windows of a draft-model pool, with no saturation limit to pause drafting."""
+        return (self.config.windows_on_target and prepared.spec.num_speculative_tokens > 0
+                and prepared.mirror is None and not prepared.spec.adaptive and not prepared.timeline
+                and self.config.speculation_off_above is None and self._describe_drafters() is not None
+                and not self._ngram_here())
 
     def _first_window_ready_at_once(self, prepared: PreparedRequest) -> bool:
         """Whether the first window needs no drafter call: it has no drafts (no speculation, no
@@ -412,7 +433,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if spec.adaptive:
             return False
         k = first_window_k(spec, prepared.params, None)
-        min_match = self._lookup_here()
+        min_match = self._lookup_here(prepared)
         return k <= 0 or (min_match > 0 and looks_up_whole_window(min_match, prepared.prompt, k))
 
     def _saturated(self) -> bool:
@@ -460,7 +481,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             mirror_windows=s.mirror_windows, branches_drafted=s.branches_drafted, branch_hits=s.branch_hits,
             branch_hit_rate=s.branch_hit_rate, draft_time_off_path_s=s.draft_time_off_path_s,
             mean_k=s.drafted / s.windows if s.windows else 0.0, speculation_paused_windows=outcome.paused_windows,
-            runner_up_hits=s.runner_up_hits,
+            runner_up_hits=s.runner_up_hits, windows_on_target=s.windows_on_target,
             timeline=[generation_pb2.TimelineSpan(what=what, start_s=start - outcome.started,
                                                   end_s=end - outcome.started) for what, start, end in s.timeline or ()],
             total_time_s=time.perf_counter() - outcome.started)

@@ -16,11 +16,12 @@ from mirrorspec.config import (
     InvalidRequest,
     OutOfRange,
     ReplicaConfig,
+    check_address,
     check_prefill_chunk,
 )
 from mirrorspec.drafting import Proposal
 from mirrorspec.drafting.draft_model import hint_vocabulary
-from mirrorspec.engine import TargetVerifier, validate_prompt
+from mirrorspec.engine import TargetVerifier, capped_k, runner_up_to_offer, validate_prompt, window_tokens
 from mirrorspec.models import KVSession, LoadedModel, LogitSession, load_causal_lm
 from mirrorspec.models.early_exit import EarlyExitProbe
 from mirrorspec.models.lens import LensRecipe, TunedLens, tuned_lens
@@ -37,6 +38,7 @@ from mirrorspec.serving.convert import (
 from mirrorspec.serving.server import ComputeLane, Service, start_grpc_server
 from mirrorspec.serving.sessions import SequenceState, SessionStore, orphaned_at_end
 from mirrorspec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from target_service.run_windows import DEFAULT_DRAFT_TIMEOUT_S, DraftCallFailed, DrafterLinks, DraftStream
 
 logger = logging.getLogger(__name__)
 
@@ -94,10 +96,15 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             config.max_sessions, config.session_ttl_s, on_evict=lambda s: self.lane.later(s.verifier.session.close),
             orphan_ttl_s=config.orphaned_session_ttl_s)
         self.lane = lane or ComputeLane("target-compute")
+        self.drafters = DrafterLinks()  # for RunWindows
 
     def close(self) -> None:
         """After the server stopped: the compute lane's thread."""
         self.lane.shutdown()
+
+    async def aclose(self) -> None:
+        """After the server stopped, on its event loop: the channels to drafters."""
+        await self.drafters.close()
 
     async def OpenSession(self, request, context):
         # max_new_tokens only feeds the context check here; unset means "the prompt must fit"
@@ -161,6 +168,73 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             async for request in requests:
                 streamed.session_id = request.session_id
                 yield await self.VerifyWindow(request, context)
+
+    async def RunWindows(self, request, context):
+        """The session's windows, each drafted by the request's drafter session (run_windows)."""
+        session = self.sessions.get(request.session_id)
+        if not 1 <= request.k <= self.config.max_speculative_tokens:
+            raise OutOfRange(f"k must be in [1, {self.config.max_speculative_tokens}] (this target's "
+                             f"max_speculative_tokens), got {request.k}", field="k")
+        if request.max_new_tokens < 1:
+            raise OutOfRange("max_new_tokens must be at least 1: the tokens this run may commit", field="max_new_tokens")
+        address = check_address(request.drafter_address, "drafter_address")
+        if not request.drafter_session_id:
+            raise InvalidRequest("drafter_session_id is empty; open a session on the drafter first",
+                                 field="drafter_session_id")
+        if not 0 < request.drafter_context_length <= request.context_length:
+            raise OutOfRange(f"drafter_context_length must be in [1, context_length={request.context_length}], "
+                             f"got {request.drafter_context_length}", field="drafter_context_length")
+        commit = check_token_ids(request.commit_tokens, self.vocab_size, "commit_tokens")
+        drafts = DraftStream(self.drafters.stub(address), request.drafter_session_id, request.drafter_context_length,
+                             self.vocab_size, request.draft_timeout_s or DEFAULT_DRAFT_TIMEOUT_S)
+        with orphaned_at_end(self.sessions) as streamed:
+            streamed.session_id = request.session_id
+            async with session.lock:
+                seq = session.sequence
+                seq.commit(commit, int(request.context_length))
+                if session.prefill_deferred:
+                    await self._prefill_all_but_the_last_chunk(session, seq.context)
+                    session.prefill_deferred = False
+                try:
+                    async for result in self._run_windows(session, request, drafts):
+                        yield result
+                finally:
+                    drafts.close()
+
+    async def _run_windows(self, session: TargetSession, request, drafts: DraftStream):
+        seq = session.sequence
+        stop = set(seq.params.stop_token_ids)
+        produced = 0
+        while True:
+            # no drafts past the run's last token, nor past the context window
+            room = self.loaded.max_context - len(seq.context) - 1
+            k = max(min(capped_k(request.k, replace(seq.params, max_new_tokens=request.max_new_tokens), produced),
+                        room), 0)
+            if room < 0:
+                raise OutOfRange(f"the window would pass the context window of {self.loaded.max_context}",
+                                 field="max_new_tokens")
+            proposal, draft_s, call_s = Proposal.empty(), 0.0, 0.0
+            if k > 0:
+                try:
+                    proposal, draft_s, call_s = await drafts.draft(seq.context, k)
+                except DraftCallFailed as err:
+                    yield target_pb2.WindowResult(drafter_error=str(err), context_length=len(seq.context))
+                    return
+            # the verifier scores the proposal's alternatives as a runner-up: the drafter's own, only where asked
+            runner_up = runner_up_to_offer(request.runner_up, proposal)
+            proposal = (with_runner_up(proposal, runner_up, self.vocab_size) if runner_up is not None
+                        else replace(proposal, alternatives=(), alternative_probs=()))
+            started = time.perf_counter()
+            verdict = await self.lane.run(session.verifier.verify, seq.context, proposal, seq.params, seq.seed)
+            verify_s = time.perf_counter() - started
+            tokens, finish = window_tokens(verdict, proposal, stop, produced, request.max_new_tokens)
+            yield target_pb2.WindowResult(verdict=_verdict_to_proto(verdict, verify_s), tokens=tokens,
+                                          num_drafted=len(proposal), draft_time_s=draft_s, draft_call_s=call_s,
+                                          context_length=len(seq.context))
+            if finish:
+                return
+            produced += len(tokens)
+            seq.commit(tokens, len(seq.context) + len(tokens))
 
     @asynccontextmanager
     async def _window(self, request) -> AsyncIterator[tuple[TargetSession, SequenceState, Proposal]]:

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -461,3 +462,25 @@ def test_a_request_past_its_timeout_is_a_timeout_flag_error(tiny_dir, capsys):
         stack.stop()
     assert exit_info.value.code == 2
     assert f"error: --timeout: {address} did not finish the request within 0.5 s" in capsys.readouterr().err
+
+
+def test_serve_windows_on_target_reaches_the_front_door_on_ray_and_in_process(monkeypatch):
+    """The flag reaches the Ray deployment's spec, and the in-process stack's front door."""
+    import mirrorspec.cli as cli
+
+    args = cli.build_parser().parse_args(["serve", "--windows-on-target", "--draft", "ngram"])
+    assert cli._stack_spec(args, target_gpus=0.0).windows_on_target
+    assert not cli._stack_spec(cli.build_parser().parse_args(["serve", "--draft", "ngram"]), 0.0).windows_on_target
+
+    started = {}
+
+    def fake_stack(target, drafter, **front):
+        started.update(front)
+        raise KeyboardInterrupt  # the front door's options are all this test wants
+
+    monkeypatch.setattr(cli, "start_local_stack", fake_stack)
+    monkeypatch.setattr("mirrorspec.models.load_causal_lm", lambda source, **_: SimpleNamespace(source=source))
+    with pytest.raises(KeyboardInterrupt):
+        cli._serve_in_process(cli.build_parser().parse_args(
+            ["serve", "--in-process", "--windows-on-target", "--draft", "ngram", "--threads", "1"]))
+    assert started["windows_on_target"] is True

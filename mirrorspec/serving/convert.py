@@ -7,7 +7,7 @@ from mirrorspec.config import InvalidRequest, SamplingParams
 from mirrorspec.drafting import Proposal, RankedTokens
 from mirrorspec.models import LoadedModel
 from mirrorspec.models.early_exit import EarlyExitHint
-from mirrorspec.sampling import ProposalRows, TokenKind
+from mirrorspec.sampling import ProposalRows, TokenKind, WindowVerdict
 from mirrorspec.v1 import common_pb2, drafter_pb2, target_pb2
 
 
@@ -83,6 +83,12 @@ TOKEN_KIND_TO_PROTO = {
     TokenKind.BONUS: common_pb2.TOKEN_KIND_BONUS,
 }
 TOKEN_KIND_FROM_PROTO = {v: k for k, v in TOKEN_KIND_TO_PROTO.items()}
+
+
+def verdict_from_proto(msg: target_pb2.Verdict) -> WindowVerdict:
+    return WindowVerdict(num_accepted=msg.num_accepted, next_token=msg.next_token,
+                         next_kind=TOKEN_KIND_FROM_PROTO[msg.next_kind],
+                         runner_up=msg.runner_up if msg.HasField("runner_up") else None)
 
 
 def check_token_ids(ids, vocab_size: int, field: str) -> list[int]:

@@ -72,6 +72,9 @@ class RunningServer:
         grace = await self._drain(grace)
         await self.server.stop(grace)
         for servicer in self.servicers:
+            aclose = getattr(servicer, "aclose", None)  # what must close on this loop (aio channels)
+            if aclose is not None:
+                await aclose()
             close = getattr(servicer, "close", None)
             if close is not None:
                 close()

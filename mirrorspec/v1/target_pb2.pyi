@@ -83,6 +83,48 @@ class VerifyResponse(_message.Message):
     hint: EarlyExitHint
     def __init__(self, verdict: _Optional[_Union[Verdict, _Mapping]] = ..., hint: _Optional[_Union[EarlyExitHint, _Mapping]] = ...) -> None: ...
 
+class RunWindowsRequest(_message.Message):
+    __slots__ = ("session_id", "commit_tokens", "context_length", "drafter_address", "drafter_session_id", "drafter_context_length", "k", "max_new_tokens", "runner_up", "draft_timeout_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RUNNER_UP_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    commit_tokens: _containers.RepeatedScalarFieldContainer[int]
+    context_length: int
+    drafter_address: str
+    drafter_session_id: str
+    drafter_context_length: int
+    k: int
+    max_new_tokens: int
+    runner_up: bool
+    draft_timeout_s: float
+    def __init__(self, session_id: _Optional[str] = ..., commit_tokens: _Optional[_Iterable[int]] = ..., context_length: _Optional[int] = ..., drafter_address: _Optional[str] = ..., drafter_session_id: _Optional[str] = ..., drafter_context_length: _Optional[int] = ..., k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., runner_up: _Optional[bool] = ..., draft_timeout_s: _Optional[float] = ...) -> None: ...
+
+class WindowResult(_message.Message):
+    __slots__ = ("verdict", "tokens", "num_drafted", "draft_time_s", "draft_call_s", "drafter_error", "context_length")
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_CALL_S_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_ERROR_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    verdict: Verdict
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_drafted: int
+    draft_time_s: float
+    draft_call_s: float
+    drafter_error: str
+    context_length: int
+    def __init__(self, verdict: _Optional[_Union[Verdict, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., num_drafted: _Optional[int] = ..., draft_time_s: _Optional[float] = ..., draft_call_s: _Optional[float] = ..., drafter_error: _Optional[str] = ..., context_length: _Optional[int] = ...) -> None: ...
+
 class TargetInfo(_message.Message):
     __slots__ = ("model", "open_sessions", "max_sessions", "max_speculative_tokens", "hint_layer")
     MODEL_FIELD_NUMBER: _ClassVar[int]

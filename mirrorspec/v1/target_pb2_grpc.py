@@ -55,6 +55,11 @@ class TargetServiceStub:
                 request_serializer=mirrorspec_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=mirrorspec_dot_v1_dot_target__pb2.Verdict.FromString,
                 _registered_method=True)
+        self.RunWindows = channel.unary_stream(
+                '/mirrorspec.v1.TargetService/RunWindows',
+                request_serializer=mirrorspec_dot_v1_dot_target__pb2.RunWindowsRequest.SerializeToString,
+                response_deserializer=mirrorspec_dot_v1_dot_target__pb2.WindowResult.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/mirrorspec.v1.TargetService/CloseSession',
                 request_serializer=mirrorspec_dot_v1_dot_common__pb2.CloseSessionRequest.SerializeToString,
@@ -102,6 +107,19 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunWindows(self, request, context):
+        """One session's window loop run here: this target asks a drafter session for each window's
+        drafts itself (on that drafter's DraftWindows stream), verifies them, commits the verdict and
+        goes on. A window then costs one round trip, target to drafter, instead of two through the
+        caller, who reads each window's result off this stream without the next window waiting for
+        it. Ends after the window that finishes (a stop token, or max_new_tokens), or with
+        `drafter_error` where a draft call failed: the session is then intact, and the caller goes
+        on window by window. No early-exit hints, no branches: mirror and adaptive K stay with the caller.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CloseSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -136,6 +154,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.VerifyWindows,
                     request_deserializer=mirrorspec_dot_v1_dot_target__pb2.VerifyRequest.FromString,
                     response_serializer=mirrorspec_dot_v1_dot_target__pb2.Verdict.SerializeToString,
+            ),
+            'RunWindows': grpc.unary_stream_rpc_method_handler(
+                    servicer.RunWindows,
+                    request_deserializer=mirrorspec_dot_v1_dot_target__pb2.RunWindowsRequest.FromString,
+                    response_serializer=mirrorspec_dot_v1_dot_target__pb2.WindowResult.SerializeToString,
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
@@ -256,6 +279,33 @@ class TargetService:
             '/mirrorspec.v1.TargetService/VerifyWindows',
             mirrorspec_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
             mirrorspec_dot_v1_dot_target__pb2.Verdict.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunWindows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/mirrorspec.v1.TargetService/RunWindows',
+            mirrorspec_dot_v1_dot_target__pb2.RunWindowsRequest.SerializeToString,
+            mirrorspec_dot_v1_dot_target__pb2.WindowResult.FromString,
             options,
             channel_credentials,
             insecure,

@@ -768,9 +768,11 @@ def test_async_client(stack):
 
 
 @pytest.mark.slow
-def test_sampled_output_through_the_network_follows_the_exact_distribution(tiny_dir):
-    """A smaller statistical test over gRPC: sparse q crosses the wire, rejection runs remotely."""
-    s = start_stack(tiny_dir["target"], tiny_dir["draft"], proposal_top_k=3, k=3)
+@pytest.mark.parametrize("windows_on_target", [False, True], ids=["front door", "on target"])
+def test_sampled_output_through_the_network_follows_the_exact_distribution(tiny_dir, windows_on_target):
+    """A smaller statistical test over gRPC: sparse q crosses the wire, rejection runs remotely
+    (with the windows run by the front door, or by the target calling the drafter itself)."""
+    s = start_stack(tiny_dir["target"], tiny_dir["draft"], proposal_top_k=3, k=3, windows_on_target=windows_on_target)
     try:
         prompt = [0, 3, 5, 2]
         expected = exact_joint(MemoSession(load(tiny_dir["target"])), prompt, 2, temperature=1.0)
@@ -806,12 +808,15 @@ def test_a_runner_up_front_door_keeps_greedy_output_and_takes_runner_ups(tiny_di
     assert sum(s.stats.runner_up_hits for s in sampled) > 0 and again.token_ids == sampled[0].token_ids
 
 
-def test_seeded_sampled_runner_up_requests_draw_the_in_process_tokens(tiny_dir):
+@pytest.mark.parametrize("windows_on_target", [False, True], ids=["front door", "on target"])
+def test_seeded_sampled_runner_up_requests_draw_the_in_process_tokens(tiny_dir, windows_on_target):
     """Randomness is addressed by (seed, position), so a seeded sampled request served with
     runner-ups draws exactly what the in-process engine draws with the same sparse q: the second
-    round of rejection sampling runs in the target server on the same uniforms."""
+    round of rejection sampling runs in the target server on the same uniforms, whether the front
+    door runs the windows or the target does, asking the drafter itself."""
     target, draft = load(tiny_dir["target16"]), load(tiny_dir["draft16"])
-    stack = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, runner_up=True, proposal_top_k=4)
+    stack = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, runner_up=True, proposal_top_k=4,
+                        windows_on_target=windows_on_target)
     params = SamplingParams(max_new_tokens=24, temperature=1.0)
     try:
         with Client(stack.address) as client:
@@ -821,6 +826,8 @@ def test_seeded_sampled_runner_up_requests_draw_the_in_process_tokens(tiny_dir):
     finally:
         stack.stop()
     assert all(served.token_ids == local.token_ids for served, local in pairs)
+    assert all(served.stats.windows_on_target == (served.stats.windows if windows_on_target else 0)
+               for served, _ in pairs)
     assert [s.stats.runner_up_hits for s, _ in pairs] == [local.stats.runner_up_hits for _, local in pairs]
     assert sum(local.stats.runner_up_hits for _, local in pairs) > 0
 

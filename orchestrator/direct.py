@@ -1,0 +1,121 @@
+"""Windows run on the target (``TargetService.RunWindows``), read here off its stream.
+
+The target asks the drafter for each window itself, so a window costs one round trip instead of
+two through here (``target_service.run_windows`` says why that matters). This side still keeps
+the token log: each result updates it, what both sessions hold and the request's statistics,
+as ``decode_windows`` would for the same window. Where the run cannot go on, the loop comes back
+here, window by window, from the log: a draft call failed (the drafter turns off, as after a
+failed ``Draft``), the target went away or hung (its session moves, as a failed window's does),
+or the target predates ``RunWindows``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator, Iterator, Sequence
+from dataclasses import replace
+
+import grpc
+
+from mirrorspec.config import SamplingParams, SpeculationConfig
+from mirrorspec.drafting import Drafter
+from mirrorspec.engine import GenerationStats, WindowEvent, decode_windows
+from mirrorspec.models import common_prefix_length
+from mirrorspec.serving.convert import verdict_from_proto
+from mirrorspec.v1 import target_pb2
+from orchestrator.remote import _REPLICA_GONE, RemoteDrafter, RemoteVerifier
+from orchestrator.window_stream import StreamStatus
+
+log = logging.getLogger(__name__)
+
+
+def windows_on_target(remote: RemoteDrafter, drafter: Drafter, verifier: RemoteVerifier, prompt: Sequence[int],
+                      params: SamplingParams, spec: SpeculationConfig, seed: int, stats: GenerationStats,
+                      runner_up: bool) -> Iterator[WindowEvent]:
+    """The request's windows: run on the target while it can, then here (``decode_windows``
+    with ``drafter``, the front door's face of ``remote``) for the rest of the budget."""
+    context = list(prompt)
+    if (yield from _run(remote, verifier, context, params, spec.num_speculative_tokens, stats, runner_up)):
+        return
+    rest = replace(params, max_new_tokens=params.max_new_tokens - (len(context) - len(prompt)))
+    yield from decode_windows(drafter, verifier, context, rest, spec, seed, stats)
+
+
+def _run(remote: RemoteDrafter, verifier: RemoteVerifier, context: list[int], params: SamplingParams, k: int,
+         stats: GenerationStats, runner_up: bool) -> Generator[WindowEvent, None, bool]:
+    """Windows off one RunWindows stream, appending to ``context``; True once the request finished."""
+    drafts = remote.session
+    if not (verifier.runs_windows and remote.drafting(k, context)):
+        return False
+    target = verifier.replica
+    request = target_pb2.RunWindowsRequest(
+        session_id=verifier.session_id, commit_tokens=context[len(verifier.held):], context_length=len(context),
+        drafter_address=drafts.replica.address, drafter_session_id=drafts.session_id,
+        drafter_context_length=common_prefix_length(drafts.held, context), k=k,
+        max_new_tokens=params.max_new_tokens, runner_up=runner_up, draft_timeout_s=drafts.timeout_s or 0.0)
+    call = target.stub.RunWindows(request, timeout=verifier.timeout_s)
+    stop, produced, finish = set(params.stop_token_ids), 0, None
+    try:
+        for result in _each_in_time(call, verifier):
+            if result.drafter_error:
+                verifier.held = context[:result.context_length]
+                drafts.may_hold_more = True  # it may have taken a commit before it failed
+                remote.failed(f"via the target: {result.drafter_error}",
+                              result.drafter_error.startswith("DEADLINE_EXCEEDED"))
+                return False
+            verifier.held = list(context)  # as of this window's verify
+            if result.draft_call_s > 0:  # and its draft call, where it made one
+                drafts.held = list(context)
+            tokens = list(result.tokens)
+            verdict = verdict_from_proto(result.verdict)
+            stats.draft_time_s += result.draft_call_s
+            stats.record_window(result.num_drafted, verdict, len(tokens), result.verdict.verify_time_s)
+            stats.windows_on_target += 1
+            drafts.times.call_s += result.draft_call_s
+            drafts.times.server_s += result.draft_time_s
+            # the verify's own result travels off the next window's path: no network time on it
+            verifier.times.call_s += result.verdict.verify_time_s
+            verifier.times.server_s += result.verdict.verify_time_s
+            produced += len(tokens)
+            if tokens[-1] in stop:
+                finish = "stop"
+            elif produced >= params.max_new_tokens:
+                finish = "length"
+            context += tokens
+            yield WindowEvent(tokens, result.num_drafted, verdict.num_accepted, verdict.next_kind, finish)
+            if finish:
+                return True
+        raise StreamStatus(grpc.StatusCode.UNAVAILABLE, "the target ended its window run unfinished")
+    except grpc.RpcError as err:
+        if err.code() == grpc.StatusCode.UNIMPLEMENTED:  # a target from before RunWindows ran nothing
+            verifier.runs_windows = False
+            return False
+        hung = isinstance(err, StreamStatus) and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        if verifier.pool.closed or not (hung or err.code() in _REPLICA_GONE):
+            raise
+        log.warning("target replica %s is %s during a window run; replaying the session elsewhere",
+                    target.address, "hung" if hung else "unreachable")
+        verifier.pool.report_failure(target)
+        drafts.may_hold_more = True
+        verifier.move(context)
+        return False
+    finally:
+        call.cancel()
+
+
+def _each_in_time(call, verifier: RemoteVerifier) -> Iterator[target_pb2.WindowResult]:
+    """The run's results, each within the verifier's window deadline (else DEADLINE_EXCEEDED: hung)."""
+    while True:
+        armed = verifier.pool.watchdog.arm(verifier.window_timeout_s, call) if verifier.window_timeout_s else None
+        try:
+            result = next(call)
+        except StopIteration:
+            return
+        except grpc.RpcError:
+            if armed is not None and verifier.pool.watchdog.disarm(armed):
+                raise StreamStatus(grpc.StatusCode.DEADLINE_EXCEEDED, "no window result within the window deadline") from None
+            raise
+        if armed is not None and verifier.pool.watchdog.disarm(armed):
+            raise StreamStatus(grpc.StatusCode.DEADLINE_EXCEEDED, "no window result within the window deadline")
+        yield result
+

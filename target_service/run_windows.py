@@ -1,0 +1,97 @@
+"""A session's window loop run on its target, which asks the drafter for each window itself.
+
+Through the orchestrator a window is two round trips, orchestrator to drafter and orchestrator to
+target. On the 2-core CI VM a message on an open gRPC stream costs 0.35-0.45 ms there and back
+(the wake-ups of gRPC's threads and event loops; a bare socket takes under 0.1 ms), so the
+network path of a window could not get under ~1 ms. Here a window is one round trip, target to
+drafter, and the orchestrator reads each window's result off a stream while the next is already
+being drafted. The orchestrator still keeps the token log, and takes the loop back window by
+window (``orchestrator.direct``) where a draft call fails or this target goes away.
+
+Only the drafter's protos are used here: target_service does not import drafter_service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from mirrorspec.config import InvalidRequest
+from mirrorspec.drafting import Proposal
+from mirrorspec.serving.convert import proposal_from_proto
+from mirrorspec.serving.server import CHANNEL_OPTIONS
+from mirrorspec.v1 import drafter_pb2, drafter_pb2_grpc
+
+DEFAULT_DRAFT_TIMEOUT_S = 1.0  # a window is a few tokens of a small model: tens of milliseconds when healthy
+
+
+class DraftCallFailed(Exception):
+    """A draft call that failed, timed out, or answered something this target cannot verify."""
+
+
+class DrafterLinks:
+    """One channel per drafter address this target was asked to call, shared by its sessions'
+    runs (HTTP/2 multiplexes their streams), and closed with the server."""
+
+    def __init__(self):
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def stub(self, address: str) -> drafter_pb2_grpc.DrafterServiceStub:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return drafter_pb2_grpc.DrafterServiceStub(self._channels[address])
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()
+
+
+class DraftStream:
+    """One run's ``DraftWindows`` stream to its drafter session: commit-then-draft calls as
+    messages, each sending the tokens committed since the last."""
+
+    def __init__(self, stub: drafter_pb2_grpc.DrafterServiceStub, session_id: str, held: int, vocab_size: int,
+                 timeout_s: float):
+        self._stub = stub
+        self._session_id = session_id
+        self._held = held  # how many tokens of the context the drafter session holds
+        self._vocab_size = vocab_size
+        self._timeout_s = timeout_s
+        self._call = None
+
+    async def draft(self, context: list[int], k: int) -> tuple[Proposal, float, float]:
+        """(the proposal, the drafter's compute time, the call's round trip)."""
+        request = drafter_pb2.DraftRequest(session_id=self._session_id, commit_tokens=context[self._held:],
+                                           context_length=len(context), k=k, keep=self._held)
+        started = time.perf_counter()
+        try:
+            if self._call is None:
+                self._call = self._stub.DraftWindows()
+            await asyncio.wait_for(self._call.write(request), self._timeout_s)
+            response = await asyncio.wait_for(self._call.read(), self._timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise DraftCallFailed(f"{err.code().name}: {err.details()}") from None
+        except asyncio.InvalidStateError:  # the stream ended (its drafter went away) before this write
+            raise DraftCallFailed(f"{(await self._call.code()).name}: {await self._call.details()}") from None
+        except asyncio.TimeoutError:
+            raise DraftCallFailed(f"DEADLINE_EXCEEDED: no draft within {self._timeout_s:g} s") from None
+        call_s = time.perf_counter() - started
+        if response is grpc.aio.EOF:
+            raise DraftCallFailed("UNAVAILABLE: the drafter closed the draft stream without answering")
+        self._held = len(context)
+        try:
+            proposal = proposal_from_proto(response.tokens, response.q, self._vocab_size, response.alternatives)
+        except InvalidRequest as err:
+            raise DraftCallFailed(f"INVALID_ARGUMENT: the drafter's answer: {err}") from None
+        if len(proposal) > k:
+            raise DraftCallFailed(f"INVALID_ARGUMENT: the drafter answered {len(proposal)} drafts for k={k}")
+        return proposal, response.draft_time_s, call_s
+
+    def close(self) -> None:
+        """Cancels the stream: the drafter keeps the session (orphaned until its caller's next call)."""
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None

@@ -1,0 +1,181 @@
+"""Windows run on the target (``windows_on_target``): the target asks the drafter for each window's
+drafts itself. Same outputs as the front door's own loop, the same failures survived. (Seeded
+sampled requests drawing the in-process tokens, and the network chi-square test, run both ways in
+test_generation_service.)"""
+
+import random
+
+import grpc
+import pytest
+
+from mirrorspec import SamplingParams, generate
+from mirrorspec.client import Client
+from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
+from served_stack import start_stack, targets_held
+from support import load, wait_until
+from target_service.servicer import TargetServicer
+
+
+def prompts(count, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(16) for _ in range(rng.randint(1, 10))] for _ in range(count)]
+
+
+def target_only(model, prompt, max_tokens):
+    return generate(model, None, prompt, SamplingParams(max_new_tokens=max_tokens)).token_ids
+
+
+def sessions(server, stub) -> int:
+    return stub(grpc.insecure_channel(f"127.0.0.1:{server.port}")).Info(common_pb2.InfoRequest()).open_sessions
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_dir):
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, windows_on_target=True)
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("runner_up", [False, True])
+def test_greedy_output_is_identical_to_target_only_and_every_window_runs_on_the_target(tiny_dir, runner_up):
+    model = load(tiny_dir["target16"])
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, windows_on_target=True, runner_up=runner_up)
+    try:
+        with Client(s.address) as client:
+            results = [client.generate(prompt, max_tokens=24, k=[1, 3, 5][i % 3])
+                       for i, prompt in enumerate(prompts(6))]
+    finally:
+        s.stop()
+    for prompt, result in zip(prompts(6), results):
+        assert list(result.token_ids) == target_only(model, prompt, 24)
+        assert result.finish_reason == "length" and not result.stats.drafter_fallback
+        assert result.stats.windows_on_target == result.stats.windows > 0
+        assert result.stats.drafted > 0 and result.stats.network_time_s > 0  # the draft calls' network
+    assert (sum(r.stats.runner_up_hits for r in results) > 0) == runner_up
+
+
+def test_a_stop_token_ends_the_run_where_it_falls(stack, tiny_dir):
+    model = load(tiny_dir["target16"])
+    full = target_only(model, [0, 7, 3], 30)
+    stop = full[9]
+    with Client(stack.address) as client:
+        result = client.generate([0, 7, 3], max_tokens=30, stop_token_ids=[stop])
+    assert list(result.token_ids) == full[:full.index(stop) + 1] and result.finish_reason == "stop"
+    assert result.stats.windows_on_target == result.stats.windows
+
+
+def test_cancellation_frees_the_sessions_on_both_services(stack):
+    with Client(stack.address) as client:
+        stream = client.stream([0, 1, 2], max_tokens=100)
+        next(stream)
+        stream.cancel()
+    assert wait_until(lambda: (sessions(stack.target, target_pb2_grpc.TargetServiceStub),
+                               sessions(stack.drafter, drafter_pb2_grpc.DrafterServiceStub)) == (0, 0))
+
+
+def test_a_drafter_dying_mid_run_leaves_the_request_to_finish_target_only(tiny_dir):
+    """The target's draft call fails: its run ends with drafter_error, and the front door goes on
+    window by window from the token log, without drafts (the drafter is gone)."""
+    model = load(tiny_dir["target16"])
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=2, windows_on_target=True)
+    try:
+        with Client(s.address) as client:
+            stream = client.stream([0, 7, 3], max_tokens=60)
+            first = next(stream)
+            with targets_held(s):  # the run waits in a verify while the drafter dies
+                s.drafter.stop(grace=0)
+            rest = list(stream)
+    finally:
+        s.drafters.clear()
+        s.stop()
+    tokens = list(first.token_ids) + [t for chunk in rest for t in chunk.token_ids]
+    assert tokens == target_only(model, [0, 7, 3], 60)
+    stats = rest[-1].stats
+    assert rest[-1].finish_reason == "length" and stats.drafter_fallback
+    assert 0 < stats.windows_on_target < stats.windows
+
+
+def test_a_target_dying_mid_run_moves_the_session_and_the_request_goes_on(tiny_dir):
+    model = load(tiny_dir["target16"])
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=2, windows_on_target=True, target_replicas=2,
+                    failure_cooldown_s=30.0)
+    try:
+        with Client(s.address) as client:
+            stream = client.stream([0, 7, 3], max_tokens=60)
+            first = next(stream)
+            holder = next(t for t in s.targets if sessions(t, target_pb2_grpc.TargetServiceStub) == 1)
+            holder.stop(grace=0)
+            rest = list(stream)
+    finally:
+        s.targets = [t for t in s.targets if t is not holder]
+        s.stop()
+    tokens = list(first.token_ids) + [t for chunk in rest for t in chunk.token_ids]
+    assert tokens == target_only(model, [0, 7, 3], 60)
+    stats = rest[-1].stats
+    assert rest[-1].finish_reason == "length" and stats.target_moves >= 1 and not stats.drafter_fallback
+    assert stats.windows_on_target > 0
+
+
+def test_a_target_without_run_windows_serves_the_windows_from_the_front_door(tiny_dir, monkeypatch):
+    """A replica built before RunWindows answers UNIMPLEMENTED, having run nothing."""
+    async def unimplemented(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        yield  # a server-streaming handler
+
+    monkeypatch.setattr(TargetServicer, "RunWindows", unimplemented)
+    model = load(tiny_dir["target16"])
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, windows_on_target=True)
+    try:
+        with Client(s.address) as client:
+            result = client.generate([0, 7, 3], max_tokens=24)
+    finally:
+        s.stop()
+    assert list(result.token_ids) == target_only(model, [0, 7, 3], 24)
+    assert result.stats.windows_on_target == 0 and result.stats.drafted > 0 and not result.stats.drafter_fallback
+
+
+def _opened(stack) -> tuple[str, str]:
+    target = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(f"127.0.0.1:{stack.target.port}"))
+    drafter = drafter_pb2_grpc.DrafterServiceStub(grpc.insecure_channel(f"127.0.0.1:{stack.drafter.port}"))
+    prompt, params = [0, 1, 2], common_pb2.SamplingParams(max_new_tokens=8)
+    return (target.OpenSession(target_pb2.OpenTargetSessionRequest(prompt_ids=prompt, params=params)).session_id,
+            drafter.OpenSession(drafter_pb2.OpenDraftSessionRequest(prompt_ids=prompt, params=params)).session_id)
+
+
+def _run(stack, **fields):
+    stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(f"127.0.0.1:{stack.target.port}"))
+    return list(stub.RunWindows(target_pb2.RunWindowsRequest(**fields), timeout=30))
+
+
+@pytest.mark.parametrize("change, code, needle", [
+    (dict(k=0), grpc.StatusCode.OUT_OF_RANGE, "k must be in [1, 16]"),
+    (dict(k=17), grpc.StatusCode.OUT_OF_RANGE, "k must be in [1, 16]"),
+    (dict(max_new_tokens=0), grpc.StatusCode.OUT_OF_RANGE, "max_new_tokens must be at least 1"),
+    (dict(drafter_address="localhost"), grpc.StatusCode.INVALID_ARGUMENT, "expected host:port"),
+    (dict(drafter_session_id=""), grpc.StatusCode.INVALID_ARGUMENT, "open a session on the drafter first"),
+    (dict(drafter_context_length=4), grpc.StatusCode.OUT_OF_RANGE, "drafter_context_length must be in [1, "),
+    (dict(session_id="nope"), grpc.StatusCode.NOT_FOUND, "nope"),
+    (dict(context_length=5), grpc.StatusCode.FAILED_PRECONDITION, "reopen the session"),
+    (dict(commit_tokens=[16], context_length=4), grpc.StatusCode.INVALID_ARGUMENT, "outside the vocabulary"),
+])
+def test_bad_run_requests_get_clear_statuses(stack, change, code, needle):
+    target_session, drafter_session = _opened(stack)
+    fields = dict(session_id=target_session, context_length=3, drafter_address=f"127.0.0.1:{stack.drafter.port}",
+                  drafter_session_id=drafter_session, drafter_context_length=3, k=2, max_new_tokens=8)
+    with pytest.raises(grpc.RpcError) as err:
+        _run(stack, **{**fields, **change})
+    assert err.value.code() == code and needle in err.value.details()
+    assert _run(stack, **fields)[-1].tokens  # the session is intact, the server serving
+
+
+@pytest.mark.parametrize("drafter", ["unknown session", "nobody there"])
+def test_a_draft_call_that_fails_ends_the_run_with_the_reason(stack, drafter):
+    from support import free_port
+
+    target_session, drafter_session = _opened(stack)
+    address = f"127.0.0.1:{stack.drafter.port if drafter == 'unknown session' else free_port()}"
+    results = _run(stack, session_id=target_session, context_length=3, drafter_address=address,
+                   drafter_session_id="nope" if drafter == "unknown session" else drafter_session,
+                   drafter_context_length=3, k=2, max_new_tokens=8)
+    assert len(results) == 1 and not results[0].HasField("verdict") and results[0].context_length == 3
+    assert results[0].drafter_error.startswith("NOT_FOUND" if drafter == "unknown session" else "UNAVAILABLE")

@@ -1,0 +1,46 @@
+"""The target's side of windows it runs itself: its draft stream to a drafter session."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from drafter_service.servicer import DrafterConfig
+from drafter_service.servicer import serve as serve_drafter
+from mirrorspec.serving.server import BackgroundServer
+from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from target_service.run_windows import DraftCallFailed, DrafterLinks, DraftStream
+
+
+def test_a_draft_stream_whose_drafter_went_away_fails_the_next_draft_with_a_status(tiny_dir):
+    """A write on a stream that already ended raises asyncio's InvalidStateError in grpc.aio, not
+    an RpcError: it must still end the run as a failed draft call (drafter_error), not as an
+    internal error of the target that loses the request's window run."""
+    drafter = BackgroundServer(lambda: serve_drafter(DrafterConfig(strategy="draft-model",
+                                                                   model=str(tiny_dir["draft16"])))).start()
+    address = f"127.0.0.1:{drafter.port}"
+    stub = drafter_pb2_grpc.DrafterServiceStub(grpc.insecure_channel(address))
+    session = stub.OpenSession(drafter_pb2.OpenDraftSessionRequest(
+        prompt_ids=[0, 1, 2], params=common_pb2.SamplingParams(max_new_tokens=8))).session_id
+
+    async def run():
+        links = DrafterLinks()
+        stream = DraftStream(links.stub(address), session, held=3, vocab_size=16, timeout_s=5.0)
+        try:
+            proposal, draft_s, call_s = await stream.draft([0, 1, 2], 2)
+            assert len(proposal) == 2 and 0 < draft_s <= call_s
+            await asyncio.get_running_loop().run_in_executor(None, lambda: drafter.stop(grace=0))
+            for _ in range(200):  # until this side has seen the stream end
+                if stream._call.done():
+                    break
+                await asyncio.sleep(0.01)
+            with pytest.raises(DraftCallFailed, match="^(UNAVAILABLE|CANCELLED): "):
+                await stream.draft([0, 1, 2, proposal.tokens[0]], 2)
+        finally:
+            stream.close()
+            await links.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        drafter.stop()
