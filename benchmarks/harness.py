@@ -280,7 +280,8 @@ def _served(client, ids: list[int], params: SamplingParams, k: int, seed: int) -
     # committed: what the windows gave the output, as in process (the table's tokens per pass)
     stats = GenerationStats(windows=s.windows, drafted=s.drafted, accepted=s.accepted, rejected=s.rejected,
                             draft_time_s=s.draft_time_s, verify_time_s=s.verify_time_s,
-                            runner_up_hits=s.runner_up_hits, committed=len(done.token_ids))
+                            runner_up_hits=s.runner_up_hits, committed=len(done.token_ids),
+                            windows_on_target=s.windows_on_target)
     return RunOutput(list(done.token_ids), wall, done.finish_reason, stats)
 
 
@@ -329,6 +330,18 @@ def served_hybrid_confident_runner_up(target: LoadedModel, drafts: Drafts, ids: 
     return _served(drafts.services.client(target, drafts.model, drafts.server_source, DEFAULT_PROMPT_LOOKUP,
                                           draft_confidence=DEFAULT_DRAFT_CONFIDENCE, runner_up=True),
                    ids, params, k, seed)
+
+
+@register_mode("served-hybrid-confident-runner-up-on-target", uses_k=True, needs_draft_model=True, in_process=False,
+               twin="mirrorspec-hybrid-confident-runner-up")
+def served_hybrid_confident_runner_up_on_target(target: LoadedModel, drafts: Drafts, ids: list[int],
+                                                params: SamplingParams, k: int, seed: int) -> RunOutput:
+    """served-hybrid-confident-runner-up with the windows run on the target, which calls the
+    drafter itself (``serve --windows-on-target``): one round trip per window; the lookup runs
+    in the drafter server."""
+    return _served(drafts.services.client(target, drafts.model, drafts.server_source, DEFAULT_PROMPT_LOOKUP,
+                                          draft_confidence=DEFAULT_DRAFT_CONFIDENCE, runner_up=True,
+                                          windows_on_target=True), ids, params, k, seed)
 
 
 @register_mode("served-hybrid-adaptive-confident", uses_k=True, needs_draft_model=True, in_process=False,

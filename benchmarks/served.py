@@ -37,21 +37,23 @@ class ServedStacks:
 
     def client(self, target: LoadedModel, draft_model: torch.nn.Module | None, draft_source: str | None = None,
                prompt_lookup: int = 0, front_door_lookup: bool = True, draft_confidence: float = 0.0,
-               adaptive: bool = False, runner_up: bool = False) -> Client:
+               adaptive: bool = False, runner_up: bool = False, windows_on_target: bool = False) -> Client:
         """``draft_source`` names the draft for a server process to load; without one, a draft
         model is served from threads of this process. ``prompt_lookup``, ``draft_confidence``: the
         drafter's settings;
         ``front_door_lookup``: the orchestrator runs that lookup (the default), or leaves it to
         the drafter server; ``adaptive``: the orchestrator chooses K per window (``serve --adaptive``);
-        ``runner_up``: windows offer the draft's runner-up too (what ``serve`` does by default)."""
+        ``runner_up``: windows offer the draft's runner-up too (what ``serve`` does by default);
+        ``windows_on_target``: the target runs the windows, calling the drafter itself."""
         kind = "ngram" if draft_model is None else f"draft-model, prompt lookup {prompt_lookup}"
         kind += "" if front_door_lookup else ", looked up by the drafter"
         kind += f", confidence {draft_confidence}" if draft_confidence else ""
         kind += ", adaptive K" if adaptive else ""
         kind += ", runner-up" if runner_up else ""
+        kind += ", windows on the target" if windows_on_target else ""
         drafter = {"prompt_lookup": prompt_lookup, "draft_confidence": draft_confidence, "quantize": self.draft_quantize}
         front = {"front_door_lookup": front_door_lookup, "adaptive": AdaptiveKConfig() if adaptive else None,
-                 "runner_up": runner_up}
+                 "runner_up": runner_up, "windows_on_target": windows_on_target}
         if kind not in self._clients:
             if draft_model is not None and draft_source is None:
                 address, stop = _stack_in_this_process(target, draft_model, drafter, front)
