@@ -12,6 +12,7 @@ or the target predates ``RunWindows``.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import replace
 
@@ -24,39 +25,48 @@ from mirrorspec.models import common_prefix_length
 from mirrorspec.serving.convert import verdict_from_proto
 from mirrorspec.v1 import target_pb2
 from orchestrator.remote import _REPLICA_GONE, RemoteDrafter, RemoteVerifier
-from orchestrator.window_stream import StreamStatus
+from orchestrator.window_stream import StreamStatus, Watchdog
 
 log = logging.getLogger(__name__)
 
 
 def windows_on_target(remote: RemoteDrafter, drafter: Drafter, verifier: RemoteVerifier, prompt: Sequence[int],
                       params: SamplingParams, spec: SpeculationConfig, seed: int, stats: GenerationStats,
-                      runner_up: bool) -> Iterator[WindowEvent]:
+                      runner_up: bool, client_deadline: float | None = None) -> Iterator[WindowEvent]:
     """The request's windows: run on the target while it can, then here (``decode_windows``
-    with ``drafter``, the front door's face of ``remote``) for the rest of the budget."""
+    with ``drafter``, the front door's face of ``remote``) for the rest of the budget.
+    ``client_deadline`` (``time.monotonic()``), where the client set one, is the run's; each
+    window keeps a deadline of its own, as here."""
     context = list(prompt)
-    if (yield from _run(remote, verifier, context, params, spec.num_speculative_tokens, stats, runner_up)):
+    if (yield from _run(remote, verifier, context, params, spec.num_speculative_tokens, stats, runner_up,
+                        client_deadline)):
         return
     rest = replace(params, max_new_tokens=params.max_new_tokens - (len(context) - len(prompt)))
     yield from decode_windows(drafter, verifier, context, rest, spec, seed, stats)
 
 
 def _run(remote: RemoteDrafter, verifier: RemoteVerifier, context: list[int], params: SamplingParams, k: int,
-         stats: GenerationStats, runner_up: bool) -> Generator[WindowEvent, None, bool]:
+         stats: GenerationStats, runner_up: bool, client_deadline: float | None) -> Generator[WindowEvent, None, bool]:
     """Windows off one RunWindows stream, appending to ``context``; True once the request finished."""
     drafts = remote.session
     if not (verifier.runs_windows and remote.drafting(k, context)):
         return False
     target = verifier.replica
+    # the target waits this long for a draft before it answers drafter_error
+    draft_timeout_s = drafts.timeout_s or RemoteDrafter.HUNG_AFTER_S
     request = target_pb2.RunWindowsRequest(
         session_id=verifier.session_id, commit_tokens=context[len(verifier.held):], context_length=len(context),
         drafter_address=drafts.replica.address, drafter_session_id=drafts.session_id,
         drafter_context_length=common_prefix_length(drafts.held, context), k=k,
-        max_new_tokens=params.max_new_tokens, runner_up=runner_up, draft_timeout_s=drafts.timeout_s or 0.0)
-    call = target.stub.RunWindows(request, timeout=verifier.timeout_s)
+        max_new_tokens=params.max_new_tokens, runner_up=runner_up, draft_timeout_s=draft_timeout_s)
+    # the whole run has the client's deadline only: a long generation outlives any one call's
+    call = target.stub.RunWindows(request, timeout=None if client_deadline is None
+                                  else max(client_deadline - time.monotonic(), 0.001))
     stop, produced, finish = set(params.stop_token_ids), 0, None
     try:
-        for result in _each_in_time(call, verifier):
+        # a window's result may wait for a draft call too: the target gives up on the drafter first
+        window_timeout_s = verifier.window_timeout_s and verifier.window_timeout_s + draft_timeout_s
+        for result in _each_in_time(call, verifier.pool.watchdog, window_timeout_s):
             if result.drafter_error:
                 verifier.held = context[:result.context_length]
                 drafts.may_hold_more = True  # it may have taken a commit before it failed
@@ -103,19 +113,19 @@ def _run(remote: RemoteDrafter, verifier: RemoteVerifier, context: list[int], pa
         call.cancel()
 
 
-def _each_in_time(call, verifier: RemoteVerifier) -> Iterator[target_pb2.WindowResult]:
-    """The run's results, each within the verifier's window deadline (else DEADLINE_EXCEEDED: hung)."""
+def _each_in_time(call, watchdog: Watchdog, timeout_s: float | None) -> Iterator[target_pb2.WindowResult]:
+    """The run's results, each within ``timeout_s`` of the last (else DEADLINE_EXCEEDED: hung)."""
     while True:
-        armed = verifier.pool.watchdog.arm(verifier.window_timeout_s, call) if verifier.window_timeout_s else None
+        armed = watchdog.arm(timeout_s, call) if timeout_s else None
         try:
             result = next(call)
         except StopIteration:
             return
         except grpc.RpcError:
-            if armed is not None and verifier.pool.watchdog.disarm(armed):
+            if armed is not None and watchdog.disarm(armed):
                 raise StreamStatus(grpc.StatusCode.DEADLINE_EXCEEDED, "no window result within the window deadline") from None
             raise
-        if armed is not None and verifier.pool.watchdog.disarm(armed):
+        if armed is not None and watchdog.disarm(armed):
             raise StreamStatus(grpc.StatusCode.DEADLINE_EXCEEDED, "no window result within the window deadline")
         yield result
 

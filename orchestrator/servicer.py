@@ -290,7 +290,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 outcome.finish_reason = "cancelled"
             else:
                 try:
-                    self._drive(prepared, outcome, budget.timeout_s, cancelled, emit)
+                    self._drive(prepared, outcome, budget, cancelled, emit)
                     answer = _DONE
                 except BaseException as err:  # noqa: BLE001 - handed to the event loop, mapped to a status there
                     # the client's deadline passing is the client leaving, not a failure of the service
@@ -314,8 +314,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             self.in_flight -= 1
             cancelled.set()  # client went away, deadline passed, or done: the worker stops and closes sessions
 
-    def _drive(self, prepared: PreparedRequest, outcome: RequestOutcome, timeout: float,
+    def _drive(self, prepared: PreparedRequest, outcome: RequestOutcome, budget: RequestBudget,
                cancelled: threading.Event, emit) -> None:
+        timeout = budget.timeout_s
         if prepared.timeline:
             outcome.stats.timeline = []
         # the drafter opens its session and drafts the first window while the target prefills; where
@@ -345,7 +346,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 return
             if self._on_target(prepared) and opened is not None:
                 events = windows_on_target(remote, drafter, verifier, prepared.prompt, prepared.params, prepared.spec,
-                                           prepared.seed, outcome.stats, self.config.runner_up)
+                                           prepared.seed, outcome.stats, self.config.runner_up, budget.client_deadline)
             else:
                 events = decode_windows(drafter, verifier, prepared.prompt, prepared.params, prepared.spec,
                                         prepared.seed, outcome.stats, pipeline,

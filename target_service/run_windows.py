@@ -70,8 +70,7 @@ class DraftStream:
         try:
             if self._call is None:
                 self._call = self._stub.DraftWindows()
-            await asyncio.wait_for(self._call.write(request), self._timeout_s)
-            response = await asyncio.wait_for(self._call.read(), self._timeout_s)
+            response = await asyncio.wait_for(self._exchange(request), self._timeout_s)
         except grpc.aio.AioRpcError as err:
             raise DraftCallFailed(f"{err.code().name}: {err.details()}") from None
         except asyncio.InvalidStateError:  # the stream ended (its drafter went away) before this write
@@ -89,6 +88,10 @@ class DraftStream:
         if len(proposal) > k:
             raise DraftCallFailed(f"INVALID_ARGUMENT: the drafter answered {len(proposal)} drafts for k={k}")
         return proposal, response.draft_time_s, call_s
+
+    async def _exchange(self, request: drafter_pb2.DraftRequest) -> drafter_pb2.DraftResponse:
+        await self._call.write(request)
+        return await self._call.read()
 
     def close(self) -> None:
         """Cancels the stream: the drafter keeps the session (orphaned until its caller's next call)."""

@@ -206,6 +206,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         stop = set(seq.params.stop_token_ids)
         produced = 0
         while True:
+            self.sessions.get(request.session_id)  # in use: its TTL starts again, as at each window call
             # no drafts past the run's last token, nor past the context window
             room = self.loaded.max_context - len(seq.context) - 1
             k = max(min(capped_k(request.k, replace(seq.params, max_new_tokens=request.max_new_tokens), produced),

@@ -4,6 +4,8 @@ sampled requests drawing the in-process tokens, and the network chi-square test,
 test_generation_service.)"""
 
 import random
+import threading
+import time
 
 import grpc
 import pytest
@@ -179,3 +181,83 @@ def test_a_draft_call_that_fails_ends_the_run_with_the_reason(stack, drafter):
                    drafter_context_length=3, k=2, max_new_tokens=8)
     assert len(results) == 1 and not results[0].HasField("verdict") and results[0].context_length == 3
     assert results[0].drafter_error.startswith("NOT_FOUND" if drafter == "unknown session" else "UNAVAILABLE")
+
+
+def test_a_run_longer_than_a_backend_call_may_take_finishes(tiny_dir, monkeypatch):
+    """The run carries the client's deadline only; each window has its own, as at the front door
+    (a run given backend_timeout_s failed any generation that took longer in all: review 1, 2)."""
+    from mirrorspec.engine import TargetVerifier
+
+    verify = TargetVerifier.verify
+
+    def slow_verify(self, *args, **kwargs):
+        time.sleep(0.05)
+        return verify(self, *args, **kwargs)
+
+    monkeypatch.setattr(TargetVerifier, "verify", slow_verify)
+    model = load(tiny_dir["target16"])
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=1, windows_on_target=True, backend_timeout_s=1.0)
+    try:
+        with Client(s.address) as client:
+            started = time.monotonic()
+            result = client.generate([0, 7, 3], max_tokens=60)
+            took = time.monotonic() - started
+    finally:
+        s.stop()
+    assert took > 1.0 and list(result.token_ids) == target_only(model, [0, 7, 3], 60)
+    assert result.stats.windows_on_target == result.stats.windows
+
+
+def test_a_frozen_drafter_is_blamed_not_the_target(tiny_dir):
+    """The target gives up on a draft call before the front door gives up on the window: with the
+    drafter's deadline as long as the window's (as by default), the front door took the target
+    for hung, and with one target replica the request stalled for its failure cooldown."""
+    model = load(tiny_dir["target16"])
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=2, windows_on_target=True, window_timeout_s=1.0,
+                    drafter_timeout_s=1.0, failure_cooldown_s=30.0)
+    release = threading.Event()
+    try:
+        with Client(s.address) as client:
+            stream = client.stream([0, 7, 3], max_tokens=40)
+            first = next(stream)
+            s.drafter.servicer.lane._pool.submit(release.wait, 60)  # drafts wait from now on
+            rest = list(stream)
+    finally:
+        release.set()
+        s.stop()
+    tokens = list(first.token_ids) + [t for chunk in rest for t in chunk.token_ids]
+    assert tokens == target_only(model, [0, 7, 3], 40)
+    stats = rest[-1].stats
+    assert stats.drafter_fallback and stats.target_moves == 0 and 0 < stats.windows_on_target < stats.windows
+
+
+def test_a_run_longer_than_the_session_ttl_keeps_its_target_session(tiny_dir, monkeypatch):
+    """Each window of a run refreshes its session's TTL, as each window call does at the front
+    door: a run that outlived the TTL had its session evicted (and its KV cache freed) under it,
+    and the target counted it as closed (review 1)."""
+    from drafter_service.servicer import DrafterConfig
+    from mirrorspec.cli import start_local_stack
+    from mirrorspec.engine import TargetVerifier
+    from target_service.servicer import TargetConfig
+
+    verify = TargetVerifier.verify
+
+    def slow_verify(self, *args, **kwargs):
+        time.sleep(0.05)
+        return verify(self, *args, **kwargs)
+
+    monkeypatch.setattr(TargetVerifier, "verify", slow_verify)
+    s = start_local_stack(TargetConfig(model=str(tiny_dir["target16"]), session_ttl_s=1.0),
+                          DrafterConfig(strategy="draft-model", model=str(tiny_dir["draft16"])), port=0,
+                          num_speculative_tokens=1, windows_on_target=True)
+    results = []
+    try:
+        with Client(s.address) as client:
+            worker = threading.Thread(target=lambda: results.append(client.generate([0, 7, 3], max_tokens=60)))
+            worker.start()
+            time.sleep(1.5)  # past the TTL, with the run going on
+            during = sessions(s.target, target_pb2_grpc.TargetServiceStub)  # Info evicts expired sessions first
+            worker.join(timeout=60)
+    finally:
+        s.stop()
+    assert during == 1 and results[0].stats.windows_on_target == results[0].stats.windows
