@@ -23,6 +23,36 @@ CHANNEL_OPTIONS = [
     # by default, and a client kept failing fast with UNAVAILABLE for minutes after it was back
     ("grpc.max_reconnect_backoff_ms", 5_000),
 ]
+# servers take pings from a client this often at most (``mirrorspec.serving.server.keepalive_options``);
+# a client that pings more often is told to go away (GOAWAY, too_many_pings) and its calls fail
+MIN_KEEPALIVE_S = 1.0
+DEFAULT_KEEPALIVE_S = 30.0
+
+
+def keepalive_channel_options(keepalive_s: float | None) -> list[tuple[str, int]]:
+    """While a call is open, ping the front door every ``keepalive_s`` and drop the connection
+    (the call fails with UNAVAILABLE) if a ping goes unanswered that long. A front door whose host
+    died or was cut off sends no FIN: a request would wait for its deadline, or for ever without
+    one, where TCP takes hours to give up. None: no pings."""
+    if keepalive_s is None:
+        return []
+    if not keepalive_s >= MIN_KEEPALIVE_S:  # nan too
+        raise InvalidRequest(f"must be at least {MIN_KEEPALIVE_S:g} s (servers refuse pings more often), or None "
+                             f"for no pings; got {keepalive_s}", field="keepalive_s")
+    return [*ping_options(keepalive_s), ("grpc.keepalive_permit_without_calls", 0)]
+
+
+def ping_options(every_s: float) -> list[tuple[str, int]]:
+    """A ping every ``every_s`` on a connection with calls open, and the connection dropped when
+    one goes unanswered that long; for clients and servers alike. The keepalive time and timeout
+    alone do nothing: after two pings without data gRPC waits five minutes between pings, and a
+    minute for an answer (traced with GRPC_TRACE=http_keepalive)."""
+    ms = int(every_s * 1000)
+    return [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms),
+            ("grpc.http2.max_pings_without_data", 0), ("grpc.http2.min_sent_ping_interval_without_data_ms", ms),
+            ("grpc.http2.min_time_between_pings_ms", ms), ("grpc.http2.ping_timeout_ms", ms)]
+
+
 # gRPC's own name schemes (a front door behind a Unix socket, DNS with a resolver authority) pass as
 # they are; anything else must be host:port, as servers print it
 GRPC_TARGET_SCHEMES = ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:")
@@ -113,8 +143,12 @@ def _completion(response: generation_pb2.GenerateResponse) -> Completion:
 
 
 class Client:
-    def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float | None = None):
-        self.channel = grpc.insecure_channel(check_target(address), options=CHANNEL_OPTIONS)
+    """``timeout_s``: each call's deadline (None: none); ``keepalive_s``: ``keepalive_channel_options``."""
+
+    def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float | None = None,
+                 keepalive_s: float | None = DEFAULT_KEEPALIVE_S):
+        self.channel = grpc.insecure_channel(check_target(address),
+                                             options=[*CHANNEL_OPTIONS, *keepalive_channel_options(keepalive_s)])
         self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
         self.timeout_s = timeout_s
 
@@ -138,8 +172,12 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float | None = None):
-        self.channel = grpc.aio.insecure_channel(check_target(address), options=CHANNEL_OPTIONS)
+    """As ``Client``, for asyncio."""
+
+    def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float | None = None,
+                 keepalive_s: float | None = DEFAULT_KEEPALIVE_S):
+        self.channel = grpc.aio.insecure_channel(check_target(address),
+                                                 options=[*CHANNEL_OPTIONS, *keepalive_channel_options(keepalive_s)])
         self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
         self.timeout_s = timeout_s
 

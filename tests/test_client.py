@@ -3,8 +3,13 @@
 import re
 import subprocess
 import sys
+import time
 
+import grpc
 import pytest
+
+from mirrorspec.client import Client
+from mirrorspec.config import InvalidRequest
 
 
 def test_the_clients_are_importable_from_the_package():
@@ -106,3 +111,64 @@ def test_the_async_client_is_an_async_context_manager():
         return channel.get_state() == __import__("grpc").ChannelConnectivity.SHUTDOWN
 
     assert asyncio.run(use())
+
+
+FROZEN_FRONT_DOOR = """
+import sys, time, grpc
+from concurrent.futures import ThreadPoolExecutor
+from mirrorspec.serving.server import SERVER_OPTIONS, keepalive_options
+from mirrorspec.v1 import generation_pb2
+
+def model_info(request, context):
+    return generation_pb2.ModelInfoResponse()
+
+def generate_stream(request, context):
+    time.sleep(3600)  # never answers: the test freezes this process anyway
+    yield generation_pb2.GenerateStreamResponse()
+
+service = "mirrorspec.v1.GenerationService"
+handlers = grpc.method_handlers_generic_handler(service, {
+    "ModelInfo": grpc.unary_unary_rpc_method_handler(
+        model_info, generation_pb2.ModelInfoRequest.FromString, generation_pb2.ModelInfoResponse.SerializeToString),
+    "GenerateStream": grpc.unary_stream_rpc_method_handler(
+        generate_stream, generation_pb2.GenerateRequest.FromString,
+        generation_pb2.GenerateStreamResponse.SerializeToString)})
+server = grpc.server(ThreadPoolExecutor(4), options=[*SERVER_OPTIONS, *keepalive_options(30.0)])
+server.add_generic_rpc_handlers((handlers,))
+print(server.add_insecure_port("127.0.0.1:0"), flush=True)
+server.start()
+server.wait_for_termination()
+"""
+
+
+@pytest.mark.parametrize("keepalive_s", [1.0, None], ids=["pings", "no pings"])
+def test_a_client_drops_a_front_door_that_stopped_answering_its_pings(keepalive_s):
+    """A front door's host that dies or is cut off sends no FIN (a SIGSTOPped process stands in
+    for it): with pings the stream fails with UNAVAILABLE within a few seconds; without, only
+    the call's deadline ends it."""
+    import signal
+
+    server = subprocess.Popen([sys.executable, "-c", FROZEN_FRONT_DOOR], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        with Client(f"127.0.0.1:{port}", timeout_s=8.0, keepalive_s=keepalive_s) as client:
+            client.model_info()  # connected while the server still answers
+            server.send_signal(signal.SIGSTOP)
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                list(client.stream([1, 2, 3]))
+        waited = time.monotonic() - started
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+    if keepalive_s is None:
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    else:
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and waited < 7.0
+
+
+@pytest.mark.parametrize("keepalive_s", [0.5, 0.0, -1.0, float("nan")])
+def test_a_keepalive_shorter_than_servers_take_is_refused(keepalive_s):
+    with pytest.raises(InvalidRequest, match="must be at least 1 s") as err:
+        Client("127.0.0.1:1", keepalive_s=keepalive_s)
+    assert err.value.field == "keepalive_s"

@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from mirrorspec.client import MIN_KEEPALIVE_S, ping_options
 from mirrorspec.config import InvalidRequest, check_port, refuse_setting
 from mirrorspec.serving.errors import ExceptionToStatusInterceptor
 
@@ -122,11 +123,11 @@ def keepalive_options(keepalive_s: float) -> list[tuple[str, int]]:
     sends no FIN, so without pings its window streams (and, through them, its sessions: see
     ``SessionStore``) stayed open until TCP gave up, hours later. Pings without data in between
     are unlimited and as frequent (gRPC's defaults: two, then one per five minutes): a front
-    door's open stream between two requests carries no data."""
-    ms = int(keepalive_s * 1000)
-    return [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms),
-            ("grpc.http2.max_pings_without_data", 0), ("grpc.http2.min_sent_ping_interval_without_data_ms", ms),
-            ("grpc.http2.min_time_between_pings_ms", ms), ("grpc.http2.ping_timeout_ms", ms)]
+    door's open stream between two requests carries no data. Clients may ping as often as
+    ``MIN_KEEPALIVE_S`` (``mirrorspec.Client`` does, every 30 s by default): gRPC's default takes
+    one ping per five minutes without data, and sends a client that pings more often (during a
+    long prefill) GOAWAY, failing its call."""
+    return [*ping_options(keepalive_s), ("grpc.http2.min_ping_interval_without_data_ms", int(MIN_KEEPALIVE_S * 1000))]
 
 
 async def start_grpc_server(services: list[Service], host: str, port: int,

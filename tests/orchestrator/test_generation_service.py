@@ -1270,3 +1270,17 @@ def test_a_front_door_process_stopped_mid_request_finishes_it_and_refuses_new_on
     assert [t for c in chunks for t in c.token_ids] == target_only(load(tiny_dir["target16"]), [0, 7, 3], 60)
     assert chunks[-1].finish_reason == "length" and front.returncode == 0
     assert "orchestrator stopping: new calls are refused, those in flight have 20 s to finish" in err
+
+
+def test_a_client_pinging_every_second_keeps_a_call_that_sends_nothing_for_seconds(stack, tiny_dir):
+    """Servers take a client's pings as often as every second (``MIN_KEEPALIVE_S``): gRPC's default
+    takes one per five minutes without data, and answered a client that pinged more often, during
+    a call quiet for a while (a long prefill, a busy target), with GOAWAY, failing the call."""
+    results = []
+    with Client(stack.address, keepalive_s=1.0) as client:
+        with targets_held(stack):
+            worker = threading.Thread(target=lambda: results.append(client.generate([0, 7, 3], max_tokens=12)))
+            worker.start()
+            time.sleep(5)  # the call is in flight, and nothing moves on it
+        worker.join(timeout=30)
+    assert list(results[0].token_ids) == target_only(load(tiny_dir["target16"]), [0, 7, 3], 12)
