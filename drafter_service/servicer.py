@@ -17,7 +17,7 @@ from mirrorspec.models import LoadedModel, load_causal_lm
 from mirrorspec.serving.convert import (check_token_ids, describe_model, params_from_proto, proposal_to_proto,
                                         ranked_to_proto)
 from mirrorspec.serving.server import ComputeLane, Service, start_grpc_server
-from mirrorspec.serving.sessions import SequenceState, SessionStore, orphaned_at_end
+from mirrorspec.serving.sessions import SequenceState, SessionStore, orphaned_after, orphaned_at_end
 from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 
@@ -94,6 +94,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         return make_drafter(self.loaded.model, self.config.proposal_top_k, lookup, self.config.draft_confidence)
 
     async def Draft(self, request, context):
+        with orphaned_after(self.sessions, request.session_id):
+            return await self._draft(request)
+
+    async def _draft(self, request) -> drafter_pb2.DraftResponse:
         session = self.sessions.get(request.session_id)
         async with session.lock:
             k = self._advance(session, request)
@@ -109,9 +113,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         with orphaned_at_end(self.sessions) as streamed:
             async for request in requests:
                 streamed.session_id = request.session_id
-                yield await self.Draft(request, context)
+                yield await self._draft(request)
 
     async def DraftBranches(self, request, context):
+        with orphaned_after(self.sessions, request.session_id):
+            return await self._draft_branches(request)
+
+    async def _draft_branches(self, request) -> drafter_pb2.DraftBranchesResponse:
         session = self.sessions.get(request.session_id)
         branch_tokens = check_token_ids(request.branch_tokens, session.vocab_size, "branch_tokens")
         if not 1 <= len(branch_tokens) <= MAX_BRANCHES:
@@ -128,6 +136,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                                                  draft_time_s=time.perf_counter() - started, forked=forks is not None)
 
     async def RankTokens(self, request, context):
+        with orphaned_after(self.sessions, request.session_id):
+            return await self._rank_tokens(request)
+
+    async def _rank_tokens(self, request) -> drafter_pb2.DraftResponse:
         session = self.sessions.get(request.session_id)
         if request.k >= request.context_length:
             raise OutOfRange(f"RankTokens ranks the last k tokens of a context and needs one before them; "

@@ -36,7 +36,7 @@ from mirrorspec.serving.convert import (
     proposal_from_proto,
 )
 from mirrorspec.serving.server import ComputeLane, Service, start_grpc_server
-from mirrorspec.serving.sessions import SequenceState, SessionStore, orphaned_at_end
+from mirrorspec.serving.sessions import SequenceState, SessionStore, orphaned_after, orphaned_at_end
 from mirrorspec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.run_windows import DEFAULT_DRAFT_TIMEOUT_S, DraftCallFailed, DrafterLinks, DraftStream
 
@@ -141,6 +141,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             await self.lane.run(session.verifier.session.logits_for, context[:end], 1)
 
     async def Verify(self, request, context):
+        with orphaned_after(self.sessions, request.session_id):
+            async for response in self._verify(request):
+                yield response
+
+    async def _verify(self, request):
         async with self._window(request) as (session, seq, proposal):
             started = time.perf_counter()
             if request.hints and self.probe is not None:
@@ -157,6 +162,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         yield target_pb2.VerifyResponse(verdict=_verdict_to_proto(verdict, time.perf_counter() - started))
 
     async def VerifyWindow(self, request, context):
+        with orphaned_after(self.sessions, request.session_id):
+            return await self._verify_window(request)
+
+    async def _verify_window(self, request) -> target_pb2.Verdict:
         async with self._window(request) as (session, seq, proposal):
             started = time.perf_counter()
             verdict = await self.lane.run(session.verifier.verify, seq.context, proposal, seq.params, seq.seed)
@@ -167,7 +176,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         with orphaned_at_end(self.sessions) as streamed:
             async for request in requests:
                 streamed.session_id = request.session_id
-                yield await self.VerifyWindow(request, context)
+                yield await self._verify_window(request)
 
     async def RunWindows(self, request, context):
         """The session's windows, each drafted by the request's drafter session (run_windows)."""

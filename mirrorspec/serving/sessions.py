@@ -28,9 +28,10 @@ class _Entry(Generic[S]):
 
 
 class SessionStore(Generic[S]):
-    """``orphan_ttl_s``: how long a session stays without a call once it is opened, and once its
-    window stream ended (its caller closed or cancelled it, or the caller's process died and took
-    the connection). A live caller calls at its next window, within milliseconds, or closes the
+    """``orphan_ttl_s``: how long a session stays without a call once it is opened, once a unary
+    call for it ended (``orphaned_after``), and once its window stream ended (its caller closed or
+    cancelled it, or the caller's process died and took the connection); an open window stream
+    keeps it. A live caller calls at its next window, within milliseconds, or closes the
     session; a front door that crashed never will, and its sessions held their slots for the whole
     ``ttl_s`` (ten minutes), so a restarted front door found its replicas full. A live caller's
     session evicted all the same (one idle longer, e.g. a drafter's while speculation is paused)
@@ -90,6 +91,17 @@ class SessionStore(Generic[S]):
 @dataclass
 class StreamedSession:
     session_id: str | None = None  # the session of the last window a stream carried
+
+
+@contextmanager
+def orphaned_after(sessions: SessionStore, session_id: str) -> Iterator[None]:
+    """Around a unary call for a session (mirror mode's hinted Verify and DraftBranches, among
+    others): once it ends, the session is ``orphan``ed, as once a window stream ends. A front door
+    that died between two such calls never makes the next; its session went after ten minutes."""
+    try:
+        yield
+    finally:
+        sessions.orphan(session_id)
 
 
 @contextmanager

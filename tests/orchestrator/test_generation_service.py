@@ -45,7 +45,14 @@ def test_n_gram_drafter_over_the_network_is_identical_too(tiny_dir, monkeypatch,
     calls the replicas; left to them, every window is a Draft call. Same tokens either way."""
     from drafter_service.servicer import DrafterServicer
 
-    calls = record_rpc(monkeypatch, DrafterServicer, "Draft")
+    calls = []
+    draft = DrafterServicer._draft  # every Draft, unary or a message on a DraftWindows stream
+
+    async def recorded(self, request):
+        calls.append(request)
+        return await draft(self, request)
+
+    monkeypatch.setattr(DrafterServicer, "_draft", recorded)
     ngram = start_stack(tiny_dir["target16"], strategy="ngram", k=4, front_door_lookup=front_door_lookup)
     try:
         model = load(tiny_dir["target16"])
@@ -111,17 +118,17 @@ def test_the_front_door_looks_up_itself_and_asks_the_drafter_only_where_lookup_f
     from mirrorspec.drafting import DraftModelDrafter
 
     counts = {"rpc": 0, "model": 0}
-    draft_rpc, model_propose = DrafterServicer.Draft, DraftModelDrafter.propose
+    draft_rpc, model_propose = DrafterServicer._draft, DraftModelDrafter.propose  # unary or streamed
 
-    async def counted_rpc(self, request, context):
+    async def counted_rpc(self, request):
         counts["rpc"] += 1
-        return await draft_rpc(self, request, context)
+        return await draft_rpc(self, request)
 
     def counted_propose(self, *args, **kwargs):
         counts["model"] += 1
         return model_propose(self, *args, **kwargs)
 
-    monkeypatch.setattr(DrafterServicer, "Draft", counted_rpc)
+    monkeypatch.setattr(DrafterServicer, "_draft", counted_rpc)
     monkeypatch.setattr(DraftModelDrafter, "propose", counted_propose)
     target, draft = load(tiny_dir["target16"]), load(tiny_dir["draft16"])
     repeats = [0, 3, 5, 2, 6, 1, 3, 5, 2, 6, 1, 3, 5]  # lookup fills whole windows, and runs out
@@ -178,7 +185,7 @@ def test_the_first_window_is_drafted_while_the_target_prefills(tiny_dir, monkeyp
     from target_service.servicer import TargetServicer
 
     events = []
-    open_target, draft_rpc = TargetServicer.OpenSession, DrafterServicer.Draft
+    open_target, draft_rpc = TargetServicer.OpenSession, DrafterServicer._draft  # unary or streamed
 
     async def slow_prefill(self, request, context):
         await asyncio.sleep(0.5)  # a long prompt on a big target
@@ -186,13 +193,13 @@ def test_the_first_window_is_drafted_while_the_target_prefills(tiny_dir, monkeyp
         events.append(("target opened", time.perf_counter()))
         return response
 
-    async def timed_draft(self, request, context):
-        response = await draft_rpc(self, request, context)
+    async def timed_draft(self, request):
+        response = await draft_rpc(self, request)
         events.append(("drafted", time.perf_counter()))
         return response
 
     monkeypatch.setattr(TargetServicer, "OpenSession", slow_prefill)
-    monkeypatch.setattr(DrafterServicer, "Draft", timed_draft)
+    monkeypatch.setattr(DrafterServicer, "_draft", timed_draft)
     s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3)
     try:
         with Client(s.address) as client:

@@ -17,7 +17,7 @@ from mirrorspec.serving.server import BackgroundServer
 from mirrorspec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.servicer import TargetConfig, serve
 
-ORPHAN_TTL_S = 0.5
+ORPHAN_TTL_S = 1.0
 
 CALLER = textwrap.dedent("""
     import queue, sys, time
@@ -96,9 +96,9 @@ def test_a_session_outlives_its_ended_stream_only_by_another_call(target):
                                                                           context_length=3)])))) == 1
     cancelled_after_one_window(stub, cancelled)
     time.sleep(ORPHAN_TTL_S / 2)
-    for session in (closed, cancelled):  # their callers are back
+    for session in (closed, cancelled):  # their callers are back (a unary call orphans its session as it ends)
         stub.VerifyWindow(target_pb2.VerifyRequest(session_id=session, context_length=3))
-    time.sleep(2 * ORPHAN_TTL_S)
+    time.sleep(0.7 * ORPHAN_TTL_S)
     assert open_sessions(stub) == 2
     for session in (abandoned, never_called):  # a caller that died before its first window leaves one too
         with pytest.raises(grpc.RpcError) as gone:
@@ -121,9 +121,10 @@ def test_a_drafter_session_whose_stream_ended_or_that_was_never_called_goes_too(
         for session in (kept, abandoned):
             assert len(list(stub.DraftWindows(iter([drafter_pb2.DraftRequest(session_id=session, context_length=5,
                                                                              k=2)])))) == 1
-        stub.Draft(drafter_pb2.DraftRequest(session_id=kept, context_length=5, k=2))
-        time.sleep(2 * ORPHAN_TTL_S)
-        assert stub.Info(common_pb2.InfoRequest()).open_sessions == 1
+        time.sleep(ORPHAN_TTL_S / 2)
+        stub.Draft(drafter_pb2.DraftRequest(session_id=kept, context_length=5, k=2))  # its caller is back
+        time.sleep(0.7 * ORPHAN_TTL_S)
+        assert stub.Info(common_pb2.InfoRequest()).open_sessions == 1  # kept alone, by its unary call
     finally:
         server.stop()
 
@@ -142,3 +143,45 @@ def test_a_caller_that_stops_answering_is_dropped_by_keepalive_and_its_session_g
     finally:
         caller.kill()
         caller.wait(timeout=30)
+
+
+@pytest.mark.parametrize("service", ["target", "drafter"])
+def test_a_session_whose_last_call_was_unary_goes_after_the_orphan_ttl_too(tiny_dir, service):
+    """Mirror windows with hints (Verify) and branch drafts (DraftBranches) are unary calls: a
+    front door that died after one left its sessions for the ten-minute TTL. Each unary window call
+    orphans its session as it ends; the next call (milliseconds later from a live caller) keeps it."""
+    from drafter_service.servicer import DrafterConfig
+    from drafter_service.servicer import serve as serve_drafter
+    from mirrorspec.v1 import drafter_pb2, drafter_pb2_grpc
+
+    params = common_pb2.SamplingParams(temperature=0.0, max_new_tokens=50)
+    if service == "target":
+        config = TargetConfig(model=str(tiny_dir["target16"]), orphaned_session_ttl_s=ORPHAN_TTL_S)
+        server = BackgroundServer(lambda: serve(config, load_causal_lm(str(tiny_dir["target16"]), tokenizer=False)))
+    else:
+        server = BackgroundServer(lambda: serve_drafter(DrafterConfig(orphaned_session_ttl_s=ORPHAN_TTL_S)))
+    server.start()
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+        if service == "target":
+            stub = target_pb2_grpc.TargetServiceStub(channel)
+            opened = [stub.OpenSession(target_pb2.OpenTargetSessionRequest(prompt_ids=[3, 1, 4], params=params))
+                      .session_id for _ in range(3)]
+            window = lambda s: target_pb2.VerifyRequest(session_id=s, context_length=3, hints=True)  # noqa: E731
+            calls = [lambda s: list(stub.Verify(window(s))), lambda s: stub.VerifyWindow(window(s))]
+        else:
+            stub = drafter_pb2_grpc.DrafterServiceStub(channel)
+            opened = [stub.OpenSession(drafter_pb2.OpenDraftSessionRequest(prompt_ids=[3, 1, 4, 3, 1], params=params))
+                      .session_id for _ in range(3)]
+            calls = [lambda s: stub.DraftBranches(drafter_pb2.DraftRequest(session_id=s, context_length=5, k=2,
+                                                                           branch_tokens=[3])),
+                     lambda s: stub.RankTokens(drafter_pb2.DraftRequest(session_id=s, context_length=5, k=2))]
+        for session, call in zip(opened, calls):
+            call(session)
+        # the third session is a live caller's: unary calls keep coming, each within the orphan TTL
+        for _ in range(4):
+            calls[0](opened[2])
+            time.sleep(ORPHAN_TTL_S / 2)
+        assert stub.Info(common_pb2.InfoRequest()).open_sessions == 1
+    finally:
+        server.stop()
