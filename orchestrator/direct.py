@@ -33,16 +33,27 @@ log = logging.getLogger(__name__)
 def windows_on_target(remote: RemoteDrafter, drafter: Drafter, verifier: RemoteVerifier, prompt: Sequence[int],
                       params: SamplingParams, spec: SpeculationConfig, seed: int, stats: GenerationStats,
                       runner_up: bool, client_deadline: float | None = None) -> Iterator[WindowEvent]:
-    """The request's windows: run on the target while it can, then here (``decode_windows``
-    with ``drafter``, the front door's face of ``remote``) for the rest of the budget.
-    ``client_deadline`` (``time.monotonic()``), where the client set one, is the run's; each
-    window keeps a deadline of its own, as here."""
+    """The request's windows: run on the target while it can, else here (``decode_windows``
+    with ``drafter``, the front door's face of ``remote``), window by window, until the target can
+    run them again: the drafter is back (a failed one reopens after its cooldown), or the session
+    moved. ``client_deadline`` (``time.monotonic()``), where the client set one, is the runs';
+    each window keeps a deadline of its own, as here."""
     context = list(prompt)
-    if (yield from _run(remote, verifier, context, params, spec.num_speculative_tokens, stats, runner_up,
-                        client_deadline)):
-        return
-    rest = replace(params, max_new_tokens=params.max_new_tokens - (len(context) - len(prompt)))
-    yield from decode_windows(drafter, verifier, context, rest, spec, seed, stats)
+
+    def rest() -> SamplingParams:
+        return replace(params, max_new_tokens=params.max_new_tokens - (len(context) - len(prompt)))
+
+    while True:
+        if (yield from _run(remote, verifier, context, rest(), spec.num_speculative_tokens, stats, runner_up,
+                            client_deadline)):
+            return
+        for event in decode_windows(drafter, verifier, context, rest(), spec, seed, stats):
+            context += event.tokens
+            yield event
+            if event.finish_reason:
+                return
+            if verifier.runs_windows and remote.failure is None:
+                break  # the decode_windows generator is dropped: it holds nothing
 
 
 def _run(remote: RemoteDrafter, verifier: RemoteVerifier, context: list[int], params: SamplingParams, k: int,

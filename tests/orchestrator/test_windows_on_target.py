@@ -261,3 +261,37 @@ def test_a_run_longer_than_the_session_ttl_keeps_its_target_session(tiny_dir, mo
     finally:
         s.stop()
     assert during == 1 and results[0].stats.windows_on_target == results[0].stats.windows
+
+
+def test_windows_go_back_to_the_target_once_a_failed_drafter_is_back(tiny_dir, monkeypatch):
+    """A drafter frozen for a moment fails a run's draft call; the front door goes on window by
+    window, target-only, reopens the drafter session after its cooldown, and hands the windows back
+    to the target: most of a long request still runs there."""
+    from mirrorspec.engine import TargetVerifier
+
+    verify = TargetVerifier.verify
+
+    def slow_verify(self, *args, **kwargs):
+        time.sleep(0.05)  # target-only windows take a while: the freeze spans a few
+        return verify(self, *args, **kwargs)
+
+    monkeypatch.setattr(TargetVerifier, "verify", slow_verify)
+    model = load(tiny_dir["target16"])
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=2, windows_on_target=True, drafter_timeout_s=0.3,
+                    failure_cooldown_s=0.2)
+    release = threading.Event()
+    try:
+        with Client(s.address) as client:
+            stream = client.stream([0, 7, 3], max_tokens=60)
+            first = next(stream)
+            s.drafter.servicer.lane._pool.submit(release.wait, 60)  # the drafter freezes ...
+            threading.Timer(0.5, release.set).start()  # ... for half a second
+            rest = list(stream)
+    finally:
+        release.set()
+        s.stop()
+    tokens = list(first.token_ids) + [t for chunk in rest for t in chunk.token_ids]
+    assert tokens == target_only(model, [0, 7, 3], 60)
+    stats = rest[-1].stats
+    assert stats.drafter_fallback and stats.target_moves == 0
+    assert stats.windows_on_target < stats.windows and stats.windows_on_target > stats.windows / 2
