@@ -31,6 +31,20 @@ def sessions(server, stub) -> int:
     return stub(grpc.insecure_channel(f"127.0.0.1:{server.port}")).Info(common_pb2.InfoRequest()).open_sessions
 
 
+@pytest.fixture
+def slow_verify(monkeypatch):
+    """Every verify takes 50 ms longer: runs last long enough for deadlines, TTLs and freezes."""
+    from mirrorspec.engine import TargetVerifier
+
+    verify = TargetVerifier.verify
+
+    def slowed(self, *args, **kwargs):
+        time.sleep(0.05)
+        return verify(self, *args, **kwargs)
+
+    monkeypatch.setattr(TargetVerifier, "verify", slowed)
+
+
 @pytest.fixture(scope="module")
 def stack(tiny_dir):
     s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, windows_on_target=True)
@@ -183,18 +197,9 @@ def test_a_draft_call_that_fails_ends_the_run_with_the_reason(stack, drafter):
     assert results[0].drafter_error.startswith("NOT_FOUND" if drafter == "unknown session" else "UNAVAILABLE")
 
 
-def test_a_run_longer_than_a_backend_call_may_take_finishes(tiny_dir, monkeypatch):
+def test_a_run_longer_than_a_backend_call_may_take_finishes(tiny_dir, slow_verify):
     """The run carries the client's deadline only; each window has its own, as at the front door
     (a run given backend_timeout_s failed any generation that took longer in all: review 1, 2)."""
-    from mirrorspec.engine import TargetVerifier
-
-    verify = TargetVerifier.verify
-
-    def slow_verify(self, *args, **kwargs):
-        time.sleep(0.05)
-        return verify(self, *args, **kwargs)
-
-    monkeypatch.setattr(TargetVerifier, "verify", slow_verify)
     model = load(tiny_dir["target16"])
     s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=1, windows_on_target=True, backend_timeout_s=1.0)
     try:
@@ -231,22 +236,14 @@ def test_a_frozen_drafter_is_blamed_not_the_target(tiny_dir):
     assert stats.drafter_fallback and stats.target_moves == 0 and 0 < stats.windows_on_target < stats.windows
 
 
-def test_a_run_longer_than_the_session_ttl_keeps_its_target_session(tiny_dir, monkeypatch):
+def test_a_run_longer_than_the_session_ttl_keeps_its_target_session(tiny_dir, slow_verify):
     """Each window of a run refreshes its session's TTL, as each window call does at the front
     door: a run that outlived the TTL had its session evicted (and its KV cache freed) under it,
     and the target counted it as closed (review 1)."""
     from drafter_service.servicer import DrafterConfig
     from mirrorspec.cli import start_local_stack
-    from mirrorspec.engine import TargetVerifier
     from target_service.servicer import TargetConfig
 
-    verify = TargetVerifier.verify
-
-    def slow_verify(self, *args, **kwargs):
-        time.sleep(0.05)
-        return verify(self, *args, **kwargs)
-
-    monkeypatch.setattr(TargetVerifier, "verify", slow_verify)
     s = start_local_stack(TargetConfig(model=str(tiny_dir["target16"]), session_ttl_s=1.0),
                           DrafterConfig(strategy="draft-model", model=str(tiny_dir["draft16"])), port=0,
                           num_speculative_tokens=1, windows_on_target=True)
@@ -263,19 +260,10 @@ def test_a_run_longer_than_the_session_ttl_keeps_its_target_session(tiny_dir, mo
     assert during == 1 and results[0].stats.windows_on_target == results[0].stats.windows
 
 
-def test_windows_go_back_to_the_target_once_a_failed_drafter_is_back(tiny_dir, monkeypatch):
+def test_windows_go_back_to_the_target_once_a_failed_drafter_is_back(tiny_dir, slow_verify):
     """A drafter frozen for a moment fails a run's draft call; the front door goes on window by
     window, target-only, reopens the drafter session after its cooldown, and hands the windows back
     to the target: most of a long request still runs there."""
-    from mirrorspec.engine import TargetVerifier
-
-    verify = TargetVerifier.verify
-
-    def slow_verify(self, *args, **kwargs):
-        time.sleep(0.05)  # target-only windows take a while: the freeze spans a few
-        return verify(self, *args, **kwargs)
-
-    monkeypatch.setattr(TargetVerifier, "verify", slow_verify)
     model = load(tiny_dir["target16"])
     s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=2, windows_on_target=True, drafter_timeout_s=0.3,
                     failure_cooldown_s=0.2)
