@@ -436,7 +436,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def speculation_summary(stats) -> str:
     """The end-of-generation figures, for in-process stats and a server's ``RequestStats`` alike."""
     won = f", runner-up won {stats.runner_up_hits} windows" if stats.runner_up_hits else ""
-    return f"acceptance {stats.acceptance_rate:.2f}, {stats.mean_accepted_length:.2f} tokens/pass{won}"
+    on_target = f", {stats.windows_on_target} of {stats.windows} windows run on the target" \
+        if stats.windows_on_target else ""
+    return f"acceptance {stats.acceptance_rate:.2f}, {stats.mean_accepted_length:.2f} tokens/pass{won}{on_target}"
 
 
 def _generate_remote(args: argparse.Namespace) -> int:

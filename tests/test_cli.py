@@ -384,7 +384,7 @@ def test_demo_runs_the_shipped_draft_beside_the_target():
     assert "held-out top-1 agreement" in out.stdout
 
 
-def test_the_summary_line_names_runner_up_wins_where_there_were_any():
+def test_the_summary_line_names_runner_up_wins_and_windows_on_the_target_where_there_were_any():
     """One summary for in-process stats and a server's RequestStats alike."""
     from mirrorspec.cli import speculation_summary
     from mirrorspec.engine import GenerationStats
@@ -395,6 +395,9 @@ def test_the_summary_line_names_runner_up_wins_where_there_were_any():
     assert speculation_summary(local).endswith("tokens/pass, runner-up won 2 windows")
     served = generation_pb2.RequestStats(acceptance_rate=0.5, mean_accepted_length=2.0)
     assert speculation_summary(served) == "acceptance 0.50, 2.00 tokens/pass"
+    on_target = generation_pb2.RequestStats(acceptance_rate=0.5, mean_accepted_length=2.0, windows=9,
+                                            windows_on_target=7)
+    assert speculation_summary(on_target) == "acceptance 0.50, 2.00 tokens/pass, 7 of 9 windows run on the target"
 
 
 def test_a_termination_signal_while_a_deployment_starts_interrupts_it_like_ctrl_c():
