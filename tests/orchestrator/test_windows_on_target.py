@@ -220,20 +220,27 @@ def test_a_frozen_drafter_is_blamed_not_the_target(tiny_dir):
     model = load(tiny_dir["target16"])
     s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=2, windows_on_target=True, window_timeout_s=1.0,
                     drafter_timeout_s=1.0, failure_cooldown_s=30.0)
+    tokens, stats = with_the_drafter_frozen_after_the_first_window(s, max_tokens=40)
+    assert tokens == target_only(model, [0, 7, 3], 40)
+    assert stats.drafter_fallback and stats.target_moves == 0 and 0 < stats.windows_on_target < stats.windows
+
+
+def with_the_drafter_frozen_after_the_first_window(s, max_tokens: int, for_s: float | None = None):
+    """A stream of ``max_tokens`` after [0, 7, 3] whose drafter's compute lane stops after the first
+    window (for ``for_s`` seconds; for good if None): (its tokens, its final stats). Stops ``s``."""
     release = threading.Event()
     try:
         with Client(s.address) as client:
-            stream = client.stream([0, 7, 3], max_tokens=40)
+            stream = client.stream([0, 7, 3], max_tokens=max_tokens)
             first = next(stream)
-            s.drafter.servicer.lane._pool.submit(release.wait, 60)  # drafts wait from now on
+            s.drafter.servicer.lane._pool.submit(release.wait, 60)  # drafts wait from now on ...
+            if for_s is not None:
+                threading.Timer(for_s, release.set).start()  # ... for a while
             rest = list(stream)
     finally:
         release.set()
         s.stop()
-    tokens = list(first.token_ids) + [t for chunk in rest for t in chunk.token_ids]
-    assert tokens == target_only(model, [0, 7, 3], 40)
-    stats = rest[-1].stats
-    assert stats.drafter_fallback and stats.target_moves == 0 and 0 < stats.windows_on_target < stats.windows
+    return list(first.token_ids) + [t for chunk in rest for t in chunk.token_ids], rest[-1].stats
 
 
 def test_a_run_longer_than_the_session_ttl_keeps_its_target_session(tiny_dir, slow_verify):
@@ -267,19 +274,7 @@ def test_windows_go_back_to_the_target_once_a_failed_drafter_is_back(tiny_dir, s
     model = load(tiny_dir["target16"])
     s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=2, windows_on_target=True, drafter_timeout_s=0.3,
                     failure_cooldown_s=0.2)
-    release = threading.Event()
-    try:
-        with Client(s.address) as client:
-            stream = client.stream([0, 7, 3], max_tokens=60)
-            first = next(stream)
-            s.drafter.servicer.lane._pool.submit(release.wait, 60)  # the drafter freezes ...
-            threading.Timer(0.5, release.set).start()  # ... for half a second
-            rest = list(stream)
-    finally:
-        release.set()
-        s.stop()
-    tokens = list(first.token_ids) + [t for chunk in rest for t in chunk.token_ids]
+    tokens, stats = with_the_drafter_frozen_after_the_first_window(s, max_tokens=60, for_s=0.5)
     assert tokens == target_only(model, [0, 7, 3], 60)
-    stats = rest[-1].stats
     assert stats.drafter_fallback and stats.target_moves == 0
     assert stats.windows_on_target < stats.windows and stats.windows_on_target > stats.windows / 2
