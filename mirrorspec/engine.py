@@ -346,7 +346,14 @@ def window_tokens(verdict: WindowVerdict, proposal: Proposal, stop: Collection[i
                   max_new_tokens: int) -> tuple[list[int], str | None]:
     """The tokens a window commits (its accepted drafts, then the next token), cut after a stop
     token, and why the request finishes with them, if it does."""
-    tokens = [*verdict.accepted_tokens(proposal.tokens), verdict.next_token]
+    return cut_at_stop([*verdict.accepted_tokens(proposal.tokens), verdict.next_token], stop, produced,
+                       max_new_tokens)
+
+
+def cut_at_stop(tokens: list[int], stop: Collection[int], produced: int,
+                max_new_tokens: int) -> tuple[list[int], str | None]:
+    """``tokens`` committed after ``produced`` others, cut after a stop token, and why the request
+    finishes with them, if it does."""
     for i, token in enumerate(tokens):
         if token in stop:
             return tokens[:i + 1], "stop"

@@ -20,7 +20,7 @@ import grpc
 
 from mirrorspec.config import SamplingParams, SpeculationConfig
 from mirrorspec.drafting import Drafter
-from mirrorspec.engine import GenerationStats, WindowEvent, decode_windows
+from mirrorspec.engine import GenerationStats, WindowEvent, cut_at_stop, decode_windows
 from mirrorspec.models import common_prefix_length
 from mirrorspec.serving.convert import verdict_from_proto
 from mirrorspec.v1 import target_pb2
@@ -73,7 +73,7 @@ def _run(remote: RemoteDrafter, verifier: RemoteVerifier, context: list[int], pa
     # the whole run has the client's deadline only: a long generation outlives any one call's
     call = target.stub.RunWindows(request, timeout=None if client_deadline is None
                                   else max(client_deadline - time.monotonic(), 0.001))
-    stop, produced, finish = set(params.stop_token_ids), 0, None
+    stop, produced = set(params.stop_token_ids), 0
     try:
         # a window's result may wait for a draft call too: the target gives up on the drafter first
         window_timeout_s = verifier.window_timeout_s and verifier.window_timeout_s + draft_timeout_s
@@ -87,7 +87,7 @@ def _run(remote: RemoteDrafter, verifier: RemoteVerifier, context: list[int], pa
             verifier.held = list(context)  # as of this window's verify
             if result.draft_call_s > 0:  # and its draft call, where it made one
                 drafts.held = list(context)
-            tokens = list(result.tokens)
+            tokens, finish = cut_at_stop(list(result.tokens), stop, produced, params.max_new_tokens)
             verdict = verdict_from_proto(result.verdict)
             stats.draft_time_s += result.draft_call_s
             stats.record_window(result.num_drafted, verdict, len(tokens), result.verdict.verify_time_s)
@@ -98,10 +98,6 @@ def _run(remote: RemoteDrafter, verifier: RemoteVerifier, context: list[int], pa
             verifier.times.call_s += result.verdict.verify_time_s
             verifier.times.server_s += result.verdict.verify_time_s
             produced += len(tokens)
-            if tokens[-1] in stop:
-                finish = "stop"
-            elif produced >= params.max_new_tokens:
-                finish = "length"
             context += tokens
             yield WindowEvent(tokens, result.num_drafted, verdict.num_accepted, verdict.next_kind, finish)
             if finish:
