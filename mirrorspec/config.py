@@ -228,6 +228,11 @@ DEFAULT_DRAFT_CONFIDENCE = 0.3
 DEFAULT_K = 4
 DEFAULT_K_CONFIDENT = 8
 
+# How long a drafter may take over one window before its caller (the front door, or a target
+# running the windows) counts it hung: a window is a few tokens of a small model, tens of
+# milliseconds when healthy. One value for both callers, which may not import each other.
+DRAFT_HUNG_AFTER_S = 1.0
+
 
 def default_k(draft_model: bool, draft_confidence: float) -> int:
     """The entry points' K when --k is not given: longer where a draft model ends its own windows."""

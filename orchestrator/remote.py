@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from mirrorspec.config import InvalidRequest, SamplingParams
+from mirrorspec.config import DRAFT_HUNG_AFTER_S, InvalidRequest, SamplingParams
 from mirrorspec.drafting import Drafter, NgramDrafter, Proposal, RankedTokens
 from mirrorspec.drafting.base import fork_points_or_end
 from mirrorspec.engine import runner_up_to_offer
@@ -282,7 +282,7 @@ class RemoteDrafter(Drafter):
     again when it clears."""
 
     name = "remote"
-    HUNG_AFTER_S = 1.0  # a window is a few tokens of a small model: tens of milliseconds when healthy
+    HUNG_AFTER_S = DRAFT_HUNG_AFTER_S
     MAX_RETRY_AFTER_S = 60.0  # the longest it stays off between tries, however often it failed
 
     def __init__(self, pool: ReplicaPool, prompt: Sequence[int], params: SamplingParams, seed: int, vocab_size: int,

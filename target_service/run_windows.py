@@ -24,7 +24,6 @@ from mirrorspec.serving.convert import proposal_from_proto
 from mirrorspec.serving.server import CHANNEL_OPTIONS
 from mirrorspec.v1 import drafter_pb2, drafter_pb2_grpc
 
-DEFAULT_DRAFT_TIMEOUT_S = 1.0  # a window is a few tokens of a small model: tens of milliseconds when healthy
 
 
 class DraftCallFailed(Exception):

@@ -12,6 +12,7 @@ from functools import partial
 
 from mirrorspec.config import (
     DEFAULT_PREFILL_CHUNK,
+    DRAFT_HUNG_AFTER_S,
     HINT_LENSES,
     InvalidRequest,
     OutOfRange,
@@ -38,7 +39,7 @@ from mirrorspec.serving.convert import (
 from mirrorspec.serving.server import ComputeLane, Service, start_grpc_server
 from mirrorspec.serving.sessions import SequenceState, SessionStore, orphaned_after, orphaned_at_end
 from mirrorspec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from target_service.run_windows import DEFAULT_DRAFT_TIMEOUT_S, DraftCallFailed, DrafterLinks, DraftStream
+from target_service.run_windows import DraftCallFailed, DrafterLinks, DraftStream
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +196,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                              f"got {request.drafter_context_length}", field="drafter_context_length")
         commit = check_token_ids(request.commit_tokens, self.vocab_size, "commit_tokens")
         drafts = DraftStream(self.drafters.stub(address), request.drafter_session_id, request.drafter_context_length,
-                             self.vocab_size, request.draft_timeout_s or DEFAULT_DRAFT_TIMEOUT_S)
+                             self.vocab_size, request.draft_timeout_s or DRAFT_HUNG_AFTER_S)
         with orphaned_at_end(self.sessions) as streamed:
             streamed.session_id = request.session_id
             async with session.lock:
