@@ -18,7 +18,8 @@
 #                  question: is a wide pass flat there, as it is not on CPU?)
 #   2. exactness   the quick statistical exactness test with its tiny models on the GPU
 #   3. bench       target-only, mirrorspec's default with and without the runner-up, HF assisted and
-#                  the served path, all on the GPU, greedy (TEMPS), MT-Bench and HumanEval
+#                  the served path with its windows at the front door and on the target (where the
+#                  millisecond a window saves weighs most), all on the GPU, TEMPS, MT-Bench and HumanEval
 #   4. mirror-*    mirror against serial over gRPC with the target server on the GPU and the
 #                  drafter server on CPU (its own compute), then on the same GPU
 #   5. mirror-leads  (not in the default STEPS; about 150 s) the CPU-drafter run again, unpinned with
@@ -60,9 +61,9 @@ step pass-cost 100 "$PY" -m benchmarks.pass_cost --device "$DEVICE" --max-k 32 -
     --out "$OUT_DIR"
 step exactness 120 env MIRRORSPEC_TEST_DEVICE="$DEVICE" "$PY" -m pytest -p no:cacheprovider -q \
     tests/test_engine_exactness.py -k test_quick_exactness_smoke
-TAIL=40 step bench 270 "$PY" -m benchmarks --device "$DEVICE" --threads "$THREADS" --datasets humaneval,mtbench \
+TAIL=40 step bench 320 "$PY" -m benchmarks --device "$DEVICE" --threads "$THREADS" --datasets humaneval,mtbench \
     --num-prompts "$PROMPTS" --max-tokens "$TOKENS" --k "$KS" --temperatures "$TEMPS" \
-    --modes target-only,mirrorspec-hybrid-confident,mirrorspec-hybrid-confident-runner-up,hf-assisted,served-hybrid-confident-runner-up \
+    --modes target-only,mirrorspec-hybrid-confident,mirrorspec-hybrid-confident-runner-up,hf-assisted,served-hybrid-confident-runner-up,served-hybrid-confident-runner-up-on-target \
     --out "$OUT_DIR"
 step mirror-cpu-drafter 100 "$PY" -m benchmarks.mirror --target-device "$DEVICE" --drafter-device cpu --threads 2 \
     --num-prompts "$PROMPTS" --max-tokens "$TOKENS" --k 4 --out "$OUT_DIR"
