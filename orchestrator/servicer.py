@@ -246,6 +246,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise InvalidRequest("stop strings need a tokenizer; this deployment has none (send stop_token_ids "
                                  "instead, or start the front door with a tokenizer)", field="stop")
         kind, prompt = self._prompt_ids(request)
+        if not request.params.max_new_tokens:  # unset: the default, where the context window has room for it
+            params = replace(params, max_new_tokens=max(min(params.max_new_tokens, self.max_context - len(prompt)), 1))
         prompt = validate_prompt(prompt, self.vocab_size, self.max_context, params, field=kind)
         seed = request.seed if request.HasField("seed") else fresh_seed()
         mirror = self.config.mirror
@@ -262,7 +264,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if kind == "token_ids":
             return kind, list(request.token_ids.ids)
         if self.tokenizer is None:
-            raise InvalidRequest("this deployment has no tokenizer; send token_ids instead of text", field=kind)
+            raise InvalidRequest(f"this deployment has no tokenizer; send token_ids instead of {kind}", field=kind)
         if kind == "chat":
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
             if not messages or not any(m["content"] for m in messages):

@@ -382,6 +382,7 @@ def test_expired_target_session_is_reopened_from_the_token_log(stack, tiny_dir):
     (dict(prompt=[0, 1], stop=[""]), grpc.StatusCode.INVALID_ARGUMENT, "stop strings"),
     (dict(prompt=[0, 1], stop_token_ids=[16]), grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids holds ids [16]"),
     (dict(prompt="hello"), grpc.StatusCode.INVALID_ARGUMENT, "no tokenizer"),
+    (dict(prompt=[{"role": "user", "content": "hi"}]), grpc.StatusCode.INVALID_ARGUMENT, "instead of chat"),
     (dict(prompt=[0, 1], stop=["x"], max_tokens=3), grpc.StatusCode.INVALID_ARGUMENT, "stop strings need a tokenizer"),
 ])
 def test_bad_requests_get_clear_statuses_and_the_server_stays_up(stack, kwargs, code, needle):
@@ -391,6 +392,37 @@ def test_bad_requests_get_clear_statuses_and_the_server_stays_up(stack, kwargs, 
         assert err.value.code() == code and needle in err.value.details()
         assert open_sessions(stack) == (0, 0)  # refused before any session opened: none is left to its TTL
         assert client.generate([0, 1], max_tokens=3).token_ids  # still serving
+
+
+def test_an_unset_max_tokens_is_the_default_cut_to_the_room_the_context_window_leaves(stack):
+    """As vLLM does: a long prompt with no max_tokens was refused for the front door's own default
+    (128), which the client never sent. One that is set is still refused where it does not fit."""
+    with Client(stack.address) as client:
+        served = client.generate([0, 1] * 50)  # 100 of the tiny target's 128 positions
+        assert len(served.token_ids) == 28 and served.finish_reason == "length"
+        assert len(client.generate([0, 1] * 60 + [2]).token_ids) == 7
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate([0, 1] * 50, max_tokens=29)
+        assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE and "at most 28" in err.value.details()
+
+
+def test_a_stop_string_ends_the_output_with_the_token_that_completes_it(padded_pair):
+    """What generation.proto says of ``stop``: the output keeps the stop string (transformers'
+    stop_strings do; OpenAI's API drops it), streamed and unary alike."""
+    s = start_stack(padded_pair["target"], padded_pair["draft"], k=3)
+    try:
+        with Client(s.address) as client:
+            free = client.generate("w1 w2", raw=True, max_tokens=30)
+            words = free.text.split()
+            stop = next(w for w in words[2:] if w != words[0])  # a word the output reaches after its start
+            cut = words.index(stop) + 1
+            stopped = client.generate("w1 w2", raw=True, max_tokens=30, stop=stop)
+            assert stopped.finish_reason == "stop" and stopped.text.split() == words[:cut]
+            assert list(stopped.token_ids) == list(free.token_ids)[:cut] and stopped.text.endswith(stop)
+            chunks = list(client.stream("w1 w2", raw=True, max_tokens=30, stop=stop))
+            assert "".join(c.text for c in chunks) == stopped.text and chunks[-1].finish_reason == "stop"
+    finally:
+        s.stop()
 
 
 @pytest.fixture(scope="module")
