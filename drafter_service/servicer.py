@@ -112,7 +112,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         """Draft call after Draft call of one caller on one stream, each answered as Draft would."""
         with orphaned_at_end(self.sessions) as streamed:
             async for request in requests:
-                streamed.session_id = request.session_id
+                streamed.carry(request.session_id)
                 yield await self._draft(request)
 
     async def DraftBranches(self, request, context):

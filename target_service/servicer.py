@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -176,7 +177,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         """Window after window of one caller on one stream, each answered as VerifyWindow would."""
         with orphaned_at_end(self.sessions) as streamed:
             async for request in requests:
-                streamed.session_id = request.session_id
+                streamed.carry(request.session_id)
                 yield await self._verify_window(request)
 
     async def RunWindows(self, request, context):
@@ -194,11 +195,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if not 0 < request.drafter_context_length <= request.context_length:
             raise OutOfRange(f"drafter_context_length must be in [1, context_length={request.context_length}], "
                              f"got {request.drafter_context_length}", field="drafter_context_length")
+        if not (request.draft_timeout_s >= 0 and math.isfinite(request.draft_timeout_s)):
+            raise InvalidRequest(f"draft_timeout_s must be a finite number of seconds > 0 (0 = the default, "
+                                 f"{DRAFT_HUNG_AFTER_S:g} s), got {request.draft_timeout_s}", field="draft_timeout_s")
         commit = check_token_ids(request.commit_tokens, self.vocab_size, "commit_tokens")
         drafts = DraftStream(self.drafters.stub(address), request.drafter_session_id, request.drafter_context_length,
                              self.vocab_size, request.draft_timeout_s or DRAFT_HUNG_AFTER_S)
         with orphaned_at_end(self.sessions) as streamed:
-            streamed.session_id = request.session_id
+            streamed.carry(request.session_id)
             async with session.lock:
                 seq = session.sequence
                 seq.commit(commit, int(request.context_length))

@@ -90,7 +90,15 @@ class SessionStore(Generic[S]):
 
 @dataclass
 class StreamedSession:
-    session_id: str | None = None  # the session of the last window a stream carried
+    session_id: str | None = None  # the session whose windows a stream carries
+
+    def carry(self, session_id: str) -> None:
+        """A window for ``session_id``. A stream carries one session's windows: one that went on
+        to another session's left the first on the ten-minute TTL as it ended, not orphaned."""
+        if self.session_id is not None and session_id != self.session_id:
+            raise InvalidRequest(f"this window stream carries session {self.session_id!r}, not {session_id!r}: "
+                                 "open one stream per session", field="session_id")
+        self.session_id = session_id
 
 
 @contextmanager

@@ -90,7 +90,8 @@ class DrafterServiceServicer:
 
     def DraftWindows(self, request_iterator, context):
         """One session's Draft calls as messages on one bidirectional stream, answered in order (see
-        TargetService.VerifyWindows). An error ends the stream with that call's status.
+        TargetService.VerifyWindows). An error ends the stream with that call's status; a call for
+        another session than the first one's is refused (INVALID_ARGUMENT).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

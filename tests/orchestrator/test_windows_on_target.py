@@ -173,6 +173,10 @@ def _run(stack, **fields):
     (dict(session_id="nope"), grpc.StatusCode.NOT_FOUND, "nope"),
     (dict(context_length=5), grpc.StatusCode.FAILED_PRECONDITION, "reopen the session"),
     (dict(commit_tokens=[16], context_length=4), grpc.StatusCode.INVALID_ARGUMENT, "outside the vocabulary"),
+    # it ended the run at once with "no draft within -1 s", and NaN with "within nan s" (review 2 of stop 43)
+    (dict(draft_timeout_s=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "draft_timeout_s must be a finite"),
+    (dict(draft_timeout_s=float("nan")), grpc.StatusCode.INVALID_ARGUMENT, "draft_timeout_s must be a finite"),
+    (dict(draft_timeout_s=float("inf")), grpc.StatusCode.INVALID_ARGUMENT, "draft_timeout_s must be a finite"),
 ])
 def test_bad_run_requests_get_clear_statuses(stack, change, code, needle):
     target_session, drafter_session = _opened(stack)

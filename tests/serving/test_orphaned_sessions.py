@@ -145,43 +145,85 @@ def test_a_caller_that_stops_answering_is_dropped_by_keepalive_and_its_session_g
         caller.wait(timeout=30)
 
 
-@pytest.mark.parametrize("service", ["target", "drafter"])
-def test_a_session_whose_last_call_was_unary_goes_after_the_orphan_ttl_too(tiny_dir, service):
-    """Mirror windows with hints (Verify) and branch drafts (DraftBranches) are unary calls: a
-    front door that died after one left its sessions for the ten-minute TTL. Each unary window call
-    orphans its session as it ends; the next call (milliseconds later from a live caller) keeps it."""
+def replica(tiny_dir, service: str) -> BackgroundServer:
+    """A started target (tiny vocab-16 model) or n-gram drafter with the short orphan TTL."""
     from drafter_service.servicer import DrafterConfig
     from drafter_service.servicer import serve as serve_drafter
-    from mirrorspec.v1 import drafter_pb2, drafter_pb2_grpc
 
-    params = common_pb2.SamplingParams(temperature=0.0, max_new_tokens=50)
     if service == "target":
         config = TargetConfig(model=str(tiny_dir["target16"]), orphaned_session_ttl_s=ORPHAN_TTL_S)
         server = BackgroundServer(lambda: serve(config, load_causal_lm(str(tiny_dir["target16"]), tokenizer=False)))
     else:
         server = BackgroundServer(lambda: serve_drafter(DrafterConfig(orphaned_session_ttl_s=ORPHAN_TTL_S)))
-    server.start()
+    return server.start()
+
+
+def opened(server: BackgroundServer, service: str, count: int) -> tuple:
+    """(the replica's stub, ``count`` sessions opened on it: prompt [3, 1, 4] on a target, [3, 1, 4, 3, 1] on a drafter)."""
+    from mirrorspec.v1 import drafter_pb2, drafter_pb2_grpc
+
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    params = common_pb2.SamplingParams(temperature=0.0, max_new_tokens=50)
+    if service == "target":
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+        request = target_pb2.OpenTargetSessionRequest(prompt_ids=[3, 1, 4], params=params)
+    else:
+        stub = drafter_pb2_grpc.DrafterServiceStub(channel)
+        request = drafter_pb2.OpenDraftSessionRequest(prompt_ids=[3, 1, 4, 3, 1], params=params)
+    return stub, [stub.OpenSession(request).session_id for _ in range(count)]
+
+
+@pytest.mark.parametrize("service", ["target", "drafter"])
+def test_a_session_whose_last_call_was_unary_goes_after_the_orphan_ttl_too(tiny_dir, service):
+    """Mirror windows with hints (Verify) and branch drafts (DraftBranches) are unary calls: a
+    front door that died after one left its sessions for the ten-minute TTL. Each unary window call
+    orphans its session as it ends; the next call (milliseconds later from a live caller) keeps it."""
+    from mirrorspec.v1 import drafter_pb2
+
+    server = replica(tiny_dir, service)
     try:
-        channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+        stub, sessions = opened(server, service, 3)
         if service == "target":
-            stub = target_pb2_grpc.TargetServiceStub(channel)
-            opened = [stub.OpenSession(target_pb2.OpenTargetSessionRequest(prompt_ids=[3, 1, 4], params=params))
-                      .session_id for _ in range(3)]
             window = lambda s: target_pb2.VerifyRequest(session_id=s, context_length=3, hints=True)  # noqa: E731
             calls = [lambda s: list(stub.Verify(window(s))), lambda s: stub.VerifyWindow(window(s))]
         else:
-            stub = drafter_pb2_grpc.DrafterServiceStub(channel)
-            opened = [stub.OpenSession(drafter_pb2.OpenDraftSessionRequest(prompt_ids=[3, 1, 4, 3, 1], params=params))
-                      .session_id for _ in range(3)]
             calls = [lambda s: stub.DraftBranches(drafter_pb2.DraftRequest(session_id=s, context_length=5, k=2,
                                                                            branch_tokens=[3])),
                      lambda s: stub.RankTokens(drafter_pb2.DraftRequest(session_id=s, context_length=5, k=2))]
-        for session, call in zip(opened, calls):
+        for session, call in zip(sessions, calls):
             call(session)
         # the third session is a live caller's: unary calls keep coming, each within the orphan TTL
         for _ in range(4):
-            calls[0](opened[2])
+            calls[0](sessions[2])
             time.sleep(ORPHAN_TTL_S / 2)
         assert stub.Info(common_pb2.InfoRequest()).open_sessions == 1
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("service", ["target", "drafter"])
+def test_a_window_stream_carries_one_session_and_refuses_a_second(tiny_dir, service):
+    """A stream that went on to another session's windows orphaned only the last as it ended: the
+    first kept the ten-minute TTL (review 2 of stop 43). The second is refused, naming the field,
+    and the first is orphaned as the refused stream ends."""
+    from mirrorspec.v1 import drafter_pb2
+
+    server = replica(tiny_dir, service)
+    try:
+        stub, (first, second) = opened(server, service, 2)
+        if service == "target":
+            stream = stub.VerifyWindows(iter([target_pb2.VerifyRequest(session_id=s, context_length=3)
+                                              for s in (first, second)]))
+        else:
+            stream = stub.DraftWindows(iter([drafter_pb2.DraftRequest(session_id=s, context_length=5, k=2)
+                                             for s in (first, second)]))
+        answered = []
+        with pytest.raises(grpc.RpcError) as refused:
+            for answer in stream:
+                answered.append(answer)
+        assert len(answered) == 1 and refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "one stream per session" in refused.value.details() and second in refused.value.details()
+        time.sleep(1.5 * ORPHAN_TTL_S)
+        assert stub.Info(common_pb2.InfoRequest()).open_sessions == 0  # the first orphaned, the second never called
     finally:
         server.stop()
