@@ -199,21 +199,23 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             raise InvalidRequest(f"draft_timeout_s must be a finite number of seconds > 0 (0 = the default, "
                                  f"{DRAFT_HUNG_AFTER_S:g} s), got {request.draft_timeout_s}", field="draft_timeout_s")
         commit = check_token_ids(request.commit_tokens, self.vocab_size, "commit_tokens")
-        drafts = DraftStream(self.drafters.stub(address), request.drafter_session_id, request.drafter_context_length,
-                             self.vocab_size, request.draft_timeout_s or DRAFT_HUNG_AFTER_S)
-        with orphaned_at_end(self.sessions) as streamed:
-            streamed.carry(request.session_id)
-            async with session.lock:
-                seq = session.sequence
-                seq.commit(commit, int(request.context_length))
-                if session.prefill_deferred:
-                    await self._prefill_all_but_the_last_chunk(session, seq.context)
-                    session.prefill_deferred = False
-                try:
+        drafts = DraftStream(await self.drafters.acquire(address), request.drafter_session_id,
+                             request.drafter_context_length, self.vocab_size,
+                             request.draft_timeout_s or DRAFT_HUNG_AFTER_S)
+        try:
+            with orphaned_at_end(self.sessions) as streamed:
+                streamed.carry(request.session_id)
+                async with session.lock:
+                    seq = session.sequence
+                    seq.commit(commit, int(request.context_length))
+                    if session.prefill_deferred:
+                        await self._prefill_all_but_the_last_chunk(session, seq.context)
+                        session.prefill_deferred = False
                     async for result in self._run_windows(session, request, drafts):
                         yield result
-                finally:
-                    drafts.close()
+        finally:
+            drafts.close()
+            self.drafters.release(address)
 
     async def _run_windows(self, session: TargetSession, request, drafts: DraftStream):
         seq = session.sequence
