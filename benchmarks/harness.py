@@ -281,7 +281,7 @@ def _served(client, ids: list[int], params: SamplingParams, k: int, seed: int) -
     stats = GenerationStats(windows=s.windows, drafted=s.drafted, accepted=s.accepted, rejected=s.rejected,
                             draft_time_s=s.draft_time_s, verify_time_s=s.verify_time_s,
                             runner_up_hits=s.runner_up_hits, committed=len(done.token_ids),
-                            windows_on_target=s.windows_on_target)
+                            windows_on_target=s.windows_on_target, first_verify_time_s=s.first_verify_time_s)
     return RunOutput(list(done.token_ids), wall, done.finish_reason, stats)
 
 
