@@ -121,6 +121,7 @@ FLAG_FOR_FIELD = {
     "stall_timeout_s": "--stall-timeout",
     "prefill_chunk_tokens": "--prefill-chunk",
     "seed": "--seed",
+    "host": "--host",
     "port": "--port",
     "metrics_port": "--metrics-port",
     "adaptive": "--adaptive",
@@ -136,13 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="generate text for one prompt")
     gen.add_argument("prompt", help="the user message (chat template applied for instruct models)")
     gen.add_argument("--local", action="store_true", help="run the in-process engine instead of calling a server")
-    gen.add_argument("--server", default="127.0.0.1:50051", help="front door address (without --local)")
+    gen.add_argument("--server", default="127.0.0.1:50051", help="front door address (without --local; default %(default)s)")
     gen.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                      help="without --local: the request's gRPC deadline; past it the request is cancelled on the "
                           "server and its sessions freed (default: none)")
     gen.add_argument("--target", default="demo-target", help="target model: hub id, path, .gguf, or demo-target")
     gen.add_argument("--draft", default="auto", help=DRAFT_HELP)
-    gen.add_argument("--max-tokens", type=int, default=128, help="maximum new tokens")
+    gen.add_argument("--max-tokens", type=int, default=128, help="maximum new tokens (default %(default)s)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -186,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--in-process", action="store_true",
                      help="no Ray: the three servers as threads of this process (one replica each)")
     srv.add_argument("--host", default="127.0.0.1", help="front door host")
-    srv.add_argument("--port", type=int, default=50051, help="front door port")
+    srv.add_argument("--port", type=int, default=50051, help="front door port (default %(default)s)")
     srv.add_argument("--target", default="demo-target", help="target model: hub id, path, .gguf, or demo-target")
     srv.add_argument("--draft", default="auto", help=DRAFT_HELP)
     srv.add_argument("--drafters", type=int, default=1, help="drafter replicas (Ray)")
@@ -232,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE, metavar="P",
                      help=DRAFT_CONFIDENCE_HELP)
     srv.add_argument("--draft-quantize", choices=QUANTIZATIONS, default=DEFAULT_DRAFT_QUANTIZE, help=DRAFT_QUANTIZE_HELP)
-    srv.add_argument("--max-sessions", type=int, default=64, help="sessions per replica")
+    srv.add_argument("--max-sessions", type=int, default=64, help="sessions per replica (default %(default)s)")
     srv.add_argument("--stall-timeout", type=float, default=180.0, dest="stall_timeout_s", metavar="SECONDS",
                      help="seconds a replica's compute lane may spend on one job (a forward, a collective) before "
                           "its health check answers NOT_SERVING and Ray replaces it (default 180)")
@@ -244,8 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     srv.add_argument("--threads", type=int, default=None,
                      help="torch threads per replica (default: 1 on Ray, all cores in-process)")
-    srv.add_argument("--device", default="auto")
-    srv.add_argument("--dtype", default="auto")
+    srv.add_argument("--device", default="auto", help="where the replicas run: auto, cpu, cuda, cuda:1 ...")
+    srv.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     srv.set_defaults(handler=cmd_serve, subparser=srv)
 
     scale = commands.add_parser("scale", help="grow or shrink a pool of a deployment on Ray (drains on the way down)")
@@ -365,10 +366,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if _is_set(args, dest):
                 raise InvalidRequest(f"is {owner}; here it needs --local", field=field)
     if args.no_speculate or args.draft == "none":  # target-only: a speculation setting would be ignored
-        for dest in ("k", "adaptive", "mirror"):
+        for dest in ("k", "adaptive", "mirror", "no_runner_up", *DRAFT_MODEL_SETTINGS):
             if _is_set(args, dest):
                 off = "--no-speculate" if args.no_speculate else "--draft none"
-                raise InvalidRequest(f"sets speculation, which {off} turns off: drop one of the two", field=dest)
+                raise InvalidRequest(f"sets speculation, which {off} turns off: drop one of the two",
+                                     field="runner_up" if dest == "no_runner_up" else dest)
+        if args.no_speculate and args.draft != "none" and _is_set(args, "draft"):
+            raise InvalidRequest("names a draft, and --no-speculate decodes without one: drop one of the two",
+                                 field="draft")
+    if args.k == 0 and args.adaptive:
+        raise InvalidRequest("chooses K per window in [0, --k], and --k 0 leaves it nothing to choose (it is "
+                             "target-only); give --k the largest K to try", field="adaptive")
+    if args.local:
+        refuse_draft_model_settings_for_ngram(args, resolve_draft(args.draft, args.target))
     args.draft_quantize = args.draft_quantize or DEFAULT_DRAFT_QUANTIZE
     args.proposal_top_k = DEFAULT_PROPOSAL_TOP_K if args.proposal_top_k is None else args.proposal_top_k
     args.prompt_lookup = DEFAULT_PROMPT_LOOKUP if args.prompt_lookup is None else args.prompt_lookup
@@ -458,7 +468,8 @@ def _generate_remote(args: argparse.Namespace) -> int:
 
                 print(json.dumps({"text": c.text, "token_ids": c.token_ids, "prompt_tokens": c.prompt_tokens,
                                   "finish_reason": c.finish_reason, "seed": c.seed,
-                                  "stats": MessageToDict(c.stats, preserving_proto_field_name=True)}, indent=2))
+                                  "stats": MessageToDict(c.stats, preserving_proto_field_name=True,
+                                                         always_print_fields_with_no_presence=True)}, indent=2))
                 return 0
             for chunk in client.stream(args.prompt, **options):
                 sys.stdout.write(chunk.text)
@@ -540,6 +551,20 @@ def start_local_stack(target: TargetConfig, drafter: DrafterConfig | None, *, ta
         raise
 
 
+# how a draft model drafts: an n-gram drafter has no model, and would ignore them
+DRAFT_MODEL_SETTINGS = ("prompt_lookup", "draft_confidence", "proposal_top_k", "draft_quantize")
+
+
+def refuse_draft_model_settings_for_ngram(args: argparse.Namespace, draft: str) -> None:
+    if draft != "ngram":
+        return
+    for dest in DRAFT_MODEL_SETTINGS:
+        if _is_set(args, dest):
+            raise InvalidRequest("sets how a draft model drafts, and --draft ngram has none (it proposes what "
+                                 "followed the context's last tokens where they occurred before): drop one of the two",
+                                 field=dest)
+
+
 # serve's flags that place replicas on Ray; --in-process runs one target and one drafter server
 # in this process, where they would change nothing: refused, rather than silently ignored
 RAY_SETTINGS = ("address", "detach", "name", "drafters", "targets", "tp", "replica_cpus", "drafter_gpus",
@@ -584,7 +609,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_finite_amount(args.shutdown_grace, "shutdown_grace")
     for field in ("port", "metrics_port"):  # the front door listens here, on a local Ray as on a cluster's head
         check_port_free(args.host, getattr(args, field), field)
+    if args.metrics_port and args.metrics_port == args.port:
+        raise InvalidRequest(f"is --port too ({args.port}): the metrics endpoint needs a port of its own",
+                             field="metrics_port")
     draft = resolve_draft(args.draft, args.target)
+    refuse_draft_model_settings_for_ngram(args, draft)
+    if _is_set(args, "hint_lens") and args.hint_layer is None:
+        raise InvalidRequest("sets how the targets read their early-exit hints, and they send none without "
+                             "--hint-layer: give one, or drop --hint-lens", field="hint_lens")
     if args.in_process or args.address is None:  # a local Ray's replicas load from this machine's paths
         check_models(args.target, None if draft in ("ngram", "none") else draft)
     _check_tp_split(args.target, args.tp, args.in_process or args.address is None)

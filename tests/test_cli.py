@@ -98,6 +98,15 @@ from support import save_tiny_llama
     (["serve", "--metrics-port", "-1"], "--metrics-port"),
     (["serve", "--max-sessions", "0"], "--max-sessions"),  # every session refused before
     (["generate", "hi", "--no-runner-up"], "--no-runner-up"),  # a server's setting without --local
+    # accepted and ignored before (review 1 of stop 43)
+    (["generate", "hi", "--local", "--no-speculate", "--no-runner-up"], "--no-runner-up"),
+    (["generate", "hi", "--local", "--no-speculate", "--draft", "ngram"], "--draft"),
+    (["generate", "hi", "--local", "--k", "0", "--adaptive"], "--adaptive"),
+    (["generate", "hi", "--local", "--draft", "ngram", "--prompt-lookup", "3"], "--prompt-lookup"),
+    (["generate", "hi", "--local", "--draft", "ngram", "--draft-confidence", "0.5"], "--draft-confidence"),
+    (["serve", "--in-process", "--draft", "ngram", "--proposal-top-k", "8"], "--proposal-top-k"),
+    (["serve", "--in-process", "--draft", "ngram", "--draft-quantize", "none"], "--draft-quantize"),
+    (["serve", "--in-process", "--hint-lens", "logit"], "--hint-lens"),
     # the server's own choices, which a request cannot change: refused, not silently ignored
     (["generate", "hi", "--target", "some/model"], "--target"),
     (["generate", "hi", "--draft", "ngram"], "--draft"),
@@ -164,6 +173,27 @@ def test_serve_refuses_a_port_another_process_listens_on_before_it_loads_anythin
     assert f"error: {flag}: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("host, says", [
+    ("not.a.host", "cannot listen on 'not.a.host': "),  # it blamed --port, "another server still running?"
+    ("10.9.9.9", "cannot listen on 10.9.9.9: "),  # no address of this machine (the loopback-only namespace's)
+])
+def test_serve_names_a_host_it_cannot_listen_on_as_the_host_flag(host, says, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--in-process", "--host", host, "--port", "50091"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: --host: {says}" in err and "another server" not in err
+
+
+def test_serve_refuses_the_same_port_for_the_front_door_and_its_metrics(capsys):
+    """It was "--port: ... the port is in use (another server still running?)" once the front door
+    had bound it, after the models loaded."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--in-process", "--port", "50092", "--metrics-port", "50092"])
+    assert exit_info.value.code == 2
+    assert "error: --metrics-port: is --port too (50092)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("address", [[], ["--address", "auto"]], ids=["local-ray", "cluster"])
 def test_a_tp_the_target_cannot_be_cut_into_is_a_tp_flag_error_before_ray_starts(address, tmp_path, capsys):
     """Every rank failed to shard it and the pool relaunched them until --start-timeout, which the
@@ -206,6 +236,21 @@ def test_a_request_the_server_refuses_names_the_flag(padded_pair, argv, flag, sa
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert f"error: {flag}: the server refused the request:" in err and says in err
+
+
+def test_generate_server_json_prints_every_stats_field_zeros_too(padded_pair, capsys):
+    """protobuf's MessageToDict drops proto3 fields that are zero: with --k 0 the stats had no
+    "drafted" (a KeyError for a script), and fields came and went from run to run (review 1 of stop 43)."""
+    from served_stack import start_stack
+
+    s = start_stack(padded_pair["target"], strategy=None)
+    try:
+        main(["generate", "--server", s.address, "w1 w1", "--k", "0", "--max-tokens", "4", "--json"])
+    finally:
+        s.stop()
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["drafted"] == 0 and stats["accepted"] == 0 and stats["acceptance_rate"] == 0
+    assert stats["drafter_fallback"] is False and stats["windows"] == 4 and "windows_on_target" in stats
 
 
 def test_generate_local_takes_a_draft_with_a_narrower_table_and_the_targets_tokenizer(padded_pair, capsys):

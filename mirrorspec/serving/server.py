@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import math
 import socket
@@ -96,11 +97,12 @@ class Service:
 SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
-def check_port_free(host: str, port: int | None, field: str) -> None:
+def check_port_free(host: str, port: int | None, field: str, host_field: str = "host") -> None:
     """Refuses a port another process listens on, before a launcher spends its start-up (loading
     models, starting Ray) on a server that could not bind it. SO_REUSEADDR, as gRPC and HTTP
     servers set it, so a port whose last connections linger in TIME_WAIT still counts as free;
-    the bind itself stays the final word (another process may take the port meanwhile)."""
+    the bind itself stays the final word (another process may take the port meanwhile). A host
+    that does not resolve, or is no address of this machine, is the host's fault, not the port's."""
     check_port(port, field)
     if not port:  # None: not asked for; 0: any free port
         return
@@ -109,8 +111,16 @@ def check_port_free(host: str, port: int | None, field: str) -> None:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
+        except socket.gaierror as err:
+            raise InvalidRequest(f"cannot listen on {host!r}: {err.strerror or err}; give a host name or address "
+                                 f"of this machine (127.0.0.1, 0.0.0.0 for every interface)", field=host_field) from None
         except OSError as err:
-            raise port_refused(host, port, f"{err.strerror or err} (another server still running?)", field) from None
+            if err.errno == errno.EADDRNOTAVAIL:
+                raise InvalidRequest(f"cannot listen on {host}: {err.strerror} (it is no address of this machine); "
+                                     f"use one of its own, or 0.0.0.0 for every interface", field=host_field) from None
+            why = err.strerror or str(err)
+            raise port_refused(host, port, f"{why} (another server still running?)" if err.errno == errno.EADDRINUSE
+                               else why, field) from None
 
 
 def port_refused(host: str, port: int, why: str, field: str = "port") -> InvalidRequest:
