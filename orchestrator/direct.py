@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import grpc
 
-from mirrorspec.config import SamplingParams, SpeculationConfig
+from mirrorspec.config import MirrorConfig, SamplingParams, SpeculationConfig
 from mirrorspec.drafting import Drafter
 from mirrorspec.engine import GenerationStats, WindowEvent, cut_at_stop, decode_windows
 from mirrorspec.models import common_prefix_length
@@ -32,12 +32,15 @@ log = logging.getLogger(__name__)
 
 def windows_on_target(remote: RemoteDrafter, drafter: Drafter, verifier: RemoteVerifier, prompt: Sequence[int],
                       params: SamplingParams, spec: SpeculationConfig, seed: int, stats: GenerationStats,
-                      runner_up: bool, client_deadline: float | None = None) -> Iterator[WindowEvent]:
+                      runner_up: bool, client_deadline: float | None = None,
+                      mirror: MirrorConfig | None = None) -> Iterator[WindowEvent]:
     """The request's windows: run on the target while it can, else here (``decode_windows``
     with ``drafter``, the front door's face of ``remote``), window by window, until the target can
     run them again: the drafter is back (a failed one reopens after its cooldown), or the session
     moved. ``client_deadline`` (``time.monotonic()``), where the client set one, is the runs';
-    each window keeps a deadline of its own, as here."""
+    each window keeps a deadline of its own, as here. With ``mirror``, the target has the drafter
+    draft branches of each next window beside each verify (``target_service.run_windows.Branching``);
+    windows that come back here are serial."""
     context = list(prompt)
 
     def rest() -> SamplingParams:
@@ -45,7 +48,7 @@ def windows_on_target(remote: RemoteDrafter, drafter: Drafter, verifier: RemoteV
 
     while True:
         if (yield from _run(remote, verifier, context, rest(), spec.num_speculative_tokens, stats, runner_up,
-                            client_deadline)):
+                            client_deadline, mirror)):
             return
         for event in decode_windows(drafter, verifier, context, rest(), spec, seed, stats):
             context += event.tokens
@@ -57,7 +60,8 @@ def windows_on_target(remote: RemoteDrafter, drafter: Drafter, verifier: RemoteV
 
 
 def _run(remote: RemoteDrafter, verifier: RemoteVerifier, context: list[int], params: SamplingParams, k: int,
-         stats: GenerationStats, runner_up: bool, client_deadline: float | None) -> Generator[WindowEvent, None, bool]:
+         stats: GenerationStats, runner_up: bool, client_deadline: float | None,
+         mirror: MirrorConfig | None) -> Generator[WindowEvent, None, bool]:
     """Windows off one RunWindows stream, appending to ``context``; True once the request finished."""
     drafts = remote.session
     if not (verifier.runs_windows and remote.drafting(k, context)):
@@ -69,7 +73,8 @@ def _run(remote: RemoteDrafter, verifier: RemoteVerifier, context: list[int], pa
         session_id=verifier.session_id, commit_tokens=context[len(verifier.held):], context_length=len(context),
         drafter_address=drafts.replica.address, drafter_session_id=drafts.session_id,
         drafter_context_length=common_prefix_length(drafts.held, context), k=k,
-        max_new_tokens=params.max_new_tokens, runner_up=runner_up, draft_timeout_s=draft_timeout_s)
+        max_new_tokens=params.max_new_tokens, runner_up=runner_up, draft_timeout_s=draft_timeout_s,
+        max_branches=mirror.max_branches if mirror else 0, branch_alternatives=mirror.alternatives if mirror else 0)
     # the whole run has the client's deadline only: a long generation outlives any one call's
     call = target.stub.RunWindows(request, timeout=None if client_deadline is None
                                   else max(client_deadline - time.monotonic(), 0.001))
@@ -87,6 +92,12 @@ def _run(remote: RemoteDrafter, verifier: RemoteVerifier, context: list[int], pa
             verifier.held = list(context)  # as of this window's verify
             if result.draft_call_s > 0:  # and its draft call, where it made one
                 drafts.held = list(context)
+            if result.branches_drafted:  # the drafter holds the window's drafts its branches forked after
+                drafts.may_hold_more = True
+                stats.mirror_windows += 1
+                stats.branches_drafted += result.branches_drafted
+                stats.draft_time_off_path_s += result.branch_time_s
+            stats.branch_hits += result.branch_hit
             tokens, finish = cut_at_stop(list(result.tokens), stop, produced, params.max_new_tokens)
             verdict = verdict_from_proto(result.verdict)
             stats.draft_time_s += result.draft_call_s

@@ -348,7 +348,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 return
             if self._on_target(prepared) and opened is not None:
                 events = windows_on_target(remote, drafter, verifier, prepared.prompt, prepared.params, prepared.spec,
-                                           prepared.seed, outcome.stats, self.config.runner_up, budget.client_deadline)
+                                           prepared.seed, outcome.stats, self.config.runner_up, budget.client_deadline,
+                                           prepared.mirror)
             else:
                 events = decode_windows(drafter, verifier, prepared.prompt, prepared.params, prepared.spec,
                                         prepared.seed, outcome.stats, pipeline,
@@ -416,10 +417,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         return self.drafter_info.prompt_lookup if lookup_here else 0
 
     def _on_target(self, prepared: PreparedRequest) -> bool:
-        """Whether the request's windows run on the target (``windows_on_target``): serial
-        windows of a draft-model pool, with no saturation limit to pause drafting."""
+        """Whether the request's windows run on the target (``windows_on_target``): windows of a
+        draft-model pool, serial or mirror (where the targets send no early-exit hints, which
+        steer branches from here), with no saturation limit to pause drafting."""
         return (self.config.windows_on_target and prepared.spec.num_speculative_tokens > 0
-                and prepared.mirror is None and not prepared.spec.adaptive and not prepared.timeline
+                and (prepared.mirror is None or not self.target_info.hint_layer)
+                and not prepared.spec.adaptive and not prepared.timeline
                 and self.config.speculation_off_above is None and self._describe_drafters() is not None
                 and not self._ngram_here())
 

@@ -14,16 +14,96 @@ Only the drafter's protos are used here: target_service does not import drafter_
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Callable
 
 import grpc
 
-from mirrorspec.config import InvalidRequest
+from mirrorspec.adaptive import posterior_alpha
+from mirrorspec.config import AdaptiveKConfig, InvalidRequest
 from mirrorspec.drafting import Proposal
+from mirrorspec.mirror import guesses
 from mirrorspec.serving.convert import proposal_from_proto
+from mirrorspec.sampling import WindowVerdict
 from mirrorspec.serving.server import CHANNEL_OPTIONS
 from mirrorspec.v1 import drafter_pb2, drafter_pb2_grpc
 
+log = logging.getLogger(__name__)
+
+
+
+def branch_guesses(proposal: Proposal, alpha: float, runner_up: int | None, max_branches: int,
+                   alternatives: int) -> list[tuple[int, int]]:
+    """The likeliest verdicts (j, c) of this window that a branch can be drafted for: the core's
+    ranking (``mirror.guesses``) of where the target rejects and what it says there, from the
+    drafter's runner-ups. Left out: "all accepted" (the bonus token has no runner-up to guess it
+    from), and the runner-up offered beside the first draft: where the target picks it, it wins
+    the slot, a verdict of another key."""
+    ranked = guesses(proposal, alpha, alternatives)
+    return [(j, c) for _, j, c in ranked if c is not None and not (j == 0 and c == runner_up)][:max_branches]
+
+
+class Branching:
+    """Mirror on the target, one run's worth: while this target verifies a window, its drafter
+    drafts branches of the next one beside it (``DraftStream.branches``), and the branch the
+    verdict names is the next window's drafts, with no draft call on its path. Exact for the
+    reason mirror is (``mirrorspec.mirror``): a branch is taken by the verdict's key alone, and
+    holds the very drafts a fresh call would make from the same context (drafts are drawn from
+    (seed, position) randomness), so the output is the serial run's, token for token."""
+
+    def __init__(self, max_branches: int, alternatives: int):
+        self.max_branches = max_branches
+        self.alternatives = alternatives
+        self.passed = self.failed = 0  # draft tests so far: the ranking's acceptance estimate
+        self._branches: dict[tuple[int, int], Proposal] = {}
+        self._k = 0  # the K the branches were drafted with
+        self._key: tuple[int, int] | None = None  # the last verdict's, where a branch can hold it
+
+    def start(self, drafts: DraftStream, context: list[int], proposal: Proposal, runner_up: int | None,
+              k_after: Callable[[int], int]) -> asyncio.Task | None:
+        """The branches' call for this window, running; None where there is nothing to branch.
+        ``k_after(j)``: the next window's K after a verdict that keeps j drafts."""
+        self._branches = {}
+        if not (self.max_branches and len(proposal)):
+            return None
+        alpha = posterior_alpha(self.passed, self.failed, AdaptiveKConfig())
+        guessed = branch_guesses(proposal, alpha, runner_up, self.max_branches, self.alternatives)
+        if not guessed or (k := k_after(guessed[0][0])) <= 0:
+            return None
+        self._k = k  # a branch is only any use drafted with the K its window will ask for
+        guessed = [(j, c) for j, c in guessed if k_after(j) == k]
+        return asyncio.ensure_future(drafts.branches(list(context), proposal.tokens, guessed, k))
+
+    async def finish(self, call: asyncio.Task | None) -> tuple[int, float]:
+        """(branches drafted, the call's time). A failed call drafted none: the next window drafts
+        afresh, and that call reports a drafter that is really gone."""
+        if call is None:
+            return 0, 0.0
+        try:
+            self._branches, seconds = await call
+        except DraftCallFailed as err:
+            log.info("branch drafting failed (%s); the next window is drafted afresh", err)
+            return 0, 0.0
+        return len(self._branches), seconds
+
+    @staticmethod
+    def cancel(call: asyncio.Task | None) -> None:
+        if call is not None:
+            call.cancel()
+
+    def observe(self, verdict: WindowVerdict, num_drafted: int) -> None:
+        self.passed += verdict.drafts_accepted
+        self.failed += verdict.drafts_accepted < num_drafted
+        # a runner-up's win leaves a context no chain branch was drafted for
+        self._key = (verdict.num_accepted, verdict.next_token) if verdict.runner_up is None else None
+
+    def take(self, k: int) -> Proposal | None:
+        """The branch the last verdict names, by its key alone, drafted with this window's K; None on a miss."""
+        branches, self._branches = self._branches, {}
+        if self._key is None or k != self._k:
+            return None
+        return branches.get(self._key)
 
 
 class DraftCallFailed(Exception):
@@ -97,13 +177,38 @@ class DraftStream:
         if response is grpc.aio.EOF:
             raise DraftCallFailed("UNAVAILABLE: the drafter closed the draft stream without answering")
         self._held = len(context)
+        return self._checked(response, k), response.draft_time_s, call_s
+
+    async def branches(self, context: list[int], window: tuple[int, ...], guessed: list[tuple[int, int]],
+                       k: int) -> tuple[dict[tuple[int, int], Proposal], float]:
+        """({(j, c): the drafts after the window's first j drafts and then c}, the call's time): mirror
+        branches of the next window, drafted together by one DraftBranches call beside this
+        window's verify. The drafter session then holds the window's first drafts too; the next
+        draft call forgets them (``keep``), as this side counts only the context it committed."""
+        head = max(j for j, _ in guessed)
+        request = drafter_pb2.DraftRequest(
+            session_id=self._session_id, commit_tokens=[*context[self._held:], *window[:head]],
+            context_length=len(context) + head, k=k, keep=self._held,
+            branch_tokens=[c for _, c in guessed], branch_forks=[len(context) + j for j, _ in guessed])
+        started = time.perf_counter()
+        try:
+            response = await self._stub.DraftBranches(request, timeout=self._timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise DraftCallFailed(f"{err.code().name}: {err.details()}") from None
+        if not response.forked or len(response.drafts) != len(guessed):
+            raise DraftCallFailed("INVALID_ARGUMENT: the drafter's branches do not match the guesses (a replica "
+                                  "that predates fork points?)")
+        branches = {key: self._checked(drafted, k) for key, drafted in zip(guessed, response.drafts)}
+        return branches, time.perf_counter() - started
+
+    def _checked(self, response: drafter_pb2.DraftResponse, k: int) -> Proposal:
         try:
             proposal = proposal_from_proto(response.tokens, response.q, self._vocab_size, response.alternatives)
         except InvalidRequest as err:
             raise DraftCallFailed(f"INVALID_ARGUMENT: the drafter's answer: {err}") from None
         if len(proposal) > k:
             raise DraftCallFailed(f"INVALID_ARGUMENT: the drafter answered {len(proposal)} drafts for k={k}")
-        return proposal, response.draft_time_s, call_s
+        return proposal
 
     async def _exchange(self, request: drafter_pb2.DraftRequest) -> drafter_pb2.DraftResponse:
         await self._call.write(request)

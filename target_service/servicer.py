@@ -18,6 +18,7 @@ from mirrorspec.config import (
     InvalidRequest,
     OutOfRange,
     ReplicaConfig,
+    SamplingParams,
     check_address,
     check_prefill_chunk,
 )
@@ -40,9 +41,10 @@ from mirrorspec.serving.convert import (
 from mirrorspec.serving.server import ComputeLane, Service, start_grpc_server
 from mirrorspec.serving.sessions import SequenceState, SessionStore, orphaned_after, orphaned_at_end
 from mirrorspec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from target_service.run_windows import DraftCallFailed, DrafterLinks, DraftStream
+from target_service.run_windows import Branching, DraftCallFailed, DrafterLinks, DraftStream
 
 logger = logging.getLogger(__name__)
+MAX_RUN_BRANCHES = 16  # a drafter's DraftBranches takes as many branch tokens
 
 
 @dataclass(frozen=True)
@@ -198,6 +200,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if not (request.draft_timeout_s >= 0 and math.isfinite(request.draft_timeout_s)):
             raise InvalidRequest(f"draft_timeout_s must be a finite number of seconds > 0 (0 = the default, "
                                  f"{DRAFT_HUNG_AFTER_S:g} s), got {request.draft_timeout_s}", field="draft_timeout_s")
+        if request.max_branches > MAX_RUN_BRANCHES:
+            raise OutOfRange(f"max_branches must be in [0, {MAX_RUN_BRANCHES}], got {request.max_branches}",
+                             field="max_branches")
         commit = check_token_ids(request.commit_tokens, self.vocab_size, "commit_tokens")
         drafts = DraftStream(await self.drafters.acquire(address), request.drafter_session_id,
                              request.drafter_context_length, self.vocab_size,
@@ -221,17 +226,18 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         seq = session.sequence
         stop = set(seq.params.stop_token_ids)
         produced = 0
+        branching = Branching(request.max_branches, request.branch_alternatives)
         while True:
             self.sessions.get(request.session_id)  # in use: its TTL starts again, as at each window call
-            # no drafts past the run's last token, nor past the context window
-            room = self.loaded.max_context - len(seq.context) - 1
-            k = max(min(capped_k(request.k, replace(seq.params, max_new_tokens=request.max_new_tokens), produced),
-                        room), 0)
-            if room < 0:
+            if self.loaded.max_context - len(seq.context) - 1 < 0:
                 raise OutOfRange(f"the window would pass the context window of {self.loaded.max_context}",
                                  field="max_new_tokens")
+            k = self._run_k(request, seq.params, len(seq.context), produced)
             proposal, draft_s, call_s = Proposal.empty(), 0.0, 0.0
-            if k > 0:
+            ready = branching.take(k)  # drafted beside the last verify, for the verdict it gave
+            if ready is not None:
+                proposal = ready
+            elif k > 0:
                 try:
                     proposal, draft_s, call_s = await drafts.draft(seq.context, k)
                 except DraftCallFailed as err:
@@ -239,19 +245,37 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     return
             # the verifier scores the proposal's alternatives as a runner-up: the drafter's own, only where asked
             runner_up = runner_up_to_offer(request.runner_up, proposal)
-            proposal = (with_runner_up(proposal, runner_up, self.vocab_size) if runner_up is not None
-                        else replace(proposal, alternatives=(), alternative_probs=()))
+            offered = (with_runner_up(proposal, runner_up, self.vocab_size) if runner_up is not None
+                       else replace(proposal, alternatives=(), alternative_probs=()))
             started = time.perf_counter()
-            verdict = await self.lane.run(session.verifier.verify, seq.context, proposal, seq.params, seq.seed)
+            verifying = asyncio.ensure_future(self.lane.run(session.verifier.verify, seq.context, offered, seq.params,
+                                                            seq.seed))
+            branches = branching.start(drafts, seq.context, proposal, runner_up,
+                                       lambda j: self._run_k(request, seq.params, len(seq.context) + j + 1,
+                                                             produced + j + 1))
+            try:
+                verdict = await verifying
+            except BaseException:
+                branching.cancel(branches)
+                raise
             verify_s = time.perf_counter() - started
-            tokens, finish = window_tokens(verdict, proposal, stop, produced, request.max_new_tokens)
+            drafted, branch_s = await branching.finish(branches)
+            tokens, finish = window_tokens(verdict, offered, stop, produced, request.max_new_tokens)
             yield target_pb2.WindowResult(verdict=_verdict_to_proto(verdict, verify_s), tokens=tokens,
-                                          num_drafted=len(proposal), draft_time_s=draft_s, draft_call_s=call_s,
-                                          context_length=len(seq.context))
+                                          num_drafted=len(offered), draft_time_s=draft_s, draft_call_s=call_s,
+                                          context_length=len(seq.context), branches_drafted=drafted,
+                                          branch_hit=ready is not None, branch_time_s=branch_s)
             if finish:
                 return
+            branching.observe(verdict, len(offered))
             produced += len(tokens)
             seq.commit(tokens, len(seq.context) + len(tokens))
+
+    def _run_k(self, request, params: SamplingParams, context_length: int, produced: int) -> int:
+        """A run's K for a window after ``produced`` tokens: no drafts past the run's last token,
+        nor past the context window."""
+        room = self.loaded.max_context - context_length - 1
+        return max(min(capped_k(request.k, replace(params, max_new_tokens=request.max_new_tokens), produced), room), 0)
 
     @asynccontextmanager
     async def _window(self, request) -> AsyncIterator[tuple[TargetSession, SequenceState, Proposal]]:

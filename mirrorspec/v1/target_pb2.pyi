@@ -84,7 +84,7 @@ class VerifyResponse(_message.Message):
     def __init__(self, verdict: _Optional[_Union[Verdict, _Mapping]] = ..., hint: _Optional[_Union[EarlyExitHint, _Mapping]] = ...) -> None: ...
 
 class RunWindowsRequest(_message.Message):
-    __slots__ = ("session_id", "commit_tokens", "context_length", "drafter_address", "drafter_session_id", "drafter_context_length", "k", "max_new_tokens", "runner_up", "draft_timeout_s")
+    __slots__ = ("session_id", "commit_tokens", "context_length", "drafter_address", "drafter_session_id", "drafter_context_length", "k", "max_new_tokens", "runner_up", "draft_timeout_s", "max_branches", "branch_alternatives")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,8 @@ class RunWindowsRequest(_message.Message):
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUNNER_UP_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     commit_tokens: _containers.RepeatedScalarFieldContainer[int]
     context_length: int
@@ -105,10 +107,12 @@ class RunWindowsRequest(_message.Message):
     max_new_tokens: int
     runner_up: bool
     draft_timeout_s: float
-    def __init__(self, session_id: _Optional[str] = ..., commit_tokens: _Optional[_Iterable[int]] = ..., context_length: _Optional[int] = ..., drafter_address: _Optional[str] = ..., drafter_session_id: _Optional[str] = ..., drafter_context_length: _Optional[int] = ..., k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., runner_up: _Optional[bool] = ..., draft_timeout_s: _Optional[float] = ...) -> None: ...
+    max_branches: int
+    branch_alternatives: int
+    def __init__(self, session_id: _Optional[str] = ..., commit_tokens: _Optional[_Iterable[int]] = ..., context_length: _Optional[int] = ..., drafter_address: _Optional[str] = ..., drafter_session_id: _Optional[str] = ..., drafter_context_length: _Optional[int] = ..., k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., runner_up: _Optional[bool] = ..., draft_timeout_s: _Optional[float] = ..., max_branches: _Optional[int] = ..., branch_alternatives: _Optional[int] = ...) -> None: ...
 
 class WindowResult(_message.Message):
-    __slots__ = ("verdict", "tokens", "num_drafted", "draft_time_s", "draft_call_s", "drafter_error", "context_length")
+    __slots__ = ("verdict", "tokens", "num_drafted", "draft_time_s", "draft_call_s", "drafter_error", "context_length", "branches_drafted", "branch_hit", "branch_time_s")
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +120,9 @@ class WindowResult(_message.Message):
     DRAFT_CALL_S_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_ERROR_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    BRANCHES_DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_HIT_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_TIME_S_FIELD_NUMBER: _ClassVar[int]
     verdict: Verdict
     tokens: _containers.RepeatedScalarFieldContainer[int]
     num_drafted: int
@@ -123,7 +130,10 @@ class WindowResult(_message.Message):
     draft_call_s: float
     drafter_error: str
     context_length: int
-    def __init__(self, verdict: _Optional[_Union[Verdict, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., num_drafted: _Optional[int] = ..., draft_time_s: _Optional[float] = ..., draft_call_s: _Optional[float] = ..., drafter_error: _Optional[str] = ..., context_length: _Optional[int] = ...) -> None: ...
+    branches_drafted: int
+    branch_hit: bool
+    branch_time_s: float
+    def __init__(self, verdict: _Optional[_Union[Verdict, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., num_drafted: _Optional[int] = ..., draft_time_s: _Optional[float] = ..., draft_call_s: _Optional[float] = ..., drafter_error: _Optional[str] = ..., context_length: _Optional[int] = ..., branches_drafted: _Optional[int] = ..., branch_hit: _Optional[bool] = ..., branch_time_s: _Optional[float] = ...) -> None: ...
 
 class TargetInfo(_message.Message):
     __slots__ = ("model", "open_sessions", "max_sessions", "max_speculative_tokens", "hint_layer")

@@ -809,18 +809,22 @@ def test_async_client(stack):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("windows_on_target", [False, True], ids=["front door", "on target"])
-def test_sampled_output_through_the_network_follows_the_exact_distribution(tiny_dir, windows_on_target):
+@pytest.mark.parametrize("windows_on_target, mirror", [(False, False), (True, False), (True, True)],
+                         ids=["front door", "on target", "mirror on target"])
+def test_sampled_output_through_the_network_follows_the_exact_distribution(tiny_dir, windows_on_target, mirror):
     """A smaller statistical test over gRPC: sparse q crosses the wire, rejection runs remotely
-    (with the windows run by the front door, or by the target calling the drafter itself)."""
-    s = start_stack(tiny_dir["target"], tiny_dir["draft"], proposal_top_k=3, k=3, windows_on_target=windows_on_target)
+    (with the windows run by the front door, or by the target calling the drafter itself, with
+    branches of each next window drafted beside each verify or not)."""
+    s = start_stack(tiny_dir["target"], tiny_dir["draft"], proposal_top_k=3, k=3, windows_on_target=windows_on_target,
+                    mirror=MirrorConfig() if mirror else None)
     try:
         prompt = [0, 3, 5, 2]
         expected = exact_joint(MemoSession(load(tiny_dir["target"])), prompt, 2, temperature=1.0)
         with Client(s.address) as client:
-            samples = [tuple(client.generate(prompt, max_tokens=4, temperature=1.0, seed=seed).token_ids[:2])
-                       for seed in range(3000)]
+            done = [client.generate(prompt, max_tokens=4, temperature=1.0, seed=seed) for seed in range(3000)]
+        samples = [tuple(d.token_ids[:2]) for d in done]
         assert chi_square_pvalue(samples, expected) > 1e-4
+        assert (sum(d.stats.branch_hits for d in done) > 0) == mirror  # branches fed windows here
     finally:
         s.stop()
 

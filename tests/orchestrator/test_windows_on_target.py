@@ -70,6 +70,39 @@ def test_greedy_output_is_identical_to_target_only_and_every_window_runs_on_the_
     assert (sum(r.stats.runner_up_hits for r in results) > 0) == runner_up
 
 
+@pytest.mark.parametrize("runner_up", [False, True])
+def test_mirror_on_the_target_is_identical_to_target_only_and_to_serial(tiny_dir, runner_up):
+    """The target has the drafter draft branches of the next window beside each verify, and takes
+    the one the verdict names by its key alone: greedy output is target-only's, and seeded samples
+    are the serial run's (and the in-process engine's), token for token."""
+    from mirrorspec.config import MirrorConfig
+
+    model, draft = load(tiny_dir["target16"]), load(tiny_dir["draft16"])
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, windows_on_target=True, runner_up=runner_up,
+                    mirror=MirrorConfig())
+    hits = 0
+    try:
+        with Client(s.address) as client:
+            for prompt in prompts(4, seed=5):
+                served = client.generate(prompt, max_tokens=24)
+                assert list(served.token_ids) == target_only(model, prompt, 24)
+                st = served.stats
+                assert st.windows_on_target == st.windows and 0 < st.mirror_windows < st.windows
+                assert 0 < st.branches_drafted <= 4 * st.mirror_windows and st.draft_time_off_path_s > 0
+                hits += st.branch_hits
+                for seed in (1, 2):
+                    mirrored = client.generate(prompt, max_tokens=24, temperature=1.0, seed=seed)
+                    serial = client.generate(prompt, max_tokens=24, temperature=1.0, seed=seed, mirror=False)
+                    assert mirrored.token_ids == serial.token_ids and serial.stats.mirror_windows == 0
+                    expected = generate(model, draft, prompt, SamplingParams(temperature=1.0, max_new_tokens=24),
+                                        num_speculative_tokens=3, seed=seed, proposal_top_k=4, runner_up=runner_up)
+                    assert list(mirrored.token_ids) == expected.token_ids
+                    hits += mirrored.stats.branch_hits
+    finally:
+        s.stop()
+    assert hits > 0  # branches were used, not only drafted
+
+
 def test_a_stop_token_ends_the_run_where_it_falls(stack, tiny_dir):
     model = load(tiny_dir["target16"])
     full = target_only(model, [0, 7, 3], 30)
