@@ -21,7 +21,8 @@
 #                  the served path with its windows at the front door and on the target (where the
 #                  millisecond a window saves weighs most), all on the GPU, TEMPS, MT-Bench and HumanEval
 #   4. mirror-*    mirror against serial over gRPC with the target server on the GPU and the
-#                  drafter server on CPU (its own compute), then on the same GPU
+#                  drafter server on CPU (its own compute; also with the windows run by the target,
+#                  serial and mirror: Mirror-SD's own shape), then on the same GPU
 #   5. mirror-leads  (not in the default STEPS; about 150 s) the CPU-drafter run again, unpinned with
 #                  one thread per server and OMP_NUM_THREADS=1, then in bf16: on an H200 (stop 32)
 #                  serial windows' verify calls cost 2-3x a pass and mirror's did not, cause unknown;
@@ -65,8 +66,8 @@ TAIL=40 step bench 320 "$PY" -m benchmarks --device "$DEVICE" --threads "$THREAD
     --num-prompts "$PROMPTS" --max-tokens "$TOKENS" --k "$KS" --temperatures "$TEMPS" \
     --modes target-only,mirrorspec-hybrid-confident,mirrorspec-hybrid-confident-runner-up,hf-assisted,served-hybrid-confident-runner-up,served-hybrid-confident-runner-up-on-target \
     --out "$OUT_DIR"
-step mirror-cpu-drafter 100 "$PY" -m benchmarks.mirror --target-device "$DEVICE" --drafter-device cpu --threads 2 \
-    --num-prompts "$PROMPTS" --max-tokens "$TOKENS" --k 4 --out "$OUT_DIR"
+step mirror-cpu-drafter 150 "$PY" -m benchmarks.mirror --target-device "$DEVICE" --drafter-device cpu --threads 2 \
+    --num-prompts "$PROMPTS" --max-tokens "$TOKENS" --k 4 --on-target --out "$OUT_DIR"
 step mirror-gpu-drafter 100 "$PY" -m benchmarks.mirror --target-device "$DEVICE" --drafter-device "$DEVICE" \
     --threads 2 --num-prompts "$PROMPTS" --max-tokens "$TOKENS" --k 4 --out "$OUT_DIR"
 step mirror-leads 160 sh -c "OMP_NUM_THREADS=1 $PY -m benchmarks.mirror --target-device $DEVICE --drafter-device cpu \

@@ -11,7 +11,10 @@ Modes, all greedy, through front doors in this process, interleaved prompt by pr
 untimed warm-up each: ``target-only`` (K=0), ``serial`` (K drafts, then verify), ``mirror``
 (branches drafted during the verify) and, with ``--hint-layer``, ``mirror+hints`` (the target
 streams early-exit hints and the branches follow them; scored over the draft's sub-vocabulary
-unless ``--hint-vocab full``). Windows offer the draft's runner-up as ``mirrorspec serve`` does
+unless ``--hint-vocab full``). With ``--on-target``, ``serial-on-target`` and ``mirror-on-target``
+run the windows on the target, which calls the drafter itself (``serve --windows-on-target``):
+one round trip per window, and a hit window none; their ``x serial`` is against
+``serial-on-target``. Windows offer the draft's runner-up as ``mirrorspec serve`` does
 (``--no-runner-up``: chains only; hinted windows verify the chain alone). Greedy output must be
 identical in every mode; the run checks it.
 
@@ -58,6 +61,7 @@ from mirrorspec.serving.server import BackgroundServer
 from orchestrator.servicer import OrchestratorConfig, serve
 
 MODES = ("target-only", "serial", "mirror", "mirror+hints")
+ON_TARGET_MODES = ("serial-on-target", "mirror-on-target")  # --on-target: the windows run by the target
 
 
 @dataclass
@@ -120,9 +124,10 @@ def bounds(base: dict, serial: dict, hit_rate: float, k: int) -> dict:
             "mirror_all_hits": m * t1 / tv}
 
 
-def front_door(target: str, drafter: str, mirror: MirrorConfig, k: int, runner_up: bool) -> BackgroundServer:
+def front_door(target: str, drafter: str, mirror: MirrorConfig, k: int, runner_up: bool,
+               windows_on_target: bool = False) -> BackgroundServer:
     config = OrchestratorConfig(target=target, drafter=drafter, port=0, num_speculative_tokens=k, mirror=mirror,
-                                default_max_new_tokens=64, runner_up=runner_up)
+                                default_max_new_tokens=64, runner_up=runner_up, windows_on_target=windows_on_target)
     return BackgroundServer(lambda: serve(config), "orchestrator").start(timeout=300)
 
 
@@ -179,6 +184,9 @@ def main(argv=None) -> int:
                         help="branches drafted per window at most (default %(default)s)")
     parser.add_argument("--alternatives", type=int, default=MirrorConfig.alternatives,
                         help="the drafter's runner-up tokens guessed per rejection point (default %(default)s)")
+    parser.add_argument("--on-target", action="store_true",
+                        help="also run serial and mirror with the windows run by the target (serve --windows-on-target), "
+                             "its mirror against its own serial")
     parser.add_argument("--no-runner-up", action="store_true",
                         help="windows verify chains only (default: they offer the draft's runner-up too, as "
                              "`mirrorspec serve` does)")
@@ -223,9 +231,13 @@ def main(argv=None) -> int:
     doors = {"plain": front_door(target, drafter, replace(mirror, use_hints=False), args.k, runner_up)}
     if args.hint_layer:
         doors["hinted"] = front_door(target, drafter, mirror, args.k, runner_up)
-    modes = [m for m in MODES if m != "mirror+hints" or args.hint_layer]
+    if args.on_target:
+        doors["on-target"] = front_door(target, drafter, replace(mirror, use_hints=False), args.k, runner_up,
+                                        windows_on_target=True)
+    modes = [m for m in MODES if m != "mirror+hints" or args.hint_layer] + list(ON_TARGET_MODES if args.on_target else ())
     request = {"target-only": ("plain", dict(k=0)), "serial": ("plain", dict(mirror=False)),
-               "mirror": ("plain", dict(mirror=True)), "mirror+hints": ("hinted", dict(mirror=True))}
+               "mirror": ("plain", dict(mirror=True)), "mirror+hints": ("hinted", dict(mirror=True)),
+               "serial-on-target": ("on-target", dict(mirror=False)), "mirror-on-target": ("on-target", dict(mirror=True))}
     clients = {name: Client(f"127.0.0.1:{door.port}") for name, door in doors.items()}
     results, timelines = {}, {}
     busy = cpu_busy_before_run()  # during the run the servers are this benchmark's own processes
@@ -242,9 +254,11 @@ def main(argv=None) -> int:
                     door, options = request[mode]
                     print(f"{dataset} prompt {i + 1}/{len(prompts)}: {mode}", file=sys.stderr, flush=True)
                     started = time.perf_counter()
-                    done = clients[door].generate(prompt, max_tokens=args.max_tokens, timeline=True, **options)
+                    # a request with a timeline keeps its windows at the front door
+                    done = clients[door].generate(prompt, max_tokens=args.max_tokens, timeline=door != "on-target",
+                                                  **options)
                     totals[mode].add(done.token_ids, time.perf_counter() - started, done.stats)
-                    if i == 0 and dataset == datasets[0] and mode != "target-only":
+                    if i == 0 and dataset == datasets[0] and mode != "target-only" and done.stats.timeline:
                         timelines[mode] = list(done.stats.timeline)
             summary = {mode: t.summary() for mode, t in totals.items()}
             base = summary["target-only"]
@@ -252,9 +266,10 @@ def main(argv=None) -> int:
                 s["x_target_only"] = s["tokens_per_s"] / base["tokens_per_s"]
                 s["identical_to_target_only"] = totals[mode].outputs == totals["target-only"].outputs
             for mode in modes[2:]:
-                summary[mode]["x_serial"] = summary[mode]["tokens_per_s"] / summary["serial"]["tokens_per_s"]
+                serial = "serial-on-target" if mode.endswith("on-target") else "serial"  # each against its own path
+                summary[mode]["x_serial"] = summary[mode]["tokens_per_s"] / summary[serial]["tokens_per_s"]
                 hit_share = summary[mode]["branch_hit_rate"] * summary[mode]["branched_share"]  # of all windows
-                summary[mode]["bounds"] = bounds(base, summary["serial"], hit_share, args.k)
+                summary[mode]["bounds"] = bounds(base, summary[serial], hit_share, args.k)
             results[dataset] = summary
     finally:
         for client in clients.values():
@@ -263,13 +278,13 @@ def main(argv=None) -> int:
             door.stop()
         stop()
 
-    print(f"{'dataset':10s} {'mode':13s} {'tok/s':>6s} {'x base':>6s} {'x serial':>8s} {'alpha':>5s} "
+    print(f"{'dataset':10s} {'mode':16s} {'tok/s':>6s} {'x base':>6s} {'x serial':>8s} {'alpha':>5s} "
           f"{'tok/pass':>8s} {'branched':>8s} {'hits':>5s} {'r-up':>5s} {'bound':>6s} {'verify ms':>9s} {'net ms':>6s} identical")
     for dataset, summary in results.items():
         for mode, s in summary.items():
             bound = s.get("bounds", {}).get("mirror") if mode.startswith("mirror") else None
-            print(f"{dataset:10s} {mode:13s} {s['tokens_per_s']:6.1f} {s['x_target_only']:6.2f} "
-                  f"{s.get('x_serial', 1.0 if mode == 'serial' else 0.0):8.2f} {s['alpha']:5.2f} "
+            print(f"{dataset:10s} {mode:16s} {s['tokens_per_s']:6.1f} {s['x_target_only']:6.2f} "
+                  f"{s.get('x_serial', 1.0 if mode.startswith('serial') else 0.0):8.2f} {s['alpha']:5.2f} "
                   f"{s['tokens_per_pass']:8.2f} {s['branched_share']:8.2f} {s['branch_hit_rate']:5.2f} "
                   f"{s['runner_up_share']:5.2f} "
                   f"{bound if bound is not None else float('nan'):6.2f} {1e3 * s['verify_s_per_window']:9.1f} "

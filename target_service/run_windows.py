@@ -21,9 +21,9 @@ from collections.abc import Callable
 import grpc
 
 from mirrorspec.adaptive import posterior_alpha
-from mirrorspec.config import AdaptiveKConfig, InvalidRequest
+from mirrorspec.config import AdaptiveKConfig, InvalidRequest, MirrorConfig
 from mirrorspec.drafting import Proposal
-from mirrorspec.mirror import guesses
+from mirrorspec.mirror import MirrorPipeline, guesses
 from mirrorspec.serving.convert import proposal_from_proto
 from mirrorspec.sampling import WindowVerdict
 from mirrorspec.serving.server import CHANNEL_OPTIONS
@@ -50,22 +50,31 @@ class Branching:
     verdict names is the next window's drafts, with no draft call on its path. Exact for the
     reason mirror is (``mirrorspec.mirror``): a branch is taken by the verdict's key alone, and
     holds the very drafts a fresh call would make from the same context (drafts are drawn from
-    (seed, position) randomness), so the output is the serial run's, token for token."""
+    (seed, position) randomness), so the output is the serial run's, token for token.
+
+    Whether a window branches is the front door's mirror policy (``MirrorPipeline.should_branch``)
+    on this run's own timings: drafting beside a verify slows the verify where the two share
+    cores or memory bandwidth (+4% per pass on the 2-core CI VM), so a run branches only while
+    its hits save more than that, and probes the other choice now and then."""
 
     def __init__(self, max_branches: int, alternatives: int):
         self.max_branches = max_branches
         self.alternatives = alternatives
+        # the estimates behind the choice (no thread of its own: the verify runs on the compute lane)
+        self.policy = MirrorPipeline(MirrorConfig(max_branches=max_branches, alternatives=alternatives)) \
+            if max_branches else None
         self.passed = self.failed = 0  # draft tests so far: the ranking's acceptance estimate
         self._branches: dict[tuple[int, int], Proposal] = {}
+        self._branched = False  # whether the window being verified branched
         self._k = 0  # the K the branches were drafted with
         self._key: tuple[int, int] | None = None  # the last verdict's, where a branch can hold it
 
     def start(self, drafts: DraftStream, context: list[int], proposal: Proposal, runner_up: int | None,
               k_after: Callable[[int], int]) -> asyncio.Task | None:
-        """The branches' call for this window, running; None where there is nothing to branch.
+        """The branches' call for this window, running; None where this window does not branch.
         ``k_after(j)``: the next window's K after a verdict that keeps j drafts."""
-        self._branches = {}
-        if not (self.max_branches and len(proposal)):
+        self._branches, self._branched = {}, False
+        if self.policy is None or not len(proposal) or not self.policy.should_branch():
             return None
         alpha = posterior_alpha(self.passed, self.failed, AdaptiveKConfig())
         guessed = branch_guesses(proposal, alpha, runner_up, self.max_branches, self.alternatives)
@@ -73,18 +82,24 @@ class Branching:
             return None
         self._k = k  # a branch is only any use drafted with the K its window will ask for
         guessed = [(j, c) for j, c in guessed if k_after(j) == k]
+        self._branched = True
         return asyncio.ensure_future(drafts.branches(list(context), proposal.tokens, guessed, k))
 
-    async def finish(self, call: asyncio.Task | None) -> tuple[int, float]:
-        """(branches drafted, the call's time). A failed call drafted none: the next window drafts
-        afresh, and that call reports a drafter that is really gone."""
+    async def finish(self, call: asyncio.Task | None, verify_s: float) -> tuple[int, float]:
+        """After the verify: (branches drafted, the call's time). A failed call drafted none: the
+        next window drafts afresh, and that call reports a drafter that is really gone."""
+        if self.policy is not None:
+            (self.policy.verify_s if self._branched else self.policy.alone_s).add(verify_s)
         if call is None:
             return 0, 0.0
+        waited = time.perf_counter()
         try:
             self._branches, seconds = await call
         except DraftCallFailed as err:
             log.info("branch drafting failed (%s); the next window is drafted afresh", err)
             return 0, 0.0
+        self.policy.group_s.add(seconds)
+        self.policy.overrun_s.add(time.perf_counter() - waited)  # what the next window waited past the verdict
         return len(self._branches), seconds
 
     @staticmethod
@@ -98,12 +113,19 @@ class Branching:
         # a runner-up's win leaves a context no chain branch was drafted for
         self._key = (verdict.num_accepted, verdict.next_token) if verdict.runner_up is None else None
 
+    def observe_fresh_draft(self, seconds: float) -> None:
+        """A window drafted by a call on its path: what a hit saves."""
+        if self.policy is not None:
+            self.policy.observe_fresh_draft(seconds)
+
     def take(self, k: int) -> Proposal | None:
         """The branch the last verdict names, by its key alone, drafted with this window's K; None on a miss."""
         branches, self._branches = self._branches, {}
-        if self._key is None or k != self._k:
-            return None
-        return branches.get(self._key)
+        branched, self._branched = self._branched, False
+        hit = branches.get(self._key) if self._key is not None and k == self._k else None
+        if branched:
+            self.policy.observe_hit(hit is not None)
+        return hit
 
 
 class DraftCallFailed(Exception):

@@ -243,6 +243,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 except DraftCallFailed as err:
                     yield target_pb2.WindowResult(drafter_error=str(err), context_length=len(seq.context))
                     return
+                branching.observe_fresh_draft(call_s)
             # the verifier scores the proposal's alternatives as a runner-up: the drafter's own, only where asked
             runner_up = runner_up_to_offer(request.runner_up, proposal)
             offered = (with_runner_up(proposal, runner_up, self.vocab_size) if runner_up is not None
@@ -259,7 +260,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 branching.cancel(branches)
                 raise
             verify_s = time.perf_counter() - started
-            drafted, branch_s = await branching.finish(branches)
+            drafted, branch_s = await branching.finish(branches, verify_s)
             tokens, finish = window_tokens(verdict, offered, stop, produced, request.max_new_tokens)
             yield target_pb2.WindowResult(verdict=_verdict_to_proto(verdict, verify_s), tokens=tokens,
                                           num_drafted=len(offered), draft_time_s=draft_s, draft_call_s=call_s,

@@ -42,11 +42,12 @@ def test_a_model_flag_that_is_not_a_model_is_named_before_any_server_starts(benc
 def test_a_short_run_writes_json_and_a_timeline_and_every_mode_is_identical(tmp_path):
     """Drafter and target as their own processes on the demo models, every mode, hints on."""
     assert main(["bench", "mirror", "--datasets", "humaneval", "--num-prompts", "1", "--max-tokens", "12",
-                 "--hint-layer", "27", "--out", str(tmp_path)]) == 0
+                 "--hint-layer", "27", "--on-target", "--out", str(tmp_path)]) == 0
     [result] = tmp_path.glob("mirror-*.json")
     out = json.loads(result.read_text())
     modes = out["results"]["humaneval"]
-    assert set(modes) == {"target-only", "serial", "mirror", "mirror+hints"}
+    assert set(modes) == {"target-only", "serial", "mirror", "mirror+hints", "serial-on-target", "mirror-on-target"}
+    assert modes["mirror-on-target"]["branched_share"] > 0 and "bounds" in modes["mirror-on-target"]
     assert all(m["identical_to_target_only"] and m["tokens"] > 0 for m in modes.values())
     assert modes["serial"]["alpha"] == modes["mirror"]["alpha"]  # same windows, drafted at other times
     # windows offer the runner-up in both (as `serve` does), and it wins the same ones
