@@ -66,3 +66,37 @@ def test_channels_to_drafters_no_run_uses_are_kept_for_the_last_few_addresses_on
         assert len(links) == 0
 
     asyncio.run(run())
+
+
+def test_a_run_branches_only_while_its_branches_pay():
+    """Mirror on the target (``Branching``): branching beside a verify that slows the verify and
+    never hits is dropped after the first windows, bar a probe now and then (the front door's
+    policy, ``MirrorPipeline.should_branch``); branches that hit and cost nothing keep going."""
+    from mirrorspec.drafting import Proposal
+    from mirrorspec.sampling import ProposalRows, TokenKind, WindowVerdict
+    from target_service.run_windows import Branching
+
+    proposal = Proposal(tokens=(3, 4), q=ProposalRows.one_hot([3, 4]), alternatives=((3, 5), (4, 6)),
+                        alternative_probs=((0.6, 0.3), (0.7, 0.2)))
+
+    class Drafts:
+        async def branches(self, context, window, guessed, k):
+            return {key: proposal for key in guessed}, 0.001
+
+    async def windows(verdict: WindowVerdict, branched_verify_s: float) -> list[bool]:
+        branching, branched = Branching(max_branches=4, alternatives=7), []
+        for _ in range(60):
+            branching.take(2)
+            call = branching.start(Drafts(), [0, 1], proposal, None, lambda j: 2)
+            branched.append(call is not None)
+            await branching.finish(call, branched_verify_s if call is not None else 0.030)
+            branching.observe_fresh_draft(0.005)
+            branching.observe(verdict, 2)
+        return branched
+
+    missing = WindowVerdict(num_accepted=0, next_token=7, next_kind=TokenKind.RECOVERED)  # no branch guessed 7
+    costly = asyncio.run(windows(missing, branched_verify_s=0.040))
+    assert costly[0] and sum(costly[20:]) <= 4  # probes only
+    held = WindowVerdict(num_accepted=0, next_token=5, next_kind=TokenKind.RECOVERED)  # the drafter's runner-up
+    paying = asyncio.run(windows(held, branched_verify_s=0.030))
+    assert sum(paying[20:]) >= 36
