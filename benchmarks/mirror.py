@@ -81,6 +81,7 @@ class ModeTotals:
     mirror_windows: int = 0
     branch_hits: int = 0
     runner_up_hits: int = 0
+    windows_on_target: int = 0
     outputs: list[list[int]] = field(default_factory=list)
 
     def add(self, token_ids: list[int], wall_s: float, stats) -> None:
@@ -97,6 +98,7 @@ class ModeTotals:
         self.mirror_windows += stats.mirror_windows
         self.branch_hits += stats.branch_hits
         self.runner_up_hits += stats.runner_up_hits
+        self.windows_on_target += stats.windows_on_target
         self.outputs.append(list(token_ids))
 
     def summary(self) -> dict:
@@ -108,6 +110,7 @@ class ModeTotals:
             "branch_hit_rate": ratio(self.branch_hits, self.mirror_windows),
             "branched_share": ratio(self.mirror_windows, self.windows),  # windows that drafted branches
             "runner_up_share": ratio(self.runner_up_hits, self.windows),  # windows the runner-up won
+            "on_target_share": ratio(self.windows_on_target, self.windows),  # windows the target ran
             "verify_s_per_window": ratio(self.verify_s, self.windows),
             # what the calls cost beyond compute: tells a slow verify's transport from its pass
             "network_s_per_window": ratio(self.network_s, self.windows),

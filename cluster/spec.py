@@ -46,7 +46,7 @@ class StackSpec:
     adaptive: AdaptiveKConfig | None = None
     mirror: MirrorConfig | None = None  # the front door's default for requests that do not say
     runner_up: bool = False  # windows offer the draft's runner-up too (OrchestratorConfig.runner_up)
-    windows_on_target: bool = False  # serial windows run on the targets (OrchestratorConfig.windows_on_target)
+    windows_on_target: bool = False  # windows run on the targets (OrchestratorConfig.windows_on_target)
     hint_layer: int | None = None  # targets send early-exit hints read off this layer (tp=1 only)
     hint_vocab: str | None = None  # hints scored over the sub-vocabulary this draft declares; None = all
     hint_lens: str = "tuned"  # hints read through a tuned lens fitted to the target, or "logit"

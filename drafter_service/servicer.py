@@ -7,9 +7,9 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 
-from mirrorspec.config import (DEFAULT_DRAFT_QUANTIZE, DEFAULT_PROPOSAL_TOP_K, InvalidRequest, OutOfRange,
-                               ReplicaConfig, check_draft_confidence, check_prompt_lookup, check_proposal_top_k,
-                               check_quantization)
+from mirrorspec.config import (DEFAULT_DRAFT_QUANTIZE, DEFAULT_PROPOSAL_TOP_K, MAX_BRANCHES, InvalidRequest,
+                               OutOfRange, ReplicaConfig, check_draft_confidence, check_prompt_lookup,
+                               check_proposal_top_k, check_quantization)
 from mirrorspec.drafting import Drafter, NgramDrafter, RankedTokens
 from mirrorspec.drafting.draft_model import draft_model_step_cost
 from mirrorspec.engine import make_drafter, validate_prompt
@@ -21,7 +21,6 @@ from mirrorspec.serving.sessions import SequenceState, SessionStore, orphaned_af
 from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 
-MAX_BRANCHES = 16  # branch tokens in one DraftBranches call
 
 
 @dataclass(frozen=True)

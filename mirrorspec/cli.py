@@ -66,6 +66,8 @@ K_HELP = (f"speculative tokens per window (default {DEFAULT_K_CONFIDENT} with a 
 DRAFT_HELP = ("draft: 'auto' (the demo draft for the demo target, else 'ngram'), 'demo-draft', 'ngram' "
               "(prompt lookup), a model path / hub id sharing the target's tokenizer, or 'none'")
 
+GENERATE_MAX_TOKENS = 128  # generate --local's default; a server's default is its own
+
 # Which flag carries which validated field, so errors from deep inside name what the user typed.
 FLAG_FOR_FIELD = {
     "temperature": "--temperature",
@@ -143,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "server and its sessions freed (default: none)")
     gen.add_argument("--target", default="demo-target", help="target model: hub id, path, .gguf, or demo-target")
     gen.add_argument("--draft", default="auto", help=DRAFT_HELP)
-    gen.add_argument("--max-tokens", type=int, default=128, help="maximum new tokens (default %(default)s)")
+    gen.add_argument("--max-tokens", type=int, default=None,
+                     help=f"maximum new tokens (default {GENERATE_MAX_TOKENS}; with --server, the server's default, "
+                          "cut to the room the prompt leaves in the context window)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -210,9 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="verify chains only. By default windows also offer the targets the draft's runner-up "
                           "for their first draft, in the same pass (same output distribution)")
     srv.add_argument("--windows-on-target", action="store_true",
-                     help="serial windows run on the targets, which ask the drafters for drafts themselves: one "
+                     help="windows run on the targets, which ask the drafters for drafts themselves: one "
                           "round trip per window instead of two through the front door (the drafters run their "
-                          "own prompt lookup; mirror and --adaptive windows stay at the front door)")
+                          "own prompt lookup; --mirror runs there too, but hinted mirror (--hint-layer) and "
+                          "--adaptive windows stay at the front door)")
     srv.add_argument("--mirror", action="store_true",
                      help="by default, draft the next window's likely branches while the target verifies "
                           "(a request's `mirror` field overrides; the output is the same either way)")
@@ -359,7 +364,7 @@ def _is_set(args: argparse.Namespace, dest: str) -> bool:
 def cmd_generate(args: argparse.Namespace) -> int:
     # validate every flag before the (slow) model load
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            max_new_tokens=args.max_tokens)
+                            max_new_tokens=GENERATE_MAX_TOKENS if args.max_tokens is None else args.max_tokens)
     check_seed(args.seed)
     if not args.local:
         for dest, field, owner in SERVER_SETTINGS:
@@ -457,7 +462,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
     from mirrorspec.client import Client, check_target
 
     check_target(args.server, "server")
-    options = dict(raw=args.raw, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+    options = dict(raw=args.raw, max_tokens=args.max_tokens or 0, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, k=0 if args.no_speculate else args.k,
                    mirror=True if args.mirror else None)
     try:

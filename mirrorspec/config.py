@@ -139,6 +139,9 @@ class AdaptiveKConfig:
             raise InvalidRequest("probe_every and probe_k must be >= 1", field="adaptive")
 
 
+MAX_BRANCHES = 16  # mirror branches per window: what a drafter's DraftBranches call takes
+
+
 @dataclass(frozen=True)
 class MirrorConfig:
     """Mirror-style pipelining (see ``mirrorspec.mirror``): branches drafted during a verify.
@@ -159,8 +162,8 @@ class MirrorConfig:
         if not 2 <= self.probe_every <= self.max_probe_every:
             raise InvalidRequest(f"mirror needs 2 <= probe_every <= max_probe_every, got {self.probe_every} "
                                  f"and {self.max_probe_every}", field="mirror")
-        if self.max_branches < 1 or self.alternatives < 0:
-            raise InvalidRequest(f"mirror needs max_branches >= 1 and alternatives >= 0, got "
+        if not 1 <= self.max_branches <= MAX_BRANCHES or self.alternatives < 0:
+            raise InvalidRequest(f"mirror needs max_branches in [1, {MAX_BRANCHES}] and alternatives >= 0, got "
                                  f"{self.max_branches} and {self.alternatives}", field="mirror")
 
 

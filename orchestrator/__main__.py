@@ -24,8 +24,8 @@ parser.add_argument("--no-front-door-lookup", action="store_true",
 parser.add_argument("--runner-up", action="store_true",
                     help="windows also offer the targets the draft's runner-up for their first draft")
 parser.add_argument("--windows-on-target", action="store_true",
-                    help="serial windows run on the targets, which ask the drafters for drafts themselves: one "
-                         "round trip per window instead of two through here")
+                    help="windows run on the targets, which ask the drafters for drafts themselves: one "
+                         "round trip per window instead of two through here (mirror's too, unhinted)")
 parser.add_argument("--metrics-port", type=int, default=None)
 parser.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                     help="on SIGTERM, SIGHUP or Ctrl-C, refuse new requests and give those in flight this long to finish "

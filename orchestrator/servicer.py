@@ -88,10 +88,11 @@ class OrchestratorConfig:
     # windows also offer the targets the drafter's runner-up for their first draft, in the same
     # pass (TargetVerifier); mirror requests too (a runner-up's win has branches of its own)
     runner_up: bool = False
-    # serial windows run on the target, which asks the drafter for each window's drafts itself:
-    # one round trip per window instead of two through here (orchestrator.direct). Mirror, adaptive
-    # K, timelines and a speculation_off_above limit keep their windows here. The drafter replicas
-    # then run their own prompt lookup (front_door_lookup applies to n-gram pools only).
+    # windows run on the target, which asks the drafter for each window's drafts itself: one round
+    # trip per window instead of two through here (orchestrator.direct); mirror ones too, with the
+    # target having the drafter draft branches. Hinted mirror, adaptive K, timelines and a
+    # speculation_off_above limit keep their windows here. The drafter replicas then run their own
+    # prompt lookup (front_door_lookup applies to n-gram pools only).
     windows_on_target: bool = False
 
     def __post_init__(self) -> None:
@@ -418,10 +419,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     def _on_target(self, prepared: PreparedRequest) -> bool:
         """Whether the request's windows run on the target (``windows_on_target``): windows of a
-        draft-model pool, serial or mirror (where the targets send no early-exit hints, which
-        steer branches from here), with no saturation limit to pause drafting."""
+        draft-model pool, serial or mirror (unless the targets' early-exit hints are to steer its
+        branches, which happens here), with no saturation limit to pause drafting."""
         return (self.config.windows_on_target and prepared.spec.num_speculative_tokens > 0
-                and (prepared.mirror is None or not self.target_info.hint_layer)
+                and (prepared.mirror is None or not (prepared.mirror.use_hints and self.target_info.hint_layer))
                 and not prepared.spec.adaptive and not prepared.timeline
                 and self.config.speculation_off_above is None and self._describe_drafters() is not None
                 and not self._ngram_here())

@@ -15,6 +15,7 @@ from mirrorspec.config import (
     DEFAULT_PREFILL_CHUNK,
     DRAFT_HUNG_AFTER_S,
     HINT_LENSES,
+    MAX_BRANCHES,
     InvalidRequest,
     OutOfRange,
     ReplicaConfig,
@@ -44,7 +45,6 @@ from mirrorspec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.run_windows import Branching, DraftCallFailed, DrafterLinks, DraftStream
 
 logger = logging.getLogger(__name__)
-MAX_RUN_BRANCHES = 16  # a drafter's DraftBranches takes as many branch tokens
 
 
 @dataclass(frozen=True)
@@ -200,8 +200,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if not (request.draft_timeout_s >= 0 and math.isfinite(request.draft_timeout_s)):
             raise InvalidRequest(f"draft_timeout_s must be a finite number of seconds > 0 (0 = the default, "
                                  f"{DRAFT_HUNG_AFTER_S:g} s), got {request.draft_timeout_s}", field="draft_timeout_s")
-        if request.max_branches > MAX_RUN_BRANCHES:
-            raise OutOfRange(f"max_branches must be in [0, {MAX_RUN_BRANCHES}], got {request.max_branches}",
+        if request.max_branches > MAX_BRANCHES:
+            raise OutOfRange(f"max_branches must be in [0, {MAX_BRANCHES}], got {request.max_branches}",
                              field="max_branches")
         commit = check_token_ids(request.commit_tokens, self.vocab_size, "commit_tokens")
         drafts = DraftStream(await self.drafters.acquire(address), request.drafter_session_id,

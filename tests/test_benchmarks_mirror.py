@@ -20,6 +20,7 @@ from mirrorspec.cli import main
     (["--target-device", "nope"], "argument --target-device"),
     (["--drafter-device", "cuda:x"], "argument --drafter-device"),
     (["--dtype", "fp8"], "argument --dtype"),
+    (["--max-branches", "17"], "--max-branches"),
 ])
 def test_bad_flags_name_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -48,6 +49,9 @@ def test_a_short_run_writes_json_and_a_timeline_and_every_mode_is_identical(tmp_
     modes = out["results"]["humaneval"]
     assert set(modes) == {"target-only", "serial", "mirror", "mirror+hints", "serial-on-target", "mirror-on-target"}
     assert modes["mirror-on-target"]["branched_share"] > 0 and "bounds" in modes["mirror-on-target"]
+    # on the target, though the target sends hints for mirror+hints (it stayed at the front door: review 4)
+    assert modes["mirror-on-target"]["on_target_share"] == modes["serial-on-target"]["on_target_share"] == 1
+    assert modes["mirror"]["on_target_share"] == 0
     assert all(m["identical_to_target_only"] and m["tokens"] > 0 for m in modes.values())
     assert modes["serial"]["alpha"] == modes["mirror"]["alpha"]  # same windows, drafted at other times
     # windows offer the runner-up in both (as `serve` does), and it wins the same ones

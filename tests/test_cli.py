@@ -238,6 +238,20 @@ def test_a_request_the_server_refuses_names_the_flag(padded_pair, argv, flag, sa
     assert f"error: {flag}: the server refused the request:" in err and says in err
 
 
+def test_generate_server_without_max_tokens_leaves_the_length_to_the_server(padded_pair, capsys):
+    """It sent its own default (128), and a long prompt was refused for a limit the user never set
+    (review 4 of stop 43); the server's default is cut to the room the prompt leaves."""
+    from served_stack import start_stack
+
+    s = start_stack(padded_pair["target"], strategy=None)
+    try:
+        main(["generate", "--server", s.address, "w1 " * 120, "--raw", "--json"])  # 120 of 128 positions
+    finally:
+        s.stop()
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt_tokens"] == 120 and len(out["token_ids"]) == 8 and out["finish_reason"] == "length"
+
+
 def test_generate_server_json_prints_every_stats_field_zeros_too(padded_pair, capsys):
     """protobuf's MessageToDict drops proto3 fields that are zero: with --k 0 the stats had no
     "drafted" (a KeyError for a script), and fields came and went from run to run (review 1 of stop 43)."""

@@ -369,9 +369,12 @@ def test_running_mean_starts_plain_then_weights_recent_samples():
     assert mean.value == pytest.approx(4.0)
 
 
-def test_bad_mirror_config_names_the_field():
+@pytest.mark.parametrize("max_branches", [0, 17])
+def test_bad_mirror_config_names_the_field(max_branches):
+    """17: a drafter's DraftBranches takes 16 at most; windows on the target failed the request
+    (OUT_OF_RANGE), at the front door every branch call failed (review 4 of stop 43)."""
     with pytest.raises(InvalidRequest, match="max_branches"):
-        MirrorConfig(max_branches=0)
+        MirrorConfig(max_branches=max_branches)
 
 
 def test_drafter_alternatives_are_its_top_tokens(tiny_draft):
