@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="generate text for one prompt")
     gen.add_argument("prompt", help="the user message (chat template applied for instruct models)")
     gen.add_argument("--local", action="store_true", help="run the in-process engine instead of calling a server")
-    gen.add_argument("--server", default="127.0.0.1:50051", help="front door address (without --local; default %(default)s)")
+    gen.add_argument("--server", default="127.0.0.1:50051",
+                     help="front door address (without --local; default %(default)s)")
     gen.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                      help="without --local: the request's gRPC deadline; past it the request is cancelled on the "
                           "server and its sessions freed (default: none)")

@@ -24,13 +24,12 @@ from mirrorspec.adaptive import posterior_alpha
 from mirrorspec.config import AdaptiveKConfig, InvalidRequest, MirrorConfig
 from mirrorspec.drafting import Proposal
 from mirrorspec.mirror import MirrorPipeline, guesses
-from mirrorspec.serving.convert import proposal_from_proto
 from mirrorspec.sampling import WindowVerdict
+from mirrorspec.serving.convert import proposal_from_proto
 from mirrorspec.serving.server import CHANNEL_OPTIONS
 from mirrorspec.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger(__name__)
-
 
 
 def branch_guesses(proposal: Proposal, alpha: float, runner_up: int | None, max_branches: int,

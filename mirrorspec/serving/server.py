@@ -97,7 +97,7 @@ class Service:
 SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
-def check_port_free(host: str, port: int | None, field: str, host_field: str = "host") -> None:
+def check_port_free(host: str, port: int | None, field: str) -> None:
     """Refuses a port another process listens on, before a launcher spends its start-up (loading
     models, starting Ray) on a server that could not bind it. SO_REUSEADDR, as gRPC and HTTP
     servers set it, so a port whose last connections linger in TIME_WAIT still counts as free;
@@ -113,11 +113,11 @@ def check_port_free(host: str, port: int | None, field: str, host_field: str = "
             probe.bind((host, port))
         except socket.gaierror as err:
             raise InvalidRequest(f"cannot listen on {host!r}: {err.strerror or err}; give a host name or address "
-                                 f"of this machine (127.0.0.1, 0.0.0.0 for every interface)", field=host_field) from None
+                                 f"of this machine (127.0.0.1, 0.0.0.0 for every interface)", field="host") from None
         except OSError as err:
             if err.errno == errno.EADDRNOTAVAIL:
                 raise InvalidRequest(f"cannot listen on {host}: {err.strerror} (it is no address of this machine); "
-                                     f"use one of its own, or 0.0.0.0 for every interface", field=host_field) from None
+                                     f"use one of its own, or 0.0.0.0 for every interface", field="host") from None
             why = err.strerror or str(err)
             raise port_refused(host, port, f"{why} (another server still running?)" if err.errno == errno.EADDRINUSE
                                else why, field) from None
