@@ -17,7 +17,7 @@ from mirrorspec.client import AsyncClient, Client
 from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
 from orchestrator.servicer import OrchestratorConfig, _backend_info
 from served_stack import start_stack, targets_held
-from support import MemoSession, chi_square_pvalue, exact_joint, load, record_rpc, wait_until
+from support import MemoSession, chi_square_pvalue, exact_joint, load, load_as_served_draft, record_rpc, wait_until
 
 
 def target_only(model, prompt, max_tokens, **params):
@@ -132,7 +132,7 @@ def test_the_front_door_looks_up_itself_and_asks_the_drafter_only_where_lookup_f
 
     monkeypatch.setattr(DrafterServicer, "_draft", counted_rpc)
     monkeypatch.setattr(DraftModelDrafter, "propose", counted_propose)
-    target, draft = load(tiny_dir["target16"]), load(tiny_dir["draft16"])
+    target, draft = load(tiny_dir["target16"]), load_as_served_draft(tiny_dir["draft16"])
     repeats = [0, 3, 5, 2, 6, 1, 3, 5, 2, 6, 1, 3, 5]  # lookup fills whole windows, and runs out
     cases = [(repeats, {}), (repeats, {"temperature": 1.0, "seed": 4}), ([1, 4, 2], {"temperature": 0.8, "seed": 9})]
     rpcs = {}
@@ -162,7 +162,7 @@ def test_the_front_door_looks_up_itself_and_asks_the_drafter_only_where_lookup_f
 def test_a_drafter_that_ends_windows_when_unsure_serves_the_in_process_output(tiny_dir):
     """A replica with draft_confidence drafts exactly what the in-process drafter does, greedy or
     seeded, serial or mirror: the same tokens and the same shorter windows."""
-    target, draft = load(tiny_dir["target16"]), load(tiny_dir["draft16"])
+    target, draft = load(tiny_dir["target16"]), load_as_served_draft(tiny_dir["draft16"])
     s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], prompt_lookup=2, draft_confidence=0.8, k=4)
     try:
         with Client(s.address) as client:
@@ -208,7 +208,7 @@ def test_the_first_window_is_drafted_while_the_target_prefills(tiny_dir, monkeyp
             for sampling in ({}, {"temperature": 1.0, "seed": 2}):
                 events.clear()
                 served = client.generate([2, 9, 4], max_tokens=12, **sampling)
-                expected = generate(load(tiny_dir["target16"]), load(tiny_dir["draft16"]), [2, 9, 4], SamplingParams(
+                expected = generate(load(tiny_dir["target16"]), load_as_served_draft(tiny_dir["draft16"]), [2, 9, 4], SamplingParams(
                     max_new_tokens=12, temperature=sampling.get("temperature", 0.0)), num_speculative_tokens=3,
                     seed=sampling.get("seed"), proposal_top_k=4)
                 assert served.token_ids == expected.token_ids
@@ -235,7 +235,7 @@ def test_a_first_window_ready_at_once_is_verified_with_the_prefill_in_one_pass(t
                 for sampling in ({}, {"temperature": 1.0, "seed": 5}):
                     opened.clear()
                     served = client.generate(prompt, max_tokens=12, **sampling)
-                    expected = generate(load(tiny_dir["target16"]), load(tiny_dir["draft16"]), prompt, SamplingParams(
+                    expected = generate(load(tiny_dir["target16"]), load_as_served_draft(tiny_dir["draft16"]), prompt, SamplingParams(
                         max_new_tokens=12, temperature=sampling.get("temperature", 0.0)), num_speculative_tokens=3,
                         seed=sampling.get("seed"), proposal_top_k=4, prompt_lookup=2)
                     assert opened == [deferred]
@@ -859,7 +859,7 @@ def test_seeded_sampled_runner_up_requests_draw_the_in_process_tokens(tiny_dir, 
     runner-ups draws exactly what the in-process engine draws with the same sparse q: the second
     round of rejection sampling runs in the target server on the same uniforms, whether the front
     door runs the windows or the target does, asking the drafter itself."""
-    target, draft = load(tiny_dir["target16"]), load(tiny_dir["draft16"])
+    target, draft = load(tiny_dir["target16"]), load_as_served_draft(tiny_dir["draft16"])
     stack = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, runner_up=True, proposal_top_k=4,
                         windows_on_target=windows_on_target)
     params = SamplingParams(max_new_tokens=24, temperature=1.0)

@@ -14,7 +14,7 @@ from mirrorspec import SamplingParams, generate
 from mirrorspec.client import Client
 from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
 from served_stack import start_stack, targets_held
-from support import load, wait_until
+from support import load, load_as_served_draft, wait_until
 from target_service.servicer import TargetServicer
 
 
@@ -77,7 +77,7 @@ def test_mirror_on_the_target_is_identical_to_target_only_and_to_serial(tiny_dir
     are the serial run's (and the in-process engine's), token for token."""
     from mirrorspec.config import MirrorConfig
 
-    model, draft = load(tiny_dir["target16"]), load(tiny_dir["draft16"])
+    model, draft = load(tiny_dir["target16"]), load_as_served_draft(tiny_dir["draft16"])
     s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, windows_on_target=True, runner_up=runner_up,
                     mirror=MirrorConfig())
     hits = 0
