@@ -824,7 +824,12 @@ def test_sampled_output_through_the_network_follows_the_exact_distribution(tiny_
             done = [client.generate(prompt, max_tokens=4, temperature=1.0, seed=seed) for seed in range(3000)]
         samples = [tuple(d.token_ids[:2]) for d in done]
         assert chi_square_pvalue(samples, expected) > 1e-4
-        assert (sum(d.stats.branch_hits for d in done) > 0) == mirror  # branches fed windows here
+        # branches drafted beside verifies on the target. They seldom feed the second token: that
+        # takes a rejection of the first draft whose sampled recovery a runner-up guessed (0 of 300
+        # requests in a run). Branch-fed windows are held to serial's tokens, seed for seed, by
+        # test_windows_on_target.py, which asserts hits.
+        assert (sum(d.stats.mirror_windows for d in done) > 0) == mirror
+        assert all(d.stats.windows_on_target == (d.stats.windows if windows_on_target else 0) for d in done)
     finally:
         s.stop()
 
