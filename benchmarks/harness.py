@@ -355,6 +355,17 @@ def served_hybrid_adaptive_confident(target: LoadedModel, drafts: Drafts, ids: l
                    ids, params, k, seed)
 
 
+@register_mode("served-hybrid-adaptive-confident-on-target", uses_k=True, needs_draft_model=True, in_process=False,
+               twin="mirrorspec-hybrid-adaptive-confident")
+def served_hybrid_adaptive_confident_on_target(target: LoadedModel, drafts: Drafts, ids: list[int],
+                                               params: SamplingParams, k: int, seed: int) -> RunOutput:
+    """served-hybrid-adaptive-confident with the windows run on the target (``serve --adaptive
+    --windows-on-target``): the target chooses each window's K, as the front door would."""
+    return _served(drafts.services.client(target, drafts.model, drafts.server_source, DEFAULT_PROMPT_LOOKUP,
+                                          draft_confidence=DEFAULT_DRAFT_CONFIDENCE, adaptive=True,
+                                          windows_on_target=True), ids, params, k, seed)
+
+
 @register_mode("served-hybrid-drafter-lookup", uses_k=True, needs_draft_model=True, in_process=False,
                twin="mirrorspec-hybrid")
 def served_hybrid_drafter_lookup(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,

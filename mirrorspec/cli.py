@@ -217,8 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--windows-on-target", action="store_true",
                      help="windows run on the targets, which ask the drafters for drafts themselves: one "
                           "round trip per window instead of two through the front door (the drafters run their "
-                          "own prompt lookup; --mirror runs there too, but hinted mirror (--hint-layer) and "
-                          "--adaptive windows stay at the front door)")
+                          "own prompt lookup; --mirror and --adaptive run there too, but hinted mirror "
+                          "(--hint-layer) stays at the front door)")
     srv.add_argument("--mirror", action="store_true",
                      help="by default, draft the next window's likely branches while the target verifies "
                           "(a request's `mirror` field overrides; the output is the same either way)")

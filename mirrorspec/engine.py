@@ -269,6 +269,7 @@ def decode_windows(
     stats: GenerationStats,
     mirror: MirrorPipeline | None = None,
     drafted_ahead: tuple[int, Proposal] | None = None,
+    policy: AdaptiveK | None = None,
 ) -> Iterator[WindowEvent]:
     """The speculative loop. ``drafter=None`` or K=0 is exactly target-only decoding.
 
@@ -277,11 +278,14 @@ def decode_windows(
     ``drafted_ahead`` = (k, the drafter's proposal after ``prompt`` for that k), drafted while the
     target prefilled: the first window takes it if it asks for that k (``first_window_k``), as
     a mirror branch is taken by its key: it is the very proposal a fresh draft would make.
+    ``policy``: adaptive K's state carried in from windows run elsewhere (``orchestrator.direct``);
+    else the request's own, new (``window_policy``).
     """
     context = list(prompt)
     produced = 0
     stop = set(params.stop_token_ids)
-    policy = window_policy(spec, drafter)
+    if policy is None:
+        policy = window_policy(spec, drafter)
 
     def capped(k: int, produced_so_far: int) -> int:
         return capped_k(k, params, produced_so_far) if drafter else 0

@@ -18,11 +18,12 @@ from dataclasses import replace
 
 import grpc
 
+from mirrorspec.adaptive import AdaptiveK
 from mirrorspec.config import MirrorConfig, SamplingParams, SpeculationConfig
 from mirrorspec.drafting import Drafter
-from mirrorspec.engine import GenerationStats, WindowEvent, cut_at_stop, decode_windows
+from mirrorspec.engine import GenerationStats, WindowEvent, cut_at_stop, decode_windows, window_policy
 from mirrorspec.models import common_prefix_length
-from mirrorspec.serving.convert import verdict_from_proto
+from mirrorspec.serving.convert import adaptive_to_proto, verdict_from_proto
 from mirrorspec.v1 import target_pb2
 from orchestrator.remote import _REPLICA_GONE, RemoteDrafter, RemoteVerifier
 from orchestrator.window_stream import StreamStatus, Watchdog
@@ -40,17 +41,20 @@ def windows_on_target(remote: RemoteDrafter, drafter: Drafter, verifier: RemoteV
     moved. ``client_deadline`` (``time.monotonic()``), where the client set one, is the runs';
     each window keeps a deadline of its own, as here. With ``mirror``, the target has the drafter
     draft branches of each next window beside each verify (``target_service.run_windows.Branching``);
-    windows that come back here are serial."""
+    windows that come back here are serial. With adaptive K (``spec.adaptive``), one policy follows
+    the request's windows wherever they run: each run is sent its state, and it follows the run's
+    windows here, so each window's K is the one the in-process engine would choose."""
     context = list(prompt)
+    policy = window_policy(spec, drafter)
 
     def rest() -> SamplingParams:
         return replace(params, max_new_tokens=params.max_new_tokens - (len(context) - len(prompt)))
 
     while True:
         if (yield from _run(remote, verifier, context, rest(), spec.num_speculative_tokens, stats, runner_up,
-                            client_deadline, mirror)):
+                            client_deadline, mirror, policy)):
             return
-        for event in decode_windows(drafter, verifier, context, rest(), spec, seed, stats):
+        for event in decode_windows(drafter, verifier, context, rest(), spec, seed, stats, policy=policy):
             context += event.tokens
             yield event
             if event.finish_reason:
@@ -61,8 +65,11 @@ def windows_on_target(remote: RemoteDrafter, drafter: Drafter, verifier: RemoteV
 
 def _run(remote: RemoteDrafter, verifier: RemoteVerifier, context: list[int], params: SamplingParams, k: int,
          stats: GenerationStats, runner_up: bool, client_deadline: float | None,
-         mirror: MirrorConfig | None) -> Generator[WindowEvent, None, bool]:
-    """Windows off one RunWindows stream, appending to ``context``; True once the request finished."""
+         mirror: MirrorConfig | None, policy: AdaptiveK | None) -> Generator[WindowEvent, None, bool]:
+    """Windows off one RunWindows stream, appending to ``context``; True once the request finished.
+    ``policy`` (adaptive K) goes with the run as it stands, and takes each window in as the run's
+    copy does: its choice of K, then the verdict. A window that failed its draft call is not taken
+    in: it is done again here, where its K is chosen again."""
     drafts = remote.session
     if not (verifier.runs_windows and remote.drafting(k, context)):
         return False
@@ -74,7 +81,8 @@ def _run(remote: RemoteDrafter, verifier: RemoteVerifier, context: list[int], pa
         drafter_address=drafts.replica.address, drafter_session_id=drafts.session_id,
         drafter_context_length=common_prefix_length(drafts.held, context), k=k,
         max_new_tokens=params.max_new_tokens, runner_up=runner_up, draft_timeout_s=draft_timeout_s,
-        max_branches=mirror.max_branches if mirror else 0, branch_alternatives=mirror.alternatives if mirror else 0)
+        max_branches=mirror.max_branches if mirror else 0, branch_alternatives=mirror.alternatives if mirror else 0,
+        adaptive=adaptive_to_proto(policy) if policy else None)
     # the whole run has the client's deadline only: a long generation outlives any one call's
     call = target.stub.RunWindows(request, timeout=None if client_deadline is None
                                   else max(client_deadline - time.monotonic(), 0.001))
@@ -100,6 +108,9 @@ def _run(remote: RemoteDrafter, verifier: RemoteVerifier, context: list[int], pa
             stats.branch_hits += result.branch_hit
             tokens, finish = cut_at_stop(list(result.tokens), stop, produced, params.max_new_tokens)
             verdict = verdict_from_proto(result.verdict)
+            if policy:
+                policy.next_k()
+                policy.observe(result.num_drafted, verdict.drafts_accepted)
             stats.draft_time_s += result.draft_call_s
             stats.record_window(result.num_drafted, verdict, len(tokens), result.verdict.verify_time_s)
             stats.windows_on_target += 1

@@ -90,7 +90,7 @@ class OrchestratorConfig:
     runner_up: bool = False
     # windows run on the target, which asks the drafter for each window's drafts itself: one round
     # trip per window instead of two through here (orchestrator.direct); mirror ones too, with the
-    # target having the drafter draft branches. Hinted mirror, adaptive K, timelines and a
+    # target having the drafter draft branches, and adaptive K ones. Hinted mirror, timelines and a
     # speculation_off_above limit keep their windows here. The drafter replicas then run their own
     # prompt lookup (front_door_lookup applies to n-gram pools only).
     windows_on_target: bool = False
@@ -423,7 +423,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         branches, which happens here), with no saturation limit to pause drafting."""
         return (self.config.windows_on_target and prepared.spec.num_speculative_tokens > 0
                 and (prepared.mirror is None or not (prepared.mirror.use_hints and self.target_info.hint_layer))
-                and not prepared.spec.adaptive and not prepared.timeline
+                and not prepared.timeline
                 and self.config.speculation_off_above is None and self._describe_drafters() is not None
                 and not self._ngram_here())
 

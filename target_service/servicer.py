@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
 
+from mirrorspec.adaptive import AdaptiveK
 from mirrorspec.config import (
     DEFAULT_PREFILL_CHUNK,
     DRAFT_HUNG_AFTER_S,
@@ -33,6 +34,7 @@ from mirrorspec.models.loading import try_load_tokenizer
 from mirrorspec.sampling import WindowVerdict
 from mirrorspec.serving.convert import (
     TOKEN_KIND_TO_PROTO,
+    adaptive_from_proto,
     check_token_ids,
     describe_model,
     hint_to_proto,
@@ -203,6 +205,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if request.max_branches > MAX_BRANCHES:
             raise OutOfRange(f"max_branches must be in [0, {MAX_BRANCHES}], got {request.max_branches}",
                              field="max_branches")
+        policy = adaptive_from_proto(request.adaptive, request.k) if request.HasField("adaptive") else None
         commit = check_token_ids(request.commit_tokens, self.vocab_size, "commit_tokens")
         drafts = DraftStream(await self.drafters.acquire(address), request.drafter_session_id,
                              request.drafter_context_length, self.vocab_size,
@@ -216,13 +219,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     if session.prefill_deferred:
                         await self._prefill_all_but_the_last_chunk(session, seq.context)
                         session.prefill_deferred = False
-                    async for result in self._run_windows(session, request, drafts):
+                    async for result in self._run_windows(session, request, drafts, policy):
                         yield result
         finally:
             drafts.close()
             self.drafters.release(address)
 
-    async def _run_windows(self, session: TargetSession, request, drafts: DraftStream):
+    async def _run_windows(self, session: TargetSession, request, drafts: DraftStream, policy: AdaptiveK | None):
+        """``policy``: the request's adaptive K, carried on from where its caller left it; None = K each window."""
         seq = session.sequence
         stop = set(seq.params.stop_token_ids)
         produced = 0
@@ -232,7 +236,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             if self.loaded.max_context - len(seq.context) - 1 < 0:
                 raise OutOfRange(f"the window would pass the context window of {self.loaded.max_context}",
                                  field="max_new_tokens")
-            k = self._run_k(request, seq.params, len(seq.context), produced)
+            k = self._run_k(request, policy.next_k() if policy else request.k, seq.params, len(seq.context), produced)
             proposal, draft_s, call_s = Proposal.empty(), 0.0, 0.0
             ready = branching.take(k)  # drafted beside the last verify, for the verdict it gave
             if ready is not None:
@@ -252,7 +256,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             verifying = asyncio.ensure_future(self.lane.run(session.verifier.verify, seq.context, offered, seq.params,
                                                             seq.seed))
             branches = branching.start(drafts, seq.context, proposal, runner_up,
-                                       lambda j: self._run_k(request, seq.params, len(seq.context) + j + 1,
+                                       lambda j: self._run_k(request, policy.peek(len(offered), j) if policy
+                                                             else request.k, seq.params, len(seq.context) + j + 1,
                                                              produced + j + 1))
             try:
                 verdict = await verifying
@@ -269,14 +274,16 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             if finish:
                 return
             branching.observe(verdict, len(offered))
+            if policy:
+                policy.observe(len(offered), verdict.drafts_accepted)
             produced += len(tokens)
             seq.commit(tokens, len(seq.context) + len(tokens))
 
-    def _run_k(self, request, params: SamplingParams, context_length: int, produced: int) -> int:
-        """A run's K for a window after ``produced`` tokens: no drafts past the run's last token,
-        nor past the context window."""
+    def _run_k(self, request, k: int, params: SamplingParams, context_length: int, produced: int) -> int:
+        """A run's K for a window after ``produced`` tokens, where ``k`` is asked: no drafts past the
+        run's last token, nor past the context window."""
         room = self.loaded.max_context - context_length - 1
-        return max(min(capped_k(request.k, replace(params, max_new_tokens=request.max_new_tokens), produced), room), 0)
+        return max(min(capped_k(k, replace(params, max_new_tokens=request.max_new_tokens), produced), room), 0)
 
     @asynccontextmanager
     async def _window(self, request) -> AsyncIterator[tuple[TargetSession, SequenceState, Proposal]]:

@@ -96,6 +96,14 @@ def near_draft16(tiny_dir):
 
 
 @pytest.fixture(scope="session")
+def near_draft16_dir(near_draft16, tmp_path_factory):
+    """``near_draft16`` saved, for a drafter server to load with ``from_pretrained``."""
+    path = tmp_path_factory.mktemp("near") / "near16"
+    near_draft16.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def demo_target():
     """The real SmolLM2-135M-Instruct demo target (converted from GGUF once, then cached)."""
     from mirrorspec.models import load_causal_lm

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
+from mirrorspec.adaptive import AdaptiveK
 from mirrorspec.codec import decode_proposal, encode_proposal
-from mirrorspec.config import InvalidRequest, SamplingParams
+from mirrorspec.config import AdaptiveKConfig, InvalidRequest, SamplingParams
 from mirrorspec.drafting import Proposal, RankedTokens
 from mirrorspec.models import LoadedModel
 from mirrorspec.models.early_exit import EarlyExitHint
@@ -89,6 +92,30 @@ def verdict_from_proto(msg: target_pb2.Verdict) -> WindowVerdict:
     return WindowVerdict(num_accepted=msg.num_accepted, next_token=msg.next_token,
                          next_kind=TOKEN_KIND_FROM_PROTO[msg.next_kind],
                          runner_up=msg.runner_up if msg.HasField("runner_up") else None)
+
+
+def adaptive_to_proto(policy: AdaptiveK) -> target_pb2.AdaptiveK:
+    """The policy with its state, the drafter's step cost resolved where the config leaves it."""
+    config = policy.config
+    return target_pb2.AdaptiveK(
+        draft_cost=policy.draft_cost if config.draft_cost is None else config.draft_cost,
+        pass_costs=config.pass_costs, pass_cost_per_token=config.pass_cost_per_token,
+        prior_accepted=config.prior_accepted, prior_rejected=config.prior_rejected, decay=config.decay,
+        probe_every=config.probe_every, probe_k=config.probe_k or 0,
+        accepted=policy.accepted, rejected=policy.rejected, windows_off=policy.windows_off)
+
+
+def adaptive_from_proto(msg: target_pb2.AdaptiveK, max_k: int) -> AdaptiveK:
+    """The policy where the caller left it: the same choices of K from here on, as doubles
+    travel exactly. Errors name ``adaptive``."""
+    config = AdaptiveKConfig(
+        draft_cost=msg.draft_cost, pass_costs=tuple(msg.pass_costs), pass_cost_per_token=msg.pass_cost_per_token,
+        prior_accepted=msg.prior_accepted, prior_rejected=msg.prior_rejected, decay=msg.decay,
+        probe_every=msg.probe_every, probe_k=msg.probe_k or None)
+    if not (0 <= msg.accepted < math.inf and 0 <= msg.rejected < math.inf):  # NaN fails too
+        raise InvalidRequest(f"the state's accepted and rejected counts must be finite and >= 0, got "
+                             f"{msg.accepted} and {msg.rejected}", field="adaptive")
+    return AdaptiveK(config, max_k, msg.draft_cost, msg.accepted, msg.rejected, msg.windows_off)
 
 
 def check_token_ids(ids, vocab_size: int, field: str) -> list[int]:

@@ -84,7 +84,7 @@ class VerifyResponse(_message.Message):
     def __init__(self, verdict: _Optional[_Union[Verdict, _Mapping]] = ..., hint: _Optional[_Union[EarlyExitHint, _Mapping]] = ...) -> None: ...
 
 class RunWindowsRequest(_message.Message):
-    __slots__ = ("session_id", "commit_tokens", "context_length", "drafter_address", "drafter_session_id", "drafter_context_length", "k", "max_new_tokens", "runner_up", "draft_timeout_s", "max_branches", "branch_alternatives")
+    __slots__ = ("session_id", "commit_tokens", "context_length", "drafter_address", "drafter_session_id", "drafter_context_length", "k", "max_new_tokens", "runner_up", "draft_timeout_s", "max_branches", "branch_alternatives", "adaptive")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class RunWindowsRequest(_message.Message):
     DRAFT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     MAX_BRANCHES_FIELD_NUMBER: _ClassVar[int]
     BRANCH_ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     commit_tokens: _containers.RepeatedScalarFieldContainer[int]
     context_length: int
@@ -109,7 +110,34 @@ class RunWindowsRequest(_message.Message):
     draft_timeout_s: float
     max_branches: int
     branch_alternatives: int
-    def __init__(self, session_id: _Optional[str] = ..., commit_tokens: _Optional[_Iterable[int]] = ..., context_length: _Optional[int] = ..., drafter_address: _Optional[str] = ..., drafter_session_id: _Optional[str] = ..., drafter_context_length: _Optional[int] = ..., k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., runner_up: _Optional[bool] = ..., draft_timeout_s: _Optional[float] = ..., max_branches: _Optional[int] = ..., branch_alternatives: _Optional[int] = ...) -> None: ...
+    adaptive: AdaptiveK
+    def __init__(self, session_id: _Optional[str] = ..., commit_tokens: _Optional[_Iterable[int]] = ..., context_length: _Optional[int] = ..., drafter_address: _Optional[str] = ..., drafter_session_id: _Optional[str] = ..., drafter_context_length: _Optional[int] = ..., k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., runner_up: _Optional[bool] = ..., draft_timeout_s: _Optional[float] = ..., max_branches: _Optional[int] = ..., branch_alternatives: _Optional[int] = ..., adaptive: _Optional[_Union[AdaptiveK, _Mapping]] = ...) -> None: ...
+
+class AdaptiveK(_message.Message):
+    __slots__ = ("draft_cost", "pass_costs", "pass_cost_per_token", "prior_accepted", "prior_rejected", "decay", "probe_every", "probe_k", "accepted", "rejected", "windows_off")
+    DRAFT_COST_FIELD_NUMBER: _ClassVar[int]
+    PASS_COSTS_FIELD_NUMBER: _ClassVar[int]
+    PASS_COST_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PRIOR_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    PRIOR_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    DECAY_FIELD_NUMBER: _ClassVar[int]
+    PROBE_EVERY_FIELD_NUMBER: _ClassVar[int]
+    PROBE_K_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_OFF_FIELD_NUMBER: _ClassVar[int]
+    draft_cost: float
+    pass_costs: _containers.RepeatedScalarFieldContainer[float]
+    pass_cost_per_token: float
+    prior_accepted: float
+    prior_rejected: float
+    decay: float
+    probe_every: int
+    probe_k: int
+    accepted: float
+    rejected: float
+    windows_off: int
+    def __init__(self, draft_cost: _Optional[float] = ..., pass_costs: _Optional[_Iterable[float]] = ..., pass_cost_per_token: _Optional[float] = ..., prior_accepted: _Optional[float] = ..., prior_rejected: _Optional[float] = ..., decay: _Optional[float] = ..., probe_every: _Optional[int] = ..., probe_k: _Optional[int] = ..., accepted: _Optional[float] = ..., rejected: _Optional[float] = ..., windows_off: _Optional[int] = ...) -> None: ...
 
 class WindowResult(_message.Message):
     __slots__ = ("verdict", "tokens", "num_drafted", "draft_time_s", "draft_call_s", "drafter_error", "context_length", "branches_drafted", "branch_hit", "branch_time_s")

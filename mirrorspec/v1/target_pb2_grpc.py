@@ -115,7 +115,8 @@ class TargetServiceServicer:
         caller, who reads each window's result off this stream without the next window waiting for
         it. Ends after the window that finishes (a stop token, or max_new_tokens), or with
         `drafter_error` where a draft call failed: the session is then intact, and the caller goes
-        on window by window. No early-exit hints, no branches: mirror and adaptive K stay with the caller.
+        on window by window. Mirror branches (max_branches) and adaptive K (adaptive) run here too;
+        early-exit hints stay with the caller, which reads them off Verify.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -11,7 +11,10 @@ import grpc
 import pytest
 
 from mirrorspec import SamplingParams, generate
+from mirrorspec.adaptive import AdaptiveK
 from mirrorspec.client import Client
+from mirrorspec.config import AdaptiveKConfig
+from mirrorspec.serving.convert import adaptive_to_proto
 from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
 from served_stack import start_stack, targets_held
 from support import load, load_as_served_draft, wait_until
@@ -103,6 +106,63 @@ def test_mirror_on_the_target_is_identical_to_target_only_and_to_serial(tiny_dir
     assert hits > 0  # branches were used, not only drafted
 
 
+# K swings over [0, 4] on the near draft: windows target-only, probes, and longer windows where it agrees
+ADAPTIVE = AdaptiveKConfig(draft_cost=0.2, probe_every=8)
+
+
+def adaptive_in_process(model, draft, prompt, seed, temperature=1.0, max_tokens=40):
+    return generate(model, draft, prompt, SamplingParams(temperature=temperature, max_new_tokens=max_tokens),
+                    num_speculative_tokens=4, seed=seed, proposal_top_k=4, adaptive=ADAPTIVE)
+
+
+@pytest.mark.parametrize("mirror", [False, True])
+def test_adaptive_k_on_the_target_chooses_each_window_s_k_as_the_engine_does(tiny_dir, near_draft16_dir, mirror):
+    """The target runs the request's adaptive K, and the front door follows it window by window:
+    every window runs on the target, and each drafts the K the in-process engine drafts there, so
+    seeded samples are the engine's token for token (K changes which draws a position takes). With
+    mirror, branches are drafted with the K their window will ask for (``AdaptiveK.peek``)."""
+    from mirrorspec.config import MirrorConfig
+
+    model, draft = load(tiny_dir["target16"]), load_as_served_draft(near_draft16_dir)
+    s = start_stack(tiny_dir["target16"], near_draft16_dir, k=4, windows_on_target=True, adaptive=ADAPTIVE,
+                    mirror=MirrorConfig() if mirror else None)
+    drafted = windows = hits = branched = 0
+    try:
+        with Client(s.address) as client:
+            for prompt in prompts(3, seed=7):
+                greedy = client.generate(prompt, max_tokens=40)
+                assert list(greedy.token_ids) == target_only(model, prompt, 40)
+                for seed in (1, 2):
+                    served = client.generate(prompt, max_tokens=40, temperature=1.0, seed=seed)
+                    expected = adaptive_in_process(model, draft, prompt, seed)
+                    assert list(served.token_ids) == expected.token_ids
+                    st = served.stats
+                    assert (st.drafted, st.windows) == (expected.stats.drafted, expected.stats.windows)
+                    assert st.windows_on_target == st.windows
+                    drafted, windows = drafted + st.drafted, windows + st.windows
+                    hits, branched = hits + st.branch_hits, branched + st.mirror_windows
+    finally:
+        s.stop()
+    assert 0 < drafted < 3 * windows  # K varied: a fixed K=4 drafts ~4 per window
+    assert (hits > 0 and branched > 0) == mirror
+
+
+def test_adaptive_k_goes_on_from_where_it_stood_when_the_session_moves(tiny_dir, near_draft16_dir, slow_verify):
+    """A run's adaptive state travels with it: after its target dies, half way through the request
+    (past windows target-only and probes), the run on the next target starts from the state the
+    front door followed, not afresh, and the seeded sample is the in-process engine's."""
+    model, draft = load(tiny_dir["target16"]), load_as_served_draft(near_draft16_dir)
+    s = start_stack(tiny_dir["target16"], near_draft16_dir, k=4, windows_on_target=True, adaptive=ADAPTIVE,
+                    target_replicas=2, failure_cooldown_s=30.0)
+    # 20 tokens in, it is in windows target-only (K=0), at 50 ms each: still going
+    tokens, last = with_the_holder_stopped(s, after_tokens=20, temperature=1.0, seed=1)
+    expected = adaptive_in_process(model, draft, [0, 7, 3], seed=1, max_tokens=60)
+    assert tokens == expected.token_ids
+    stats = last.stats
+    assert stats.target_moves >= 1 and stats.windows_on_target > 0
+    assert (stats.drafted, stats.windows) == (expected.stats.drafted, expected.stats.windows)
+
+
 def test_a_stop_token_ends_the_run_where_it_falls(stack, tiny_dir):
     model = load(tiny_dir["target16"])
     full = target_only(model, [0, 7, 3], 30)
@@ -148,21 +208,30 @@ def test_a_target_dying_mid_run_moves_the_session_and_the_request_goes_on(tiny_d
     model = load(tiny_dir["target16"])
     s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=2, windows_on_target=True, target_replicas=2,
                     failure_cooldown_s=30.0)
+    tokens, last = with_the_holder_stopped(s, after_tokens=1)
+    assert tokens == target_only(model, [0, 7, 3], 60)
+    stats = last.stats
+    assert last.finish_reason == "length" and stats.target_moves >= 1 and not stats.drafter_fallback
+    assert stats.windows_on_target > 0
+
+
+def with_the_holder_stopped(s, after_tokens: int, **request):
+    """Streams 60 tokens after [0, 7, 3], stopping the target replica that holds the session once
+    ``after_tokens`` have come; then (every token, the last chunk). Stops the stack."""
+    holder = None
     try:
         with Client(s.address) as client:
-            stream = client.stream([0, 7, 3], max_tokens=60)
-            first = next(stream)
+            stream = client.stream([0, 7, 3], max_tokens=60, **request)
+            tokens = []
+            while len(tokens) < after_tokens:
+                tokens += next(stream).token_ids
             holder = next(t for t in s.targets if sessions(t, target_pb2_grpc.TargetServiceStub) == 1)
             holder.stop(grace=0)
             rest = list(stream)
     finally:
         s.targets = [t for t in s.targets if t is not holder]
         s.stop()
-    tokens = list(first.token_ids) + [t for chunk in rest for t in chunk.token_ids]
-    assert tokens == target_only(model, [0, 7, 3], 60)
-    stats = rest[-1].stats
-    assert rest[-1].finish_reason == "length" and stats.target_moves >= 1 and not stats.drafter_fallback
-    assert stats.windows_on_target > 0
+    return tokens + [t for chunk in rest for t in chunk.token_ids], rest[-1]
 
 
 def test_a_target_without_run_windows_serves_the_windows_from_the_front_door(tiny_dir, monkeypatch):
@@ -181,6 +250,16 @@ def test_a_target_without_run_windows_serves_the_windows_from_the_front_door(tin
         s.stop()
     assert list(result.token_ids) == target_only(model, [0, 7, 3], 24)
     assert result.stats.windows_on_target == 0 and result.stats.drafted > 0 and not result.stats.drafter_fallback
+
+
+def adaptive_proto(**state) -> target_pb2.AdaptiveK:
+    msg = adaptive_to_proto(AdaptiveK(AdaptiveKConfig(), 2))
+    for name, value in state.items():
+        if name == "pass_costs":
+            msg.pass_costs[:] = value
+        else:
+            setattr(msg, name, value)
+    return msg
 
 
 def _opened(stack) -> tuple[str, str]:
@@ -210,6 +289,10 @@ def _run(stack, **fields):
     (dict(draft_timeout_s=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "draft_timeout_s must be a finite"),
     (dict(draft_timeout_s=float("nan")), grpc.StatusCode.INVALID_ARGUMENT, "draft_timeout_s must be a finite"),
     (dict(draft_timeout_s=float("inf")), grpc.StatusCode.INVALID_ARGUMENT, "draft_timeout_s must be a finite"),
+    (dict(adaptive=target_pb2.AdaptiveK()), grpc.StatusCode.INVALID_ARGUMENT, "decay must be in (0, 1]"),
+    (dict(adaptive=adaptive_proto(accepted=float("nan"))), grpc.StatusCode.INVALID_ARGUMENT,
+     "accepted and rejected counts must be finite and >= 0"),
+    (dict(adaptive=adaptive_proto(pass_costs=[0.5])), grpc.StatusCode.INVALID_ARGUMENT, "pass_costs are in one-token"),
 ])
 def test_bad_run_requests_get_clear_statuses(stack, change, code, needle):
     target_session, drafter_session = _opened(stack)
