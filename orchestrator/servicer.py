@@ -420,9 +420,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def _on_target(self, prepared: PreparedRequest) -> bool:
         """Whether the request's windows run on the target (``windows_on_target``): windows of a
         draft-model pool, serial or mirror (unless the targets' early-exit hints are to steer its
-        branches, which happens here), with no saturation limit to pause drafting."""
+        branches, which happens here), adaptive K where the targets choose K themselves (one
+        built before ignores the policy: its windows would all take the largest K), with no
+        saturation limit to pause drafting."""
         return (self.config.windows_on_target and prepared.spec.num_speculative_tokens > 0
                 and (prepared.mirror is None or not (prepared.mirror.use_hints and self.target_info.hint_layer))
+                and (not prepared.spec.adaptive or self.target_info.runs_adaptive_k)
                 and not prepared.timeline
                 and self.config.speculation_off_above is None and self._describe_drafters() is not None
                 and not self._ngram_here())

@@ -316,7 +316,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return target_pb2.TargetInfo(model=describe_model(self.loaded), open_sessions=len(self.sessions),
                                      max_sessions=self.config.max_sessions,
                                      max_speculative_tokens=self.config.max_speculative_tokens,
-                                     hint_layer=self.probe.layer if self.probe else 0)
+                                     hint_layer=self.probe.layer if self.probe else 0, runs_adaptive_k=True)
 
 
 def with_runner_up(proposal: Proposal, runner_up: int, vocab_size: int) -> Proposal:

@@ -164,15 +164,17 @@ class WindowResult(_message.Message):
     def __init__(self, verdict: _Optional[_Union[Verdict, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., num_drafted: _Optional[int] = ..., draft_time_s: _Optional[float] = ..., draft_call_s: _Optional[float] = ..., drafter_error: _Optional[str] = ..., context_length: _Optional[int] = ..., branches_drafted: _Optional[int] = ..., branch_hit: _Optional[bool] = ..., branch_time_s: _Optional[float] = ...) -> None: ...
 
 class TargetInfo(_message.Message):
-    __slots__ = ("model", "open_sessions", "max_sessions", "max_speculative_tokens", "hint_layer")
+    __slots__ = ("model", "open_sessions", "max_sessions", "max_speculative_tokens", "hint_layer", "runs_adaptive_k")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HINT_LAYER_FIELD_NUMBER: _ClassVar[int]
+    RUNS_ADAPTIVE_K_FIELD_NUMBER: _ClassVar[int]
     model: _common_pb2.ModelDescription
     open_sessions: int
     max_sessions: int
     max_speculative_tokens: int
     hint_layer: int
-    def __init__(self, model: _Optional[_Union[_common_pb2.ModelDescription, _Mapping]] = ..., open_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_speculative_tokens: _Optional[int] = ..., hint_layer: _Optional[int] = ...) -> None: ...
+    runs_adaptive_k: bool
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelDescription, _Mapping]] = ..., open_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_speculative_tokens: _Optional[int] = ..., hint_layer: _Optional[int] = ..., runs_adaptive_k: _Optional[bool] = ...) -> None: ...
