@@ -13,6 +13,7 @@ from mirrorspec.config import (DEFAULT_DRAFT_QUANTIZE, DEFAULT_PROPOSAL_TOP_K, M
 from mirrorspec.drafting import Drafter, NgramDrafter, RankedTokens
 from mirrorspec.drafting.draft_model import draft_model_step_cost
 from mirrorspec.engine import make_drafter, validate_prompt
+from mirrorspec.mirror import GREEDY
 from mirrorspec.models import LoadedModel, load_causal_lm
 from mirrorspec.serving.convert import (check_token_ids, describe_model, params_from_proto, proposal_to_proto,
                                         ranked_to_proto)
@@ -121,18 +122,30 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
     async def _draft_branches(self, request) -> drafter_pb2.DraftBranchesResponse:
         session = self.sessions.get(request.session_id)
         branch_tokens = check_token_ids(request.branch_tokens, session.vocab_size, "branch_tokens")
-        if not 1 <= len(branch_tokens) <= MAX_BRANCHES:
-            raise OutOfRange(f"DraftBranches takes 1 to {MAX_BRANCHES} branch_tokens, got {len(branch_tokens)}",
+        if not 1 <= len(branch_tokens) + request.own_token_branch <= MAX_BRANCHES:
+            raise OutOfRange(f"DraftBranches takes 1 to {MAX_BRANCHES} branches (branch_tokens, and one more with "
+                             f"own_token_branch), got {len(branch_tokens) + request.own_token_branch}",
                              field="branch_tokens")
         forks = _fork_points(request.branch_forks, len(branch_tokens), int(request.context_length))
         async with session.lock:
             k = self._advance(session, request, reserve=1)
             started = time.perf_counter()
             seq = session.sequence
+            own = await self._own_token(session) if request.own_token_branch else None
+            if own is not None:  # one more branch, forking at the end of the context
+                branch_tokens.append(own)
+                forks = forks and [*forks, len(seq.context)]
             proposals = await self.lane.run(session.drafter.propose_branches, list(seq.context), branch_tokens, k,
-                                            seq.params, seq.seed, forks)
+                                            seq.params, seq.seed, forks) if branch_tokens else []
         return drafter_pb2.DraftBranchesResponse(drafts=[_draft_response(p) for p in proposals],
-                                                 draft_time_s=time.perf_counter() - started, forked=forks is not None)
+                                                 draft_time_s=time.perf_counter() - started,
+                                                 forked=forks is not None, own_token=own)
+
+    async def _own_token(self, session: DraftSession) -> int | None:
+        """The drafter's greedy next token after the session's context (None: it proposes none)."""
+        seq = session.sequence
+        guess = await self.lane.run(session.drafter.propose, list(seq.context), 1, GREEDY, seq.seed)
+        return guess.tokens[0] if guess.tokens else None
 
     async def RankTokens(self, request, context):
         with orphaned_after(self.sessions, request.session_id):

@@ -33,14 +33,14 @@ log = logging.getLogger(__name__)
 
 
 def branch_guesses(proposal: Proposal, alpha: float, runner_up: int | None, max_branches: int,
-                   alternatives: int) -> list[tuple[int, int]]:
+                   alternatives: int) -> list[tuple[int, int | None]]:
     """The likeliest verdicts (j, c) of this window that a branch can be drafted for: the core's
     ranking (``mirror.guesses``) of where the target rejects and what it says there, from the
-    drafter's runner-ups. Left out: "all accepted" (the bonus token has no runner-up to guess it
-    from), and the runner-up offered beside the first draft: where the target picks it, it wins
-    the slot, a verdict of another key."""
+    drafter's runner-ups, and "all accepted" (j = K, c None: the drafter's own next token after the
+    window, which it finds itself, ``own_token_branch``). Left out: the runner-up offered beside
+    the first draft: where the target picks it, it wins the slot, a verdict of another key."""
     ranked = guesses(proposal, alpha, alternatives)
-    return [(j, c) for _, j, c in ranked if c is not None and not (j == 0 and c == runner_up)][:max_branches]
+    return [(j, c) for _, j, c in ranked if not (j == 0 and c == runner_up)][:max_branches]
 
 
 class Branching:
@@ -200,26 +200,33 @@ class DraftStream:
         self._held = len(context)
         return self._checked(response, k), response.draft_time_s, call_s
 
-    async def branches(self, context: list[int], window: tuple[int, ...], guessed: list[tuple[int, int]],
+    async def branches(self, context: list[int], window: tuple[int, ...], guessed: list[tuple[int, int | None]],
                        k: int) -> tuple[dict[tuple[int, int], Proposal], float]:
         """({(j, c): the drafts after the window's first j drafts and then c}, the call's time): mirror
         branches of the next window, drafted together by one DraftBranches call beside this
-        window's verify. The drafter session then holds the window's first drafts too; the next
-        draft call forgets them (``keep``), as this side counts only the context it committed."""
+        window's verify. A guess (j, None) is the drafter's own next token after the window's
+        first j = K drafts, which it reports. The drafter session then holds the window's first
+        drafts too; the next draft call forgets them (``keep``), as this side counts only the
+        context it committed."""
+        named = [(j, c) for j, c in guessed if c is not None]
+        own = len(named) < len(guessed)
         head = max(j for j, _ in guessed)
         request = drafter_pb2.DraftRequest(
             session_id=self._session_id, commit_tokens=[*context[self._held:], *window[:head]],
-            context_length=len(context) + head, k=k, keep=self._held,
-            branch_tokens=[c for _, c in guessed], branch_forks=[len(context) + j for j, _ in guessed])
+            context_length=len(context) + head, k=k, keep=self._held, own_token_branch=own,
+            branch_tokens=[c for _, c in named], branch_forks=[len(context) + j for j, _ in named])
         started = time.perf_counter()
         try:
             response = await self._stub.DraftBranches(request, timeout=self._timeout_s)
         except grpc.aio.AioRpcError as err:
             raise DraftCallFailed(f"{err.code().name}: {err.details()}") from None
-        if not response.forked or len(response.drafts) != len(guessed):
+        given = response.HasField("own_token")  # unset by a replica that predates own_token_branch
+        keys = [*named, *([(head, response.own_token)] if given else [])]
+        if ((named and not response.forked) or len(response.drafts) != len(keys) or (given and not own)
+                or response.own_token >= self._vocab_size):
             raise DraftCallFailed("INVALID_ARGUMENT: the drafter's branches do not match the guesses (a replica "
                                   "that predates fork points?)")
-        branches = {key: self._checked(drafted, k) for key, drafted in zip(guessed, response.drafts)}
+        branches = {key: self._checked(drafted, k) for key, drafted in zip(keys, response.drafts)}
         return branches, time.perf_counter() - started
 
     def _checked(self, response: drafter_pb2.DraftResponse, k: int) -> Proposal:

@@ -28,7 +28,7 @@ class OpenDraftSessionResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "commit_tokens", "context_length", "k", "keep", "branch_tokens", "branch_forks")
+    __slots__ = ("session_id", "commit_tokens", "context_length", "k", "keep", "branch_tokens", "branch_forks", "own_token_branch")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class DraftRequest(_message.Message):
     KEEP_FIELD_NUMBER: _ClassVar[int]
     BRANCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BRANCH_FORKS_FIELD_NUMBER: _ClassVar[int]
+    OWN_TOKEN_BRANCH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     commit_tokens: _containers.RepeatedScalarFieldContainer[int]
     context_length: int
@@ -43,7 +44,8 @@ class DraftRequest(_message.Message):
     keep: int
     branch_tokens: _containers.RepeatedScalarFieldContainer[int]
     branch_forks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., commit_tokens: _Optional[_Iterable[int]] = ..., context_length: _Optional[int] = ..., k: _Optional[int] = ..., keep: _Optional[int] = ..., branch_tokens: _Optional[_Iterable[int]] = ..., branch_forks: _Optional[_Iterable[int]] = ...) -> None: ...
+    own_token_branch: bool
+    def __init__(self, session_id: _Optional[str] = ..., commit_tokens: _Optional[_Iterable[int]] = ..., context_length: _Optional[int] = ..., k: _Optional[int] = ..., keep: _Optional[int] = ..., branch_tokens: _Optional[_Iterable[int]] = ..., branch_forks: _Optional[_Iterable[int]] = ..., own_token_branch: _Optional[bool] = ...) -> None: ...
 
 class TokenAlternatives(_message.Message):
     __slots__ = ("ids", "probs")
@@ -66,14 +68,16 @@ class DraftResponse(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Union[_common_pb2.ProposalDistribution, _Mapping]] = ..., draft_time_s: _Optional[float] = ..., alternatives: _Optional[_Iterable[_Union[TokenAlternatives, _Mapping]]] = ...) -> None: ...
 
 class DraftBranchesResponse(_message.Message):
-    __slots__ = ("drafts", "draft_time_s", "forked")
+    __slots__ = ("drafts", "draft_time_s", "forked", "own_token")
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TIME_S_FIELD_NUMBER: _ClassVar[int]
     FORKED_FIELD_NUMBER: _ClassVar[int]
+    OWN_TOKEN_FIELD_NUMBER: _ClassVar[int]
     drafts: _containers.RepeatedCompositeFieldContainer[DraftResponse]
     draft_time_s: float
     forked: bool
-    def __init__(self, drafts: _Optional[_Iterable[_Union[DraftResponse, _Mapping]]] = ..., draft_time_s: _Optional[float] = ..., forked: _Optional[bool] = ...) -> None: ...
+    own_token: int
+    def __init__(self, drafts: _Optional[_Iterable[_Union[DraftResponse, _Mapping]]] = ..., draft_time_s: _Optional[float] = ..., forked: _Optional[bool] = ..., own_token: _Optional[int] = ...) -> None: ...
 
 class DrafterInfo(_message.Message):
     __slots__ = ("strategy", "model", "open_sessions", "max_sessions", "proposal_top_k", "prompt_lookup", "step_cost")

@@ -85,6 +85,33 @@ def test_branches_at_every_fork_point_come_from_one_call(drafters, tiny_dir):
     assert stub.Draft(drafter_pb2.DraftRequest(session_id=sid, context_length=5, k=2)).tokens  # still serving
 
 
+def test_a_branch_after_the_drafter_s_own_next_token_comes_last_and_names_it(drafters, tiny_dir):
+    address, _ = drafters[True]
+    stub = drafter_pb2_grpc.DrafterServiceStub(grpc.insecure_channel(address))
+    params = common_pb2.SamplingParams(temperature=1.0, max_new_tokens=8)
+    sid = stub.OpenSession(drafter_pb2.OpenDraftSessionRequest(prompt_ids=[0, 1], params=params, seed=5)).session_id
+    local = DraftModelDrafter(load(tiny_dir["draft16"]), proposal_top_k=TOP_K)
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=8)
+    head = [0, 1, 2, 9, 4]
+    own = local.propose(head, 1, SamplingParams(max_new_tokens=1), seed=5).tokens[0]
+    for tokens, forks in (([9, 3], [5, 2]), ([], [])):  # beside named branches, or alone
+        response = stub.DraftBranches(drafter_pb2.DraftRequest(
+            session_id=sid, commit_tokens=head[2:], context_length=5, k=3, branch_tokens=tokens, branch_forks=forks,
+            own_token_branch=True, keep=2))
+        assert response.HasField("own_token") and response.own_token == own
+        assert len(response.drafts) == len(tokens) + 1
+        last = response.drafts[-1]
+        assert_same_draft(proposal_from_proto(last.tokens, last.q, 16, last.alternatives),
+                          local.propose([*head, own], 3, sampled, seed=5))
+    # without it, no own_token; with 16 named branches there is no room for it
+    plain = stub.DraftBranches(drafter_pb2.DraftRequest(session_id=sid, context_length=5, k=2, branch_tokens=[3]))
+    assert not plain.HasField("own_token") and len(plain.drafts) == 1
+    with pytest.raises(grpc.RpcError) as err:
+        stub.DraftBranches(drafter_pb2.DraftRequest(session_id=sid, context_length=5, k=2, branch_tokens=[3] * 16,
+                                                    own_token_branch=True))
+    assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE and "1 to 16 branches" in err.value.details()
+
+
 @pytest.mark.parametrize("honours_forks", [True, False], ids=["current", "before-branch-forks"])
 def test_a_remote_drafter_gets_the_same_branches_from_either_vintage(drafters, tiny_dir, honours_forks, request):
     address, servicer = drafters[honours_forks]

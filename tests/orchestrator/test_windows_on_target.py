@@ -81,8 +81,9 @@ def test_mirror_on_the_target_is_identical_to_target_only_and_to_serial(tiny_dir
     from mirrorspec.config import MirrorConfig
 
     model, draft = load(tiny_dir["target16"]), load_as_served_draft(tiny_dir["draft16"])
+    # eight branches: room for the rejections' guesses beside "all accepted", which this draft never earns
     s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, windows_on_target=True, runner_up=runner_up,
-                    mirror=MirrorConfig())
+                    mirror=MirrorConfig(max_branches=8))
     hits = 0
     try:
         with Client(s.address) as client:
@@ -91,7 +92,7 @@ def test_mirror_on_the_target_is_identical_to_target_only_and_to_serial(tiny_dir
                 assert list(served.token_ids) == target_only(model, prompt, 24)
                 st = served.stats
                 assert st.windows_on_target == st.windows and 0 < st.mirror_windows < st.windows
-                assert 0 < st.branches_drafted <= 4 * st.mirror_windows and st.draft_time_off_path_s > 0
+                assert 0 < st.branches_drafted <= 8 * st.mirror_windows and st.draft_time_off_path_s > 0
                 hits += st.branch_hits
                 for seed in (1, 2):
                     mirrored = client.generate(prompt, max_tokens=24, temperature=1.0, seed=seed)
@@ -250,6 +251,36 @@ def test_a_target_without_run_windows_serves_the_windows_from_the_front_door(tin
         s.stop()
     assert list(result.token_ids) == target_only(model, [0, 7, 3], 24)
     assert result.stats.windows_on_target == 0 and result.stats.drafted > 0 and not result.stats.drafter_fallback
+
+
+def test_adaptive_k_stays_at_the_front_door_with_targets_built_before_they_chose_k(tiny_dir, near_draft16_dir,
+                                                                                  monkeypatch):
+    """A target built before ``RunWindowsRequest.adaptive`` drops the field and runs every window at
+    the largest K (review 1 of stop 44): the front door keeps adaptive windows itself unless the
+    targets say they choose K (``TargetInfo.runs_adaptive_k``)."""
+    info, run = TargetServicer.Info, TargetServicer.RunWindows
+
+    async def older_info(self, request, context):
+        return target_pb2.TargetInfo(**{**{f.name: getattr(await info(self, request, context), f.name)
+                                           for f in target_pb2.TargetInfo.DESCRIPTOR.fields},
+                                        "runs_adaptive_k": False})
+
+    async def older_run(self, request, context):
+        request.ClearField("adaptive")
+        async for result in run(self, request, context):
+            yield result
+
+    monkeypatch.setattr(TargetServicer, "Info", older_info)
+    monkeypatch.setattr(TargetServicer, "RunWindows", older_run)
+    model, draft = load(tiny_dir["target16"]), load_as_served_draft(near_draft16_dir)
+    s = start_stack(tiny_dir["target16"], near_draft16_dir, k=4, windows_on_target=True, adaptive=ADAPTIVE)
+    try:
+        with Client(s.address) as client:
+            served = client.generate([0, 7, 3], max_tokens=40, temperature=1.0, seed=1)
+    finally:
+        s.stop()
+    assert list(served.token_ids) == adaptive_in_process(model, draft, [0, 7, 3], seed=1).token_ids
+    assert served.stats.windows_on_target == 0 and served.stats.drafted > 0
 
 
 def adaptive_proto(**state) -> target_pb2.AdaptiveK:

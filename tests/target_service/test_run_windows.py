@@ -46,6 +46,52 @@ def test_a_draft_stream_whose_drafter_went_away_fails_the_next_draft_with_a_stat
         drafter.stop()
 
 
+def test_the_all_accepted_guess_is_the_branch_after_the_drafter_s_own_next_token(tiny_dir):
+    """Mirror on the target guesses "all K drafts pass" too: one branch after the whole window and
+    the drafter's own greedy next token, which the drafter finds and reports (``own_token``), keyed
+    (K, that token) beside the rejection guesses of the same call. Each branch holds what a fresh
+    draft call on its context gives."""
+    from mirrorspec import SamplingParams
+    from mirrorspec.drafting import DraftModelDrafter
+    from mirrorspec.mirror import GREEDY
+    from support import load_as_served_draft
+
+    drafter = BackgroundServer(lambda: serve_drafter(DrafterConfig(strategy="draft-model", proposal_top_k=4,
+                                                                   model=str(tiny_dir["draft16"])))).start()
+    address = f"127.0.0.1:{drafter.port}"
+    stub = drafter_pb2_grpc.DrafterServiceStub(grpc.insecure_channel(address))
+    params = SamplingParams(temperature=1.0, max_new_tokens=16)
+    session = stub.OpenSession(drafter_pb2.OpenDraftSessionRequest(
+        prompt_ids=[0, 1, 2], params=common_pb2.SamplingParams(temperature=1.0, max_new_tokens=16), seed=3)).session_id
+    local = DraftModelDrafter(load_as_served_draft(tiny_dir["draft16"]), proposal_top_k=4)
+
+    async def run():
+        links = DrafterLinks()
+        stream = DraftStream(await links.acquire(address), session, held=3, vocab_size=16, timeout_s=5.0)
+        try:
+            window, _, _ = await stream.draft([0, 1, 2], 3)
+            guessed = [(3, None), (0, 9), (2, 5)]
+            branches, _ = await stream.branches([0, 1, 2], window.tokens, guessed, 2)
+            after_window = [0, 1, 2, *window.tokens]
+            own = local.propose(after_window, 1, GREEDY, 3).tokens[0]
+            assert set(branches) == {(3, own), (0, 9), (2, 5)}
+            for (j, c), branch in branches.items():
+                assert branch.tokens == local.propose([*after_window[:3 + j], c], 2, params, 3).tokens
+            # a call with the all-accepted guess alone, and the session still drafts from what it committed
+            alone, _ = await stream.branches([0, 1, 2], window.tokens, [(3, None)], 2)
+            assert list(alone) == [(3, own)]
+            again, _, _ = await stream.draft([0, 1, 2], 3)
+            assert again.tokens == window.tokens
+        finally:
+            stream.close()
+            await links.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        drafter.stop()
+
+
 def test_channels_to_drafters_no_run_uses_are_kept_for_the_last_few_addresses_only():
     """Any caller may name any drafter address: one channel kept per address held memory for the
     server's life (review 2 of stop 43: 1,500 addresses, 11 MB). A channel a run uses stays open."""
