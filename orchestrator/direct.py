@@ -4,9 +4,10 @@ The target asks the drafter for each window itself, so a window costs one round 
 two through here (``target_service.run_windows`` says why that matters). This side still keeps
 the token log: each result updates it, what both sessions hold and the request's statistics,
 as ``decode_windows`` would for the same window. Where the run cannot go on, the loop comes back
-here, window by window, from the log: a draft call failed (the drafter turns off, as after a
-failed ``Draft``), the target went away or hung (its session moves, as a failed window's does),
-or the target predates ``RunWindows``.
+here, window by window, from the log: the target's draft call failed (the windows stay here a
+while, drafting from here, which blames the drafter where it is down: ``TargetReach``), the
+target went away or hung (its session moves, as a failed window's does), or the target predates
+``RunWindows``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Generator, Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -43,29 +44,60 @@ def windows_on_target(remote: RemoteDrafter, drafter: Drafter, verifier: RemoteV
     draft branches of each next window beside each verify (``target_service.run_windows.Branching``);
     windows that come back here are serial. With adaptive K (``spec.adaptive``), one policy follows
     the request's windows wherever they run: each run is sent its state, and it follows the run's
-    windows here, so each window's K is the one the in-process engine would choose."""
+    windows here, so each window's K is the one the in-process engine would choose. Where the
+    target cannot get drafts from the drafter, the windows stay here a while (``TargetReach``)."""
     context = list(prompt)
     policy = window_policy(spec, drafter)
+    reach = TargetReach(verifier.pool.cooldown_s)
 
     def rest() -> SamplingParams:
         return replace(params, max_new_tokens=params.max_new_tokens - (len(context) - len(prompt)))
 
     while True:
-        if (yield from _run(remote, verifier, context, rest(), spec.num_speculative_tokens, stats, runner_up,
-                            client_deadline, mirror, policy)):
+        if reach.back() and (yield from _run(remote, verifier, context, rest(), spec.num_speculative_tokens, stats,
+                                             runner_up, client_deadline, mirror, policy, reach)):
             return
         for event in decode_windows(drafter, verifier, context, rest(), spec, seed, stats, policy=policy):
             context += event.tokens
             yield event
             if event.finish_reason:
                 return
-            if verifier.runs_windows and remote.failure is None:
+            if verifier.runs_windows and remote.failure is None and reach.back():
                 break  # the decode_windows generator is dropped: it holds nothing
+
+
+@dataclass
+class TargetReach:
+    """Whether the request's target gets drafts from its drafter. A draft call the target made that
+    failed shows only that the target could not reach the drafter: this side may still reach it
+    (the two pools partitioned from each other, or a drafter address that names another host
+    from the target's side). So the next windows run here, drafting from here, and the drafter is
+    blamed only where those draft calls fail too. The windows go back to the target after the
+    pool's cooldown, doubled for each run in a row that failed so (at most a minute)."""
+
+    cooldown_s: float
+    failures_in_a_row: int = 0
+    retry_at: float = 0.0
+
+    def back(self) -> bool:
+        return time.monotonic() >= self.retry_at
+
+    def lost(self) -> float:
+        """A run's draft call failed: how long its windows now stay here."""
+        wait = min(self.cooldown_s * 2 ** self.failures_in_a_row, RemoteDrafter.MAX_RETRY_AFTER_S)
+        self.failures_in_a_row += 1
+        self.retry_at = time.monotonic() + wait
+        return wait
+
+    def held(self) -> None:
+        """A run got its drafts."""
+        self.failures_in_a_row = 0
 
 
 def _run(remote: RemoteDrafter, verifier: RemoteVerifier, context: list[int], params: SamplingParams, k: int,
          stats: GenerationStats, runner_up: bool, client_deadline: float | None,
-         mirror: MirrorConfig | None, policy: AdaptiveK | None) -> Generator[WindowEvent, None, bool]:
+         mirror: MirrorConfig | None, policy: AdaptiveK | None,
+         reach: TargetReach) -> Generator[WindowEvent, None, bool]:
     """Windows off one RunWindows stream, appending to ``context``; True once the request finished.
     ``policy`` (adaptive K) goes with the run as it stands, and takes each window in as the run's
     copy does: its choice of K, then the verdict. A window that failed its draft call is not taken
@@ -94,9 +126,11 @@ def _run(remote: RemoteDrafter, verifier: RemoteVerifier, context: list[int], pa
             if result.drafter_error:
                 verifier.held = context[:result.context_length]
                 drafts.may_hold_more = True  # it may have taken a commit before it failed
-                remote.failed(f"via the target: {result.drafter_error}",
-                              result.drafter_error.startswith("DEADLINE_EXCEEDED"))
+                log.warning("target replica %s got no drafts from drafter replica %s (%s); the request's windows "
+                            "run at the front door for %.3g s", target.address, drafts.replica.address,
+                            result.drafter_error, reach.lost())
                 return False
+            reach.held()
             verifier.held = list(context)  # as of this window's verify
             if result.draft_call_s > 0:  # and its draft call, where it made one
                 drafts.held = list(context)

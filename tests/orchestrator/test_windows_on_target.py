@@ -235,6 +235,34 @@ def with_the_holder_stopped(s, after_tokens: int, **request):
     return tokens + [t for chunk in rest for t in chunk.token_ids], rest[-1]
 
 
+def test_a_target_that_cannot_reach_the_drafter_leaves_the_windows_to_the_front_door(tiny_dir, monkeypatch):
+    """The target's draft calls fail where the front door's succeed (the pools partitioned from
+    each other, or a drafter address that names another host from the target's side): the
+    windows run at the front door, drafting from there, and the drafter is not blamed. Before,
+    drafting turned off for the request, which went on target-only."""
+    from support import free_port
+    from target_service.run_windows import DrafterLinks
+
+    acquire = DrafterLinks.acquire
+
+    async def elsewhere(self, address):
+        return await acquire(self, f"127.0.0.1:{free_port()}")  # nobody there
+
+    monkeypatch.setattr(DrafterLinks, "acquire", elsewhere)
+    model = load(tiny_dir["target16"])
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, windows_on_target=True, failure_cooldown_s=30.0)
+    try:
+        with Client(s.address) as client:
+            results = [client.generate(prompt, max_tokens=24) for prompt in prompts(3)]
+    finally:
+        s.stop()
+    for prompt, result in zip(prompts(3), results):
+        assert list(result.token_ids) == target_only(model, prompt, 24)
+        st = result.stats
+        assert not st.drafter_fallback and st.drafted >= 2 * st.windows  # drafted from the front door, every window
+        assert st.windows_on_target == 0
+
+
 def test_a_target_without_run_windows_serves_the_windows_from_the_front_door(tiny_dir, monkeypatch):
     """A replica built before RunWindows answers UNIMPLEMENTED, having run nothing."""
     async def unimplemented(self, request, context):
@@ -419,13 +447,13 @@ def test_a_run_longer_than_the_session_ttl_keeps_its_target_session(tiny_dir, sl
 
 
 def test_windows_go_back_to_the_target_once_a_failed_drafter_is_back(tiny_dir, slow_verify):
-    """A drafter frozen for a moment fails a run's draft call; the front door goes on window by
-    window, target-only, reopens the drafter session after its cooldown, and hands the windows back
-    to the target: most of a long request still runs there."""
+    """A drafter frozen for a moment fails a run's draft call, and then the front door's own; the
+    front door goes on window by window, target-only, reopens the drafter session after its
+    cooldown, and hands the windows back to the target: most of a long request still runs there."""
     model = load(tiny_dir["target16"])
     s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=2, windows_on_target=True, drafter_timeout_s=0.3,
                     failure_cooldown_s=0.2)
-    tokens, stats = with_the_drafter_frozen_after_the_first_window(s, max_tokens=60, for_s=0.5)
-    assert tokens == target_only(model, [0, 7, 3], 60)
+    tokens, stats = with_the_drafter_frozen_after_the_first_window(s, max_tokens=100, for_s=0.9)
+    assert tokens == target_only(model, [0, 7, 3], 100)
     assert stats.drafter_fallback and stats.target_moves == 0
     assert stats.windows_on_target < stats.windows and stats.windows_on_target > stats.windows / 2
