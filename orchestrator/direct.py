@@ -126,6 +126,8 @@ def _run(remote: RemoteDrafter, verifier: RemoteVerifier, context: list[int], pa
             if result.drafter_error:
                 verifier.held = context[:result.context_length]
                 drafts.may_hold_more = True  # it may have taken a commit before it failed
+                if result.drafter_error.startswith("DEADLINE_EXCEEDED"):
+                    remote.suspected()
                 log.warning("target replica %s got no drafts from drafter replica %s (%s); the request's windows "
                             "run at the front door for %.3g s", target.address, drafts.replica.address,
                             result.drafter_error, reach.lost())

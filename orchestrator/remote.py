@@ -306,6 +306,7 @@ class RemoteDrafter(Drafter):
         self._ended = False
         self._ranks = True  # the replicas answer RankTokens (mirror guesses for looked-up windows)
         self._forks = True  # the replicas honour DraftBranches' branch_forks
+        self._suspected = False  # the next window's call gets HUNG_AFTER_S at most (``suspected``)
         # drafts are optional: never wait for a drafter to come up, go on target-only instead
         self.session = _DraftSession(pool, prompt, params, seed, timeout_s, replacement_wait_s=0.0,
                                      caller_looks_up=caller_lookup > 0,
@@ -444,7 +445,14 @@ class RemoteDrafter(Drafter):
             return getattr(replica.stub, method)(request, timeout=self.session.timeout_s)
 
         started = time.perf_counter()
-        response = self.session.call(context, rpc)
+        session, window_timeout_s = self.session, self.session.window_timeout_s
+        if self._suspected:
+            self._suspected = False
+            session.window_timeout_s = min(window_timeout_s or self.HUNG_AFTER_S, self.HUNG_AFTER_S)
+        try:
+            response = session.call(context, rpc)
+        finally:
+            session.window_timeout_s = window_timeout_s
         self.times.call_s += time.perf_counter() - started
         self.times.server_s += response.draft_time_s
         self._failures_in_a_row = 0
@@ -457,6 +465,13 @@ class RemoteDrafter(Drafter):
             self.failed(_describe(err), isinstance(err, grpc.RpcError)
                         and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED)
             return None
+
+    def suspected(self) -> None:
+        """A draft call a target made here ran out of time: the drafter may hang, or the target
+        may not reach it. The next window's call from here settles which, within ``HUNG_AFTER_S``
+        rather than the session's whole deadline (30 s by default): a hung drafter then costs the
+        request one short wait more, not a second full one."""
+        self._suspected = True
 
     def failed(self, detail: str, timed_out: bool) -> None:
         """A draft call failed (here, or made by a target running the windows): drafting turns off."""

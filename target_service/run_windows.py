@@ -81,6 +81,8 @@ class Branching:
             return None
         self._k = k  # a branch is only any use drafted with the K its window will ask for
         guessed = [(j, c) for j, c in guessed if k_after(j) == k]
+        if all(c is None for _, c in guessed) and not drafts.own_token_alone:
+            return None
         self._branched = True
         return asyncio.ensure_future(drafts.branches(list(context), proposal.tokens, guessed, k))
 
@@ -178,6 +180,9 @@ class DraftStream:
         self._vocab_size = vocab_size
         self._timeout_s = timeout_s
         self._call = None
+        # DraftBranches may ask for the own-token branch alone: a drafter built before
+        # own_token_branch refuses a call with no branch_tokens (OUT_OF_RANGE), once per run
+        self.own_token_alone = True
 
     async def draft(self, context: list[int], k: int) -> tuple[Proposal, float, float]:
         """(the proposal, the drafter's compute time, the call's round trip)."""
@@ -219,6 +224,8 @@ class DraftStream:
         try:
             response = await self._stub.DraftBranches(request, timeout=self._timeout_s)
         except grpc.aio.AioRpcError as err:
+            if not named and err.code() == grpc.StatusCode.OUT_OF_RANGE:
+                self.own_token_alone = False
             raise DraftCallFailed(f"{err.code().name}: {err.details()}") from None
         given = response.HasField("own_token")  # unset by a replica that predates own_token_branch
         keys = [*named, *([(head, response.own_token)] if given else [])]

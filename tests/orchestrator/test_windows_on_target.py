@@ -404,6 +404,26 @@ def test_a_frozen_drafter_is_blamed_not_the_target(tiny_dir):
     assert stats.drafter_fallback and stats.target_moves == 0 and 0 < stats.windows_on_target < stats.windows
 
 
+def test_a_drafter_that_hung_on_the_target_gets_a_short_deadline_from_the_front_door(tiny_dir, caplog):
+    """The target's draft call ran out of time: the drafter hangs, or the target cannot reach it.
+    The front door's own call settles which within ``HUNG_AFTER_S``, not the drafter deadline
+    again: a hung drafter stalled a request for twice that deadline (review 2 of stop 44)."""
+    import logging
+
+    model = load(tiny_dir["target16"])
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=2, windows_on_target=True, drafter_timeout_s=4.0,
+                    failure_cooldown_s=30.0)
+    with caplog.at_level(logging.WARNING, logger="orchestrator"):
+        tokens, stats = with_the_drafter_frozen_after_the_first_window(s, max_tokens=20)
+    assert tokens == target_only(model, [0, 7, 3], 20)
+    assert stats.drafter_fallback and stats.target_moves == 0
+    said = [r.getMessage() for r in caplog.records]
+    assert any("got no drafts" in m and "within 4 s" in m for m in said)  # the target's call
+    # the front door's ran out of its short deadline (taken for hung: the session moves, here nowhere)
+    assert any("drafter replica" in m and "is hung" in m for m in said)
+    assert not any("drafter failed" in m and "within 4 s" in m for m in said)  # not its own 4 s again
+
+
 def with_the_drafter_frozen_after_the_first_window(s, max_tokens: int, for_s: float | None = None):
     """A stream of ``max_tokens`` after [0, 7, 3] whose drafter's compute lane stops after the first
     window (for ``for_s`` seconds; for good if None): (its tokens, its final stats). Stops ``s``."""

@@ -12,30 +12,22 @@ from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from target_service.run_windows import DraftCallFailed, DrafterLinks, DraftStream
 
 
-def test_a_draft_stream_whose_drafter_went_away_fails_the_next_draft_with_a_status(tiny_dir):
-    """A write on a stream that already ended raises asyncio's InvalidStateError in grpc.aio, not
-    an RpcError: it must still end the run as a failed draft call (drafter_error), not as an
-    internal error of the target that loses the request's window run."""
-    drafter = BackgroundServer(lambda: serve_drafter(DrafterConfig(strategy="draft-model",
+def with_a_draft_stream(tiny_dir, body, temperature: float = 0.0, seed: int = 0) -> None:
+    """``await body(stream, drafter)``: a target's draft stream to a session after [0, 1, 2] on a
+    drafter server on the tiny draft (top-4 q), which stops after."""
+    drafter = BackgroundServer(lambda: serve_drafter(DrafterConfig(strategy="draft-model", proposal_top_k=4,
                                                                    model=str(tiny_dir["draft16"])))).start()
     address = f"127.0.0.1:{drafter.port}"
     stub = drafter_pb2_grpc.DrafterServiceStub(grpc.insecure_channel(address))
     session = stub.OpenSession(drafter_pb2.OpenDraftSessionRequest(
-        prompt_ids=[0, 1, 2], params=common_pb2.SamplingParams(max_new_tokens=8))).session_id
+        prompt_ids=[0, 1, 2], params=common_pb2.SamplingParams(temperature=temperature, max_new_tokens=16),
+        seed=seed)).session_id
 
     async def run():
         links = DrafterLinks()
         stream = DraftStream(await links.acquire(address), session, held=3, vocab_size=16, timeout_s=5.0)
         try:
-            proposal, draft_s, call_s = await stream.draft([0, 1, 2], 2)
-            assert len(proposal) == 2 and 0 < draft_s <= call_s
-            await asyncio.get_running_loop().run_in_executor(None, lambda: drafter.stop(grace=0))
-            for _ in range(200):  # until this side has seen the stream end
-                if stream._call.done():
-                    break
-                await asyncio.sleep(0.01)
-            with pytest.raises(DraftCallFailed, match="^(UNAVAILABLE|CANCELLED): "):
-                await stream.draft([0, 1, 2, proposal.tokens[0]], 2)
+            await body(stream, drafter)
         finally:
             stream.close()
             await links.close()
@@ -44,6 +36,24 @@ def test_a_draft_stream_whose_drafter_went_away_fails_the_next_draft_with_a_stat
         asyncio.run(run())
     finally:
         drafter.stop()
+
+
+def test_a_draft_stream_whose_drafter_went_away_fails_the_next_draft_with_a_status(tiny_dir):
+    """A write on a stream that already ended raises asyncio's InvalidStateError in grpc.aio, not
+    an RpcError: it must still end the run as a failed draft call (drafter_error), not as an
+    internal error of the target that loses the request's window run."""
+    async def body(stream, drafter):
+        proposal, draft_s, call_s = await stream.draft([0, 1, 2], 2)
+        assert len(proposal) == 2 and 0 < draft_s <= call_s
+        await asyncio.get_running_loop().run_in_executor(None, lambda: drafter.stop(grace=0))
+        for _ in range(200):  # until this side has seen the stream end
+            if stream._call.done():
+                break
+            await asyncio.sleep(0.01)
+        with pytest.raises(DraftCallFailed, match="^(UNAVAILABLE|CANCELLED): "):
+            await stream.draft([0, 1, 2, proposal.tokens[0]], 2)
+
+    with_a_draft_stream(tiny_dir, body)
 
 
 def test_the_all_accepted_guess_is_the_branch_after_the_drafter_s_own_next_token(tiny_dir):
@@ -56,40 +66,55 @@ def test_the_all_accepted_guess_is_the_branch_after_the_drafter_s_own_next_token
     from mirrorspec.mirror import GREEDY
     from support import load_as_served_draft
 
-    drafter = BackgroundServer(lambda: serve_drafter(DrafterConfig(strategy="draft-model", proposal_top_k=4,
-                                                                   model=str(tiny_dir["draft16"])))).start()
-    address = f"127.0.0.1:{drafter.port}"
-    stub = drafter_pb2_grpc.DrafterServiceStub(grpc.insecure_channel(address))
     params = SamplingParams(temperature=1.0, max_new_tokens=16)
-    session = stub.OpenSession(drafter_pb2.OpenDraftSessionRequest(
-        prompt_ids=[0, 1, 2], params=common_pb2.SamplingParams(temperature=1.0, max_new_tokens=16), seed=3)).session_id
     local = DraftModelDrafter(load_as_served_draft(tiny_dir["draft16"]), proposal_top_k=4)
 
-    async def run():
-        links = DrafterLinks()
-        stream = DraftStream(await links.acquire(address), session, held=3, vocab_size=16, timeout_s=5.0)
-        try:
-            window, _, _ = await stream.draft([0, 1, 2], 3)
-            guessed = [(3, None), (0, 9), (2, 5)]
-            branches, _ = await stream.branches([0, 1, 2], window.tokens, guessed, 2)
-            after_window = [0, 1, 2, *window.tokens]
-            own = local.propose(after_window, 1, GREEDY, 3).tokens[0]
-            assert set(branches) == {(3, own), (0, 9), (2, 5)}
-            for (j, c), branch in branches.items():
-                assert branch.tokens == local.propose([*after_window[:3 + j], c], 2, params, 3).tokens
-            # a call with the all-accepted guess alone, and the session still drafts from what it committed
-            alone, _ = await stream.branches([0, 1, 2], window.tokens, [(3, None)], 2)
-            assert list(alone) == [(3, own)]
-            again, _, _ = await stream.draft([0, 1, 2], 3)
-            assert again.tokens == window.tokens
-        finally:
-            stream.close()
-            await links.close()
+    async def body(stream, drafter):
+        window, _, _ = await stream.draft([0, 1, 2], 3)
+        branches, _ = await stream.branches([0, 1, 2], window.tokens, [(3, None), (0, 9), (2, 5)], 2)
+        after_window = [0, 1, 2, *window.tokens]
+        own = local.propose(after_window, 1, GREEDY, 3).tokens[0]
+        assert set(branches) == {(3, own), (0, 9), (2, 5)}
+        for (j, c), branch in branches.items():
+            assert branch.tokens == local.propose([*after_window[:3 + j], c], 2, params, 3).tokens
+        # a call with the all-accepted guess alone, and the session still drafts from what it committed
+        alone, _ = await stream.branches([0, 1, 2], window.tokens, [(3, None)], 2)
+        assert list(alone) == [(3, own)]
+        again, _, _ = await stream.draft([0, 1, 2], 3)
+        assert again.tokens == window.tokens
 
-    try:
-        asyncio.run(run())
-    finally:
-        drafter.stop()
+    with_a_draft_stream(tiny_dir, body, temperature=1.0, seed=3)
+
+
+def test_a_drafter_from_before_own_token_branches_is_asked_for_one_alone_once(tiny_dir, monkeypatch):
+    """A drafter built before ``own_token_branch`` never sees it: beside rejection guesses it
+    drafts those alone, and a call with the own-token branch alone it refuses (no branch_tokens).
+    After that refusal, the run's windows whose only guess is "all accepted" do not branch
+    (review 2 of stop 44: each such window made a failing call and logged it)."""
+    from dataclasses import replace
+
+    from drafter_service.servicer import DrafterServicer
+    from target_service.run_windows import Branching
+
+    draft_branches = DrafterServicer._draft_branches
+
+    async def older(self, request):
+        request.own_token_branch = False
+        return await draft_branches(self, request)
+
+    monkeypatch.setattr(DrafterServicer, "_draft_branches", older)
+
+    async def body(stream, drafter):
+        window, _, _ = await stream.draft([0, 1, 2], 3)
+        branches, _ = await stream.branches([0, 1, 2], window.tokens, [(3, None), (0, 9)], 2)
+        assert list(branches) == [(0, 9)] and stream.own_token_alone
+        with pytest.raises(DraftCallFailed, match="^OUT_OF_RANGE: "):
+            await stream.branches([0, 1, 2], window.tokens, [(3, None)], 2)
+        assert not stream.own_token_alone
+        looked_up = replace(window, alternatives=(), alternative_probs=())  # no runner-ups: "all accepted" only
+        assert Branching(4, 7).start(stream, [0, 1, 2], looked_up, None, lambda j: 2) is None
+
+    with_a_draft_stream(tiny_dir, body)
 
 
 def test_channels_to_drafters_no_run_uses_are_kept_for_the_last_few_addresses_only():
