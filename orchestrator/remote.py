@@ -474,7 +474,8 @@ class RemoteDrafter(Drafter):
         self._suspected = True
 
     def failed(self, detail: str, timed_out: bool) -> None:
-        """A draft call failed (here, or made by a target running the windows): drafting turns off."""
+        """A draft call from here failed: drafting turns off. (One a target running the windows
+        made only says the target got no drafts: ``orchestrator.direct.TargetReach``.)"""
         if timed_out and self.session.replica is not None:
             self._report_timeout(self.session.replica)
         retry_after = self._turn_off(detail)
