@@ -302,7 +302,7 @@ def decode_windows(
         proposal = prefetch.take(last, k) if prefetch is not None else None
         stats.branch_hits += proposal is not None
         if prefetch is not None and prefetch.branches:
-            mirror.observe_hit(proposal is not None)
+            mirror.policy.observe_hit(proposal is not None)
         if drafted_ahead is not None:  # the first window only
             proposal = drafted_ahead[1] if drafted_ahead[0] == k else None
             drafted_ahead = None
@@ -313,7 +313,7 @@ def decode_windows(
             stats.draft_time_s += ended - started
             stats.span("draft", started, ended)
             if mirror is not None and k > 0:
-                mirror.observe_fresh_draft(ended - started)
+                mirror.policy.observe_fresh_draft(ended - started)
         if mirror is not None and len(proposal):
             alpha = policy.alpha if policy else posterior_alpha(stats.accepted, stats.rejected, AdaptiveKConfig())
             prefetch = mirror.verify_while_drafting(verifier, drafter, context, proposal, params, seed, alpha,

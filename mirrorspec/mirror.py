@@ -203,29 +203,14 @@ class MirrorPipeline:
 
     Drafter and verifier must not share state (each has its own model session); torch releases
     the GIL inside kernels, so the two really run at once. Give each side its own cores: on a
-    2-core machine, one torch thread each.
-
-    Serving (``stop_at_verdict``), branching is also bounded by measured cost, from running
-    averages of this request's own timings:
-    - a branch still drafting when the verdict comes delays the next window, so a group of them
-      is started only while its expected saving beats its expected delay (``worth_starting``);
-    - drafting beside a verify can slow the verify (shared cores, memory bandwidth), so a window
-      branches only while hits save more than that costs (``should_branch``); it falls back to
-      serial drafting where mirror does not pay, and probes the other choice now and then.
+    2-core machine, one torch thread each. Serving (``stop_at_verdict``), branching is also
+    bounded by measured cost (``BranchPolicy``).
     """
 
     def __init__(self, config: MirrorConfig | None = None):
         self.config = config or MirrorConfig()
-        self.verify_s = RunningMean()  # verify time in windows that branched
-        self.alone_s = RunningMean()  # verify time in windows that did not
-        self.group_s = RunningMean()  # drafting time per group of branches drafted together, beside a verify
-        self.fresh_s = RunningMean()  # a window drafted on the critical path, alone: what a hit saves
-        self.overrun_s = RunningMean()  # branch drafting past the verdict
-        self.hit_rate = RunningMean()
+        self.policy = BranchPolicy(self.config)  # whether, and how far, to branch
         self.acceptance = AcceptanceByKind()  # ranks guesses: looked-up drafts pass far more often
-        self._branching: bool | None = None  # the choice the estimates make
-        self._probe_gap = self.config.probe_every
-        self._since_probe = 0
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mirror-verify")
 
     def close(self) -> None:
@@ -237,9 +222,9 @@ class MirrorPipeline:
         """Verify ``proposal``; meanwhile draft branches. ``k_after(n, produced_tokens)`` is the K
         window t+1 would get after verdict n (0: no next window worth drafting)."""
         kinds = looked_up(proposal)
-        if not self.should_branch():  # a serial window: verify right here, no thread hop
+        if not self.policy.should_branch():  # a serial window: verify right here, no thread hop
             verdict, span = _timed(verifier.verify, context, proposal, params, seed)
-            self.alone_s.add(span[1] - span[0])
+            self.policy.observe_verify(span[1] - span[0], branched=False)
             self.acceptance.observe(kinds, verdict.drafts_accepted)
             return Prefetch(verdict, span[1] - span[0], 0.0, {}, span, (span[0], span[0]), branched=False)
         hints: list[EarlyExitHint] = []
@@ -290,7 +275,7 @@ class MirrorPipeline:
             runner_up = pending[0][3] if len(pending[0]) > 3 else None
             group = [pending[0]] if runner_up is not None else \
                 [g for g in pending if len(g) == 3 and k_after(g[1], g[1] + 1) == k][:room]
-            if self.config.stop_at_verdict and not self.worth_starting(sum(g[0] for g in group),
+            if self.config.stop_at_verdict and not self.policy.worth_starting(sum(g[0] for g in group),
                                                                        time.perf_counter() - started):
                 break  # the rest are likelier misses still
             pending = [g for g in pending if g not in group]
@@ -309,10 +294,9 @@ class MirrorPipeline:
         drafted = time.perf_counter()
         verdict, verify_span = future.result()
         self.acceptance.observe(kinds, verdict.drafts_accepted)
-        self.verify_s.add(verify_span[1] - verify_span[0])
+        self.policy.observe_verify(verify_span[1] - verify_span[0], branched=True)
         if groups:
-            self.group_s.add(drafting_s / groups)
-            self.overrun_s.add(max(drafted - verify_span[1], 0.0))
+            self.policy.observe_group(drafting_s / groups, max(drafted - verify_span[1], 0.0))
         return Prefetch(verdict, verify_span[1] - verify_span[0], drafted - started, branches, verify_span,
                         (started, drafted))
 
@@ -336,6 +320,38 @@ class MirrorPipeline:
         head = [*context, *window[:max(j for j, _ in keys)]]
         forks = [len(context) + j for j, _ in keys]
         return list(zip(keys, drafter.propose_branches(head, [c for _, c in keys], k, params, seed, forks)))
+
+
+class BranchPolicy:
+    """Whether mirror branching pays, from running averages of one request's own timings (mirror
+    at the front door, ``MirrorPipeline``, and on a target, ``target_service.run_windows``):
+    - a branch still drafting when the verdict comes delays the next window, so a group of them
+      is started only while its expected saving beats its expected delay (``worth_starting``);
+    - drafting beside a verify can slow the verify (shared cores, memory bandwidth), so a window
+      branches only while hits save more than that costs (``should_branch``); it falls back to
+      serial drafting where mirror does not pay, and probes the other choice now and then.
+    """
+
+    def __init__(self, config: MirrorConfig | None = None):
+        self.config = config or MirrorConfig()
+        self.verify_s = RunningMean()  # verify time in windows that branched
+        self.alone_s = RunningMean()  # verify time in windows that did not
+        self.group_s = RunningMean()  # drafting time per group of branches drafted together, beside a verify
+        self.fresh_s = RunningMean()  # a window drafted on the critical path, alone: what a hit saves
+        self.overrun_s = RunningMean()  # branch drafting past the verdict
+        self.hit_rate = RunningMean()
+        self._branching: bool | None = None  # the choice the estimates make
+        self._probe_gap = self.config.probe_every
+        self._since_probe = 0
+
+    def observe_verify(self, seconds: float, branched: bool) -> None:
+        """A window's verify, with branches drafted beside it or not."""
+        (self.verify_s if branched else self.alone_s).add(seconds)
+
+    def observe_group(self, seconds: float, overrun_s: float) -> None:
+        """A group of branches drafted beside a verify, and how long it ran past the verdict."""
+        self.group_s.add(seconds)
+        self.overrun_s.add(overrun_s)
 
     def observe_hit(self, hit: bool) -> None:
         """Whether the last window's branches held the verdict (the engine knows, at ``take``)."""

@@ -23,7 +23,7 @@ import grpc
 from mirrorspec.adaptive import posterior_alpha
 from mirrorspec.config import AdaptiveKConfig, InvalidRequest, MirrorConfig
 from mirrorspec.drafting import Proposal
-from mirrorspec.mirror import MirrorPipeline, guesses
+from mirrorspec.mirror import BranchPolicy, guesses
 from mirrorspec.sampling import WindowVerdict
 from mirrorspec.serving.convert import proposal_from_proto
 from mirrorspec.serving.server import CHANNEL_OPTIONS
@@ -51,7 +51,7 @@ class Branching:
     holds the very drafts a fresh call would make from the same context (drafts are drawn from
     (seed, position) randomness), so the output is the serial run's, token for token.
 
-    Whether a window branches is the front door's mirror policy (``MirrorPipeline.should_branch``)
+    Whether a window branches is the front door's mirror policy (``BranchPolicy.should_branch``)
     on this run's own timings: drafting beside a verify slows the verify where the two share
     cores or memory bandwidth (+4% per pass on the 2-core CI VM), so a run branches only while
     its hits save more than that, and probes the other choice now and then."""
@@ -59,8 +59,7 @@ class Branching:
     def __init__(self, max_branches: int, alternatives: int):
         self.max_branches = max_branches
         self.alternatives = alternatives
-        # the estimates behind the choice (no thread of its own: the verify runs on the compute lane)
-        self.policy = MirrorPipeline(MirrorConfig(max_branches=max_branches, alternatives=alternatives)) \
+        self.policy = BranchPolicy(MirrorConfig(max_branches=max_branches, alternatives=alternatives)) \
             if max_branches else None
         self.passed = self.failed = 0  # draft tests so far: the ranking's acceptance estimate
         self._branches: dict[tuple[int, int], Proposal] = {}
@@ -90,7 +89,7 @@ class Branching:
         """After the verify: (branches drafted, the call's time). A failed call drafted none: the
         next window drafts afresh, and that call reports a drafter that is really gone."""
         if self.policy is not None:
-            (self.policy.verify_s if self._branched else self.policy.alone_s).add(verify_s)
+            self.policy.observe_verify(verify_s, self._branched)
         if call is None:
             return 0, 0.0
         waited = time.perf_counter()
@@ -99,8 +98,7 @@ class Branching:
         except DraftCallFailed as err:
             log.info("branch drafting failed (%s); the next window is drafted afresh", err)
             return 0, 0.0
-        self.policy.group_s.add(seconds)
-        self.policy.overrun_s.add(time.perf_counter() - waited)  # what the next window waited past the verdict
+        self.policy.observe_group(seconds, time.perf_counter() - waited)  # and what the next window waited past the verdict
         return len(self._branches), seconds
 
     @staticmethod

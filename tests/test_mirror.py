@@ -10,7 +10,7 @@ from mirrorspec.config import InvalidRequest, MirrorConfig
 from mirrorspec.drafting import DraftModelDrafter, NgramDrafter, Proposal, RankedTokens
 from mirrorspec.config import SpeculationConfig
 from mirrorspec.engine import GenerationStats, TargetVerifier, decode_windows
-from mirrorspec.mirror import Branch, MirrorPipeline, Prefetch, guesses, hint_guesses, with_runners_up
+from mirrorspec.mirror import Branch, BranchPolicy, MirrorPipeline, Prefetch, guesses, hint_guesses, with_runners_up
 from mirrorspec.models import KVSession
 from mirrorspec.models.early_exit import EarlyExitHint
 from mirrorspec.sampling import ProposalRows, TokenKind, WindowVerdict
@@ -286,40 +286,34 @@ def test_hinted_windows_offer_the_runner_up_so_seeded_output_does_not_depend_on_
 
 
 def test_a_branch_is_started_only_while_it_is_worth_its_delay():
-    pipeline = MirrorPipeline()
-    try:
-        assert pipeline.worth_starting(0.01, elapsed_s=5.0)  # nothing measured yet
-        pipeline.verify_s.add(0.100)
-        pipeline.group_s.add(0.040)
-        assert pipeline.worth_starting(0.01, elapsed_s=0.050)  # it ends before the verdict: free
-        # 20 ms left, 20 ms past the verdict: worth it only if a hit is likelier than a miss
-        assert pipeline.worth_starting(0.6, elapsed_s=0.080)
-        assert not pipeline.worth_starting(0.4, elapsed_s=0.080)
-        assert not pipeline.worth_starting(0.9, elapsed_s=0.150)  # the verdict is due: nothing to save
-    finally:
-        pipeline.close()
+    policy = BranchPolicy()
+    assert policy.worth_starting(0.01, elapsed_s=5.0)  # nothing measured yet
+    policy.observe_verify(0.100, branched=True)
+    policy.observe_group(0.040, 0.0)
+    assert policy.worth_starting(0.01, elapsed_s=0.050)  # it ends before the verdict: free
+    # 20 ms left, 20 ms past the verdict: worth it only if a hit is likelier than a miss
+    assert policy.worth_starting(0.6, elapsed_s=0.080)
+    assert not policy.worth_starting(0.4, elapsed_s=0.080)
+    assert not policy.worth_starting(0.9, elapsed_s=0.150)  # the verdict is due: nothing to save
 
 
 def test_mirror_falls_back_to_serial_where_branching_does_not_pay_and_probes_back():
-    pipeline = MirrorPipeline(MirrorConfig(probe_every=4))
-    try:
-        assert pipeline.should_branch()  # learn what branching gives first
-        pipeline.verify_s.add(0.110)
-        pipeline.group_s.add(0.040)
-        pipeline.observe_hit(True)
-        assert not pipeline.should_branch()  # then what a verify costs without a drafter beside it
-        pipeline.alone_s.add(0.100)
-        # hits save 0.5 * 40 ms = 20 ms a window; branching costs 10 ms of verify slowdown: branch,
-        # probing serial 4 windows on, then 8 more on: the gap doubles while the choice stands
-        pipeline.observe_hit(False)
-        assert [pipeline.should_branch() for _ in range(12)] == [True] * 3 + [False] + [True] * 7 + [False]
-        for _ in range(30):
-            pipeline.observe_hit(False)  # hits dry up: 0 ms saved against 10 ms: go serial
-        # the choice changed, so the next probe comes 4 windows on again
-        assert [pipeline.should_branch() for _ in range(8)] == [False, False, False, True] + [False] * 4
-    finally:
-        pipeline.close()
-    assert MirrorPipeline(EVERY_BRANCH).should_branch()  # tests: always branch, whatever the timings
+    policy = BranchPolicy(MirrorConfig(probe_every=4))
+    assert policy.should_branch()  # learn what branching gives first
+    policy.observe_verify(0.110, branched=True)
+    policy.observe_group(0.040, 0.0)
+    policy.observe_hit(True)
+    assert not policy.should_branch()  # then what a verify costs without a drafter beside it
+    policy.observe_verify(0.100, branched=False)
+    # hits save 0.5 * 40 ms = 20 ms a window; branching costs 10 ms of verify slowdown: branch,
+    # probing serial 4 windows on, then 8 more on: the gap doubles while the choice stands
+    policy.observe_hit(False)
+    assert [policy.should_branch() for _ in range(12)] == [True] * 3 + [False] + [True] * 7 + [False]
+    for _ in range(30):
+        policy.observe_hit(False)  # hits dry up: 0 ms saved against 10 ms: go serial
+    # the choice changed, so the next probe comes 4 windows on again
+    assert [policy.should_branch() for _ in range(8)] == [False, False, False, True] + [False] * 4
+    assert BranchPolicy(EVERY_BRANCH).should_branch()  # tests: always branch, whatever the timings
 
 
 def test_a_hit_is_worth_the_fresh_draft_it_saves_not_the_branch_drafting():
@@ -327,33 +321,27 @@ def test_a_hit_is_worth_the_fresh_draft_it_saves_not_the_branch_drafting():
     memory): 40 ms a group here against 15 ms for the fresh draft a hit saves. Half the windows hit,
     so a hit saves 7.5 ms a window, less than the 10 ms the verify loses: serial, where the
     branches' own time (20 ms a window) would have said branch."""
-    pipeline = MirrorPipeline(MirrorConfig(probe_every=64, max_probe_every=64))
-    try:
-        pipeline.verify_s.add(0.110)
-        pipeline.alone_s.add(0.100)
-        pipeline.group_s.add(0.040)
-        pipeline.observe_hit(True)
-        pipeline.observe_hit(False)
-        assert pipeline.should_branch()  # no fresh draft timed yet: the branches' time stands in
-        pipeline.observe_fresh_draft(0.015)
-        assert not any(pipeline.should_branch() for _ in range(8))
-        pipeline.observe_fresh_draft(0.045)  # drafting alone got dear: (15 + 45) / 2 = 30 ms, 15 ms a window
-        assert all(pipeline.should_branch() for _ in range(8))
-    finally:
-        pipeline.close()
+    policy = BranchPolicy(MirrorConfig(probe_every=64, max_probe_every=64))
+    policy.observe_verify(0.110, branched=True)
+    policy.observe_verify(0.100, branched=False)
+    policy.observe_group(0.040, 0.0)
+    policy.observe_hit(True)
+    policy.observe_hit(False)
+    assert policy.should_branch()  # no fresh draft timed yet: the branches' time stands in
+    policy.observe_fresh_draft(0.015)
+    assert not any(policy.should_branch() for _ in range(8))
+    policy.observe_fresh_draft(0.045)  # drafting alone got dear: (15 + 45) / 2 = 30 ms, 15 ms a window
+    assert all(policy.should_branch() for _ in range(8))
 
 
 def test_probe_gaps_double_up_to_the_configured_bound():
-    pipeline = MirrorPipeline(MirrorConfig(probe_every=2, max_probe_every=8))
-    try:
-        pipeline.verify_s.add(0.200)  # branching slows the verify by 100 ms and never hits
-        pipeline.alone_s.add(0.100)
-        pipeline.group_s.add(0.040)
-        pipeline.observe_hit(False)
-        decisions = [pipeline.should_branch() for _ in range(2 + 4 + 8 + 8)]
-        assert [i + 1 for i, d in enumerate(decisions) if d] == [2, 6, 14, 22]  # gaps 2, 4, 8, 8
-    finally:
-        pipeline.close()
+    policy = BranchPolicy(MirrorConfig(probe_every=2, max_probe_every=8))
+    policy.observe_verify(0.200, branched=True)  # branching slows the verify by 100 ms and never hits
+    policy.observe_verify(0.100, branched=False)
+    policy.observe_group(0.040, 0.0)
+    policy.observe_hit(False)
+    decisions = [policy.should_branch() for _ in range(2 + 4 + 8 + 8)]
+    assert [i + 1 for i, d in enumerate(decisions) if d] == [2, 6, 14, 22]  # gaps 2, 4, 8, 8
     with pytest.raises(InvalidRequest, match="max_probe_every"):
         MirrorConfig(probe_every=16, max_probe_every=8)
 

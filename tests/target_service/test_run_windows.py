@@ -142,7 +142,7 @@ def test_channels_to_drafters_no_run_uses_are_kept_for_the_last_few_addresses_on
 def test_a_run_branches_only_while_its_branches_pay():
     """Mirror on the target (``Branching``): branching beside a verify that slows the verify and
     never hits is dropped after the first windows, bar a probe now and then (the front door's
-    policy, ``MirrorPipeline.should_branch``); branches that hit and cost nothing keep going."""
+    policy, ``BranchPolicy.should_branch``); branches that hit and cost nothing keep going."""
     from mirrorspec.drafting import Proposal
     from mirrorspec.sampling import ProposalRows, TokenKind, WindowVerdict
     from target_service.run_windows import Branching
