@@ -187,6 +187,9 @@ def main(argv=None) -> int:
                         help="branches drafted per window at most (default %(default)s)")
     parser.add_argument("--alternatives", type=int, default=MirrorConfig.alternatives,
                         help="the drafter's runner-up tokens guessed per rejection point (default %(default)s)")
+    parser.add_argument("--every-window", action="store_true",
+                        help="mirror modes branch every window whatever the timings say (MirrorConfig."
+                             "stop_at_verdict=False): how often branches hold the verdict, without the policy")
     parser.add_argument("--on-target", action="store_true",
                         help="also run serial and mirror with the windows run by the target (serve --windows-on-target), "
                              "its mirror against its own serial")
@@ -211,7 +214,8 @@ def main(argv=None) -> int:
     except InvalidRequest as err:
         refuse_setting(parser, err)
     try:
-        mirror = MirrorConfig(max_branches=args.max_branches, alternatives=args.alternatives)
+        mirror = MirrorConfig(max_branches=args.max_branches, alternatives=args.alternatives,
+                              stop_at_verdict=not args.every_window)
     except InvalidRequest as err:
         parser.error(f"--max-branches / --alternatives: {err}")
     try:

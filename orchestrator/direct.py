@@ -114,6 +114,7 @@ def _run(remote: RemoteDrafter, verifier: RemoteVerifier, context: list[int], pa
         drafter_context_length=common_prefix_length(drafts.held, context), k=k,
         max_new_tokens=params.max_new_tokens, runner_up=runner_up, draft_timeout_s=draft_timeout_s,
         max_branches=mirror.max_branches if mirror else 0, branch_alternatives=mirror.alternatives if mirror else 0,
+        branch_every_window=bool(mirror and not mirror.stop_at_verdict),
         adaptive=adaptive_to_proto(policy) if policy else None)
     # the whole run has the client's deadline only: a long generation outlives any one call's
     call = target.stub.RunWindows(request, timeout=None if client_deadline is None

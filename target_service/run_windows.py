@@ -56,11 +56,11 @@ class Branching:
     cores or memory bandwidth (+4% per pass on the 2-core CI VM), so a run branches only while
     its hits save more than that, and probes the other choice now and then."""
 
-    def __init__(self, max_branches: int, alternatives: int):
+    def __init__(self, max_branches: int, alternatives: int, every_window: bool = False):
         self.max_branches = max_branches
         self.alternatives = alternatives
-        self.policy = BranchPolicy(MirrorConfig(max_branches=max_branches, alternatives=alternatives)) \
-            if max_branches else None
+        self.policy = BranchPolicy(MirrorConfig(max_branches=max_branches, alternatives=alternatives,
+                                                stop_at_verdict=not every_window)) if max_branches else None
         self.passed = self.failed = 0  # draft tests so far: the ranking's acceptance estimate
         self._branches: dict[tuple[int, int], Proposal] = {}
         self._branched = False  # whether the window being verified branched

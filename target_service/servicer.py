@@ -230,7 +230,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         seq = session.sequence
         stop = set(seq.params.stop_token_ids)
         produced = 0
-        branching = Branching(request.max_branches, request.branch_alternatives)
+        branching = Branching(request.max_branches, request.branch_alternatives, request.branch_every_window)
         while True:
             self.sessions.get(request.session_id)  # in use: its TTL starts again, as at each window call
             if self.loaded.max_context - len(seq.context) - 1 < 0:

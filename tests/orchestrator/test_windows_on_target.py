@@ -81,9 +81,10 @@ def test_mirror_on_the_target_is_identical_to_target_only_and_to_serial(tiny_dir
     from mirrorspec.config import MirrorConfig
 
     model, draft = load(tiny_dir["target16"]), load_as_served_draft(tiny_dir["draft16"])
-    # eight branches: room for the rejections' guesses beside "all accepted", which this draft never earns
+    # eight branches: room for the rejections' guesses beside "all accepted", which this draft never
+    # earns; every window branches, so the hits do not hang on the policy's reading of the timings
     s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, windows_on_target=True, runner_up=runner_up,
-                    mirror=MirrorConfig(max_branches=8))
+                    mirror=MirrorConfig(max_branches=8, stop_at_verdict=False))
     hits = 0
     try:
         with Client(s.address) as client:
@@ -162,6 +163,30 @@ def test_adaptive_k_goes_on_from_where_it_stood_when_the_session_moves(tiny_dir,
     stats = last.stats
     assert stats.target_moves >= 1 and stats.windows_on_target > 0
     assert (stats.drafted, stats.windows) == (expected.stats.drafted, expected.stats.windows)
+
+
+def test_windows_whose_drafts_all_pass_take_the_branch_after_the_drafter_s_own_token(tiny_dir):
+    """The target as its own draft: every draft passes, and the bonus token is the drafter's own
+    greedy one but for int8 rounding. With every window branching (``stop_at_verdict=False``,
+    sent as ``branch_every_window``), the "all accepted" branch holds most verdicts; the
+    rejection guesses could hold none of them. Greedy output stays target-only's."""
+    from mirrorspec.config import MirrorConfig
+
+    model = load(tiny_dir["target16"])
+    s = start_stack(tiny_dir["target16"], tiny_dir["target16"], k=3, windows_on_target=True,
+                    mirror=MirrorConfig(stop_at_verdict=False))
+    try:
+        with Client(s.address) as client:
+            results = [client.generate(prompt, max_tokens=24) for prompt in prompts(4, seed=5)]
+    finally:
+        s.stop()
+    for prompt, result in zip(prompts(4, seed=5), results):
+        assert list(result.token_ids) == target_only(model, prompt, 24)
+        st = result.stats
+        assert st.windows_on_target == st.windows and st.accepted == st.drafted  # every draft passed
+        assert st.mirror_windows >= st.windows - 1  # all but the last, which has no next window
+    hits, branched = sum(r.stats.branch_hits for r in results), sum(r.stats.mirror_windows for r in results)
+    assert hits >= branched / 2
 
 
 def test_a_stop_token_ends_the_run_where_it_falls(stack, tiny_dir):
