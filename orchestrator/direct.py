@@ -26,7 +26,7 @@ from mirrorspec.engine import GenerationStats, WindowEvent, cut_at_stop, decode_
 from mirrorspec.models import common_prefix_length
 from mirrorspec.serving.convert import adaptive_to_proto, verdict_from_proto
 from mirrorspec.v1 import target_pb2
-from orchestrator.remote import _REPLICA_GONE, RemoteDrafter, RemoteVerifier
+from orchestrator.remote import _REPLICA_GONE, RemoteDrafter, RemoteVerifier, backoff_s
 from orchestrator.window_stream import StreamStatus, Watchdog
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class TargetReach:
 
     def lost(self) -> float:
         """A run's draft call failed: how long its windows now stay here."""
-        wait = min(self.cooldown_s * 2 ** self.failures_in_a_row, RemoteDrafter.MAX_RETRY_AFTER_S)
+        wait = backoff_s(self.cooldown_s, self.failures_in_a_row)
         self.failures_in_a_row += 1
         self.retry_at = time.monotonic() + wait
         return wait

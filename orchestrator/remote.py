@@ -161,12 +161,17 @@ class PooledSession:
                     call.cancel()
                     raise _Unresponsive(replica.address) from None
 
-    def call(self, context: Sequence[int], rpc: Callable[[Replica, str, int, list[int]], object]):
+    def call(self, context: Sequence[int], rpc: Callable[[Replica, str, int, list[int]], object],
+             window_timeout_s: float | None = None):
         """``rpc(replica, session_id, keep, commit_tokens)``: the session keeps its first ``keep``
         tokens (fewer than it holds only where ``context`` forks from them: mirror branches),
         then commits the rest of ``context``. The session moves first if its replica left the
         pool, and again (at most ``max_moves_per_call`` times) if the call finds the replica or
-        the session gone."""
+        the session gone. ``window_timeout_s``: a shorter window deadline for this call only."""
+        if window_timeout_s is not None:
+            window_timeout_s = min(window_timeout_s, self.window_timeout_s or window_timeout_s)
+        else:
+            window_timeout_s = self.window_timeout_s
         for _ in range(self.max_moves_per_call):
             if not self.pool.is_member(self.replica):
                 log.info("%s replica %s left the pool; moving its session", self.pool.name, self.replica.address)
@@ -175,7 +180,7 @@ class PooledSession:
                 keep = common_prefix_length(self.held, context)
                 commit = list(context[keep:])
                 prefills = self.prefill_pending or len(commit) > self.prefill_free_tokens
-                self.call_timeout_s = self.timeout_s if prefills else self.window_timeout_s
+                self.call_timeout_s = self.timeout_s if prefills else window_timeout_s
                 result = rpc(self.replica, self.session_id, keep, commit)
                 self.prefill_pending = self.may_hold_more = False
             except grpc.RpcError as err:
@@ -272,6 +277,15 @@ def replica_step_cost(info: drafter_pb2.DrafterInfo) -> float:
     return info.step_cost or Drafter.step_cost
 
 
+MAX_RETRY_AFTER_S = 60.0  # the longest a drafter stays off between tries, however often it failed
+
+
+def backoff_s(cooldown_s: float, failures_in_a_row: int) -> float:
+    """How long to stay off after a failure: the pool's cooldown, doubled for each failure in a
+    row before it, up to ``MAX_RETRY_AFTER_S``."""
+    return min(cooldown_s * 2 ** failures_in_a_row, MAX_RETRY_AFTER_S)
+
+
 class RemoteDrafter(Drafter):
     """A drafter session on a DrafterService pool. If no drafter can serve it, it turns off for a
     while: windows then carry no drafts, i.e. the request goes on target-only, unharmed. It then
@@ -283,7 +297,6 @@ class RemoteDrafter(Drafter):
 
     name = "remote"
     HUNG_AFTER_S = DRAFT_HUNG_AFTER_S
-    MAX_RETRY_AFTER_S = 60.0  # the longest it stays off between tries, however often it failed
 
     def __init__(self, pool: ReplicaPool, prompt: Sequence[int], params: SamplingParams, seed: int, vocab_size: int,
                  draft_vocab: int | None = None, timeout_s: float | None = None, step_cost: float = Drafter.step_cost,
@@ -445,14 +458,8 @@ class RemoteDrafter(Drafter):
             return getattr(replica.stub, method)(request, timeout=self.session.timeout_s)
 
         started = time.perf_counter()
-        session, window_timeout_s = self.session, self.session.window_timeout_s
-        if self._suspected:
-            self._suspected = False
-            session.window_timeout_s = min(window_timeout_s or self.HUNG_AFTER_S, self.HUNG_AFTER_S)
-        try:
-            response = session.call(context, rpc)
-        finally:
-            session.window_timeout_s = window_timeout_s
+        suspected, self._suspected = self._suspected, False
+        response = self.session.call(context, rpc, self.HUNG_AFTER_S if suspected else None)
         self.times.call_s += time.perf_counter() - started
         self.times.server_s += response.draft_time_s
         self._failures_in_a_row = 0
@@ -492,7 +499,7 @@ class RemoteDrafter(Drafter):
     def _retry_later(self, why: str) -> float:
         """The wait: the pool's cooldown (after which a replica reported failed is offered again),
         doubled for each failure in a row."""
-        retry_after = min(self.session.pool.cooldown_s * 2 ** self._failures_in_a_row, self.MAX_RETRY_AFTER_S)
+        retry_after = backoff_s(self.session.pool.cooldown_s, self._failures_in_a_row)
         self.failure = why
         self._failures_in_a_row += 1
         self._retry_at = time.monotonic() + retry_after
