@@ -13,7 +13,7 @@ from mirrorspec.config import (DEFAULT_DRAFT_QUANTIZE, DEFAULT_PROPOSAL_TOP_K, M
 from mirrorspec.drafting import Drafter, NgramDrafter, RankedTokens
 from mirrorspec.drafting.draft_model import draft_model_step_cost
 from mirrorspec.engine import make_drafter, validate_prompt
-from mirrorspec.mirror import GREEDY
+from mirrorspec.mirror import own_next_token
 from mirrorspec.models import LoadedModel, load_causal_lm
 from mirrorspec.serving.convert import (check_token_ids, describe_model, params_from_proto, proposal_to_proto,
                                         ranked_to_proto)
@@ -131,7 +131,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             k = self._advance(session, request, reserve=1)
             started = time.perf_counter()
             seq = session.sequence
-            own = await self._own_token(session) if request.own_token_branch else None
+            own = await self.lane.run(own_next_token, session.drafter, list(seq.context), seq.seed) \
+                if request.own_token_branch else None
             if own is not None:  # one more branch, forking at the end of the context
                 branch_tokens.append(own)
                 forks = forks and [*forks, len(seq.context)]
@@ -140,12 +141,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         return drafter_pb2.DraftBranchesResponse(drafts=[_draft_response(p) for p in proposals],
                                                  draft_time_s=time.perf_counter() - started,
                                                  forked=forks is not None, own_token=own)
-
-    async def _own_token(self, session: DraftSession) -> int | None:
-        """The drafter's greedy next token after the session's context (None: it proposes none)."""
-        seq = session.sequence
-        guess = await self.lane.run(session.drafter.propose, list(seq.context), 1, GREEDY, seq.seed)
-        return guess.tokens[0] if guess.tokens else None
 
     async def RankTokens(self, request, context):
         with orphaned_after(self.sessions, request.session_id):

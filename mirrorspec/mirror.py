@@ -276,7 +276,7 @@ class MirrorPipeline:
             group = [pending[0]] if runner_up is not None else \
                 [g for g in pending if len(g) == 3 and k_after(g[1], g[1] + 1) == k][:room]
             if self.config.stop_at_verdict and not self.policy.worth_starting(sum(g[0] for g in group),
-                                                                       time.perf_counter() - started):
+                                                                              time.perf_counter() - started):
                 break  # the rest are likelier misses still
             pending = [g for g in pending if g not in group]
             if k <= 0:  # no next window after these verdicts (or not one worth drafting)
@@ -308,11 +308,8 @@ class MirrorPipeline:
         drafts, then c (None: the drafter's own greedy choice there, the guess for "all accepted")."""
         keys: list[tuple[int, int]] = []
         for j, c in guessed:
-            if c is None:
-                bonus = drafter.propose([*context, *window[:j]], 1, GREEDY, seed)
-                if not bonus.tokens:
-                    continue
-                c = bonus.tokens[0]
+            if c is None and (c := own_next_token(drafter, [*context, *window[:j]], seed)) is None:
+                continue
             keys.append((j, c))
         keys = [key for key in dict.fromkeys(keys) if key not in exclude]
         if not keys:
@@ -320,6 +317,13 @@ class MirrorPipeline:
         head = [*context, *window[:max(j for j, _ in keys)]]
         forks = [len(context) + j for j, _ in keys]
         return list(zip(keys, drafter.propose_branches(head, [c for _, c in keys], k, params, seed, forks)))
+
+
+def own_next_token(drafter: Drafter, context: Sequence[int], seed: int) -> int | None:
+    """The drafter's greedy next token after ``context``, the guess of the target's bonus token
+    where every draft passes (None: the drafter proposes none there)."""
+    guess = drafter.propose(context, 1, GREEDY, seed)
+    return guess.tokens[0] if guess.tokens else None
 
 
 class BranchPolicy:
