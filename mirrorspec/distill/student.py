@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from mirrorspec.config import DistillRecipe
 from mirrorspec.distill.teacher import TeacherShard
+from mirrorspec.distill.training import train_epochs
 from mirrorspec.drafting.draft_model import DRAFT_VOCAB_KEY
 from mirrorspec.models.demo_draft import VOCAB_TENSOR
 from mirrorspec.models.demo_target import save_tensors_atomically
@@ -145,29 +146,13 @@ def distill(student: PreTrainedModel, vocab: list[int], train: list[Example], re
     rng = random.Random(recipe.seed)
     head, column_of = sub_vocabulary_head(student, vocab)
     params = [p for p in student.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=recipe.learning_rate, weight_decay=0.0)
-    per_epoch = _batches(train, recipe.batch_sequences, rng)
-    total = max(1, int(len(per_epoch) * recipe.epochs))
-    warmup = min(100, total // 10 + 1)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
-        1 + math.cos(math.pi * min(s, total) / total)))
-    student.train()
-    step = 0
-    while step < total:
-        for batch in per_epoch if step == 0 else _batches(train, recipe.batch_sequences, rng):
-            if step >= total:
-                break
-            with torch.autocast(head.device.type, dtype=torch.bfloat16, enabled=recipe.train_dtype == "bfloat16"):
-                loss, matches, n = batch_loss(student, head, column_of, batch)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            schedule.step()
-            step += 1
-            if on_step is not None:
-                on_step(step, total, loss.item(), matches / max(n, 1))
-    student.eval()
+
+    def step_loss(batch: list[Example]) -> tuple[torch.Tensor, int, int]:
+        with torch.autocast(head.device.type, dtype=torch.bfloat16, enabled=recipe.train_dtype == "bfloat16"):
+            return batch_loss(student, head, column_of, batch)
+
+    train_epochs(student, params, lambda: _batches(train, recipe.batch_sequences, rng), step_loss,
+                 epochs=recipe.epochs, learning_rate=recipe.learning_rate, on_step=on_step)
 
 
 @torch.inference_mode()

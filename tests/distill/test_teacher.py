@@ -73,3 +73,29 @@ def test_the_teacher_cache_is_shared_by_runs_on_whole_spans_only():
     assert teacher_dir(DistillRecipe(teacher_prompts=3 * span)) != teacher_dir(DistillRecipe(teacher_prompts=3 * span + 1))
     assert teacher_dir(DistillRecipe(teacher_prompts=3 * span)) != teacher_dir(DistillRecipe(teacher_prompts=3 * span,
                                                                                            max_new_tokens=64))
+
+
+def test_kept_features_are_the_targets_at_every_position_it_read(tiny_target):
+    """Rows are left-padded and leave the batch as they stop; each row's features must still be
+    its own sequence's, as a single unpadded forward over it gives them."""
+    eos = 7
+    shard = generate_batch(tiny_target, PROMPTS, max_new_tokens=6, stop_ids=[eos], temperature=0.0, top_k=2,
+                           generator=torch.Generator().manual_seed(0), features=True)
+    plain = generate_batch(tiny_target, PROMPTS, max_new_tokens=6, stop_ids=[eos], temperature=0.0, top_k=2,
+                           generator=torch.Generator().manual_seed(0))
+    assert plain.features is None
+    assert [t.tolist() for t in shard.tokens] == [t.tolist() for t in plain.tokens]
+    for tokens, features in zip(shard.tokens, shard.features):
+        assert features.dtype == torch.float16 and features.shape[0] == len(tokens) - 1
+        with torch.inference_mode():
+            expected = tiny_target.get_decoder()(input_ids=tokens[None, :-1].long()).last_hidden_state[0]
+        torch.testing.assert_close(features.float(), expected, atol=5e-3, rtol=5e-3)
+
+
+def test_features_survive_a_shard_round_trip(tiny_target, tmp_path):
+    paths = write_teacher_data(tiny_target, PROMPTS, tmp_path, batch_size=2, max_new_tokens=3, stop_ids=[],
+                               top_k=2, seed=0, features=True)
+    shards = [TeacherShard.load(p) for p in paths]
+    assert sum(len(s.features) for s in shards) == len(PROMPTS)
+    for s in shards:
+        assert [f.shape[0] for f in s.features] == [len(t) - 1 for t in s.tokens]
