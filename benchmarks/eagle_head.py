@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.acceptance import Replay, replay_greedy, teacher_forced_logits
-from benchmarks.flags import csv_of, positive, torch_threads, window_k
+from benchmarks.flags import csv_of, positive, positive_float, torch_threads, window_k
 from benchmarks.prompts import add_replay_flags, load_prompts
 from benchmarks.run import DEFAULT_OUT, load_draft
 from mirrorspec.config import SamplingParams
@@ -58,7 +58,7 @@ def replay_head(head: EagleHead, features: torch.Tensor, sequence: torch.Tensor,
     window_drafts: list[int] = []
     tested, kept = [0] * k, [0] * k
     while start < len(answer):
-        budget = min(k, len(answer) - start - 1)
+        budget = min(k, len(answer) - start - 1) if prompt_length + start >= 2 else 0  # a feature to start from
         drafts: list[int] = []
         if budget > 0:
             drafts, fed = draft_chain(head, features, sequence, prompt_length + start, budget, cache, fed)
@@ -134,10 +134,20 @@ def load_head(target: LoadedModel, path: Path) -> EagleHead:
     from safetensors.torch import load_file
 
     state = load_file(str(path))
-    layers = 1 + max(int(name.split(".")[2]) for name in state if name.startswith("body.layers."))
+    layer_ids = {int(name.split(".")[2]) for name in state if name.startswith("body.layers.")}
+    if not layer_ids or "vocab" not in state:
+        raise SystemExit(f"--head {path}: not a head written by `python -m benchmarks.eagle_head train` "
+                         "(no body.layers.* or vocab)")
+    layers = 1 + max(layer_ids)
     head = EagleHead(target.model, state["vocab"], layers=layers)
     head.load_trained_state(state)
     return head.eval()
+
+
+def existing_file(text: str) -> Path:
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    return Path(text)
 
 
 def prompt_slices(text: str) -> list[range]:
@@ -161,6 +171,7 @@ def train(args: argparse.Namespace) -> int:
     from mirrorspec.distill.teacher import write_teacher_data
     from mirrorspec.models.demo_target import cache_root
 
+    args.out.parent.mkdir(parents=True, exist_ok=True)  # before the hour of work, not after
     chosen = [i for r in args.prompts for i in r]
     target = load_causal_lm("demo-target", dtype="bfloat16", prepack=False)
     pool = training_prompts(0, prompt_set=2, count=max(chosen) + 1)
@@ -196,14 +207,14 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="target-written data with features, then the head")
     t.add_argument("--prompts", type=prompt_slices, required=True,
                    help="training prompt indices as start:end slices (mirrorspec.distill.prompts, prompt set 2)")
-    t.add_argument("--epochs", type=float, default=EagleRecipe.epochs)
+    t.add_argument("--epochs", type=positive_float, default=EagleRecipe.epochs)
     t.add_argument("--layers", type=positive, default=EagleRecipe.layers)
     t.add_argument("--batch-size", type=positive, default=64, help="teacher prompts per batch (default 64)")
     t.add_argument("--max-prompt-tokens", type=positive, default=384)
     t.add_argument("--out", type=Path, required=True, help="the head's weights (.safetensors)")
     r = sub.add_parser("replay", help="greedy windows along the target's answers, beside the plain draft")
     add_replay_flags(r)
-    r.add_argument("--head", type=Path, required=True, help="weights written by `train`")
+    r.add_argument("--head", type=existing_file, required=True, help="weights written by `train`")
     r.add_argument("--compare", default="demo-draft", help="the plain draft replayed beside it (default demo-draft)")
     r.add_argument("--draft-quantize", default="int8", choices=("int8", "none"))
     r.add_argument("--k", type=csv_of(window_k), default=[4, 8])

@@ -4,6 +4,7 @@ names the flag (``argument --k: K must be in [1, 8], got 0``) before any model i
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -85,6 +86,17 @@ def integer_at_least(low: int) -> Callable[[str], int]:
 
 
 positive = integer_at_least(1)
+
+
+def positive_float(text: str) -> float:
+    """A finite number above 0 (a count of epochs, a scale)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text!r}")
+    return value
 
 
 def seed_flag(text: str) -> int:

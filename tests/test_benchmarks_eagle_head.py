@@ -52,11 +52,44 @@ def test_deeper_windows_count_tests_and_depths_consistently(tiny_dir):
     assert all(d <= 4 for d in replay.drafts_per_window)
 
 
-@pytest.mark.parametrize("value", ["3", "5:2", "a:b", "-1:4"])
-def test_bad_prompt_slices_name_the_flag(value, capsys):
+@pytest.mark.parametrize("argv, flag", [
+    *[(["train", "--prompts", value, "--out", "x.safetensors"], "--prompts") for value in ["3", "5:2", "a:b", "-1:4"]],
+    *[(["train", "--prompts", "0:4", "--epochs", value, "--out", "x.safetensors"], "--epochs")
+      for value in ["0", "-1", "nan", "inf", "four"]],
+    (["replay", "--head", "/nonexistent/head.safetensors"], "--head"),
+])
+def test_bad_flags_name_the_flag(argv, flag, capsys):
+    """Refused at parse time, before the target loads or the teacher stage's hour of work."""
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["train", "--prompts", value, "--out", "x.safetensors"])
-    assert "--prompts" in capsys.readouterr().err
+        build_parser().parse_args(argv)
+    assert f"argument {flag}" in capsys.readouterr().err
+
+
+def test_a_file_that_is_no_head_is_refused_naming_the_flag(tiny_dir, tmp_path):
+    import support
+    from safetensors.torch import save_file
+
+    from benchmarks.eagle_head import load_head
+    from mirrorspec.models import LoadedModel
+
+    save_file({"model.norm.weight": torch.ones(4)}, str(tmp_path / "draft.safetensors"))
+    target = LoadedModel(model=support.load(tiny_dir["target16"]), tokenizer=None, source="tiny")
+    with pytest.raises(SystemExit, match="--head .*not a head"):
+        load_head(target, tmp_path / "draft.safetensors")
+
+
+def test_a_one_token_prompts_first_window_drafts_nothing(tiny_dir):
+    """The head needs one committed feature: a window right after a one-token prompt is a plain
+    target step, as replay_greedy counts it, and the next ones draft."""
+    import support
+
+    target = support.load(tiny_dir["target16"])
+    head = opinionated_head(target, list(range(16)))
+    sequence = torch.tensor([3, 4, 9, 2, 7, 7])
+    with torch.inference_mode():
+        features = target.get_decoder()(input_ids=sequence[None, :-1]).last_hidden_state[0]
+    replay, _, _ = replay_head(head, features, sequence, 1, k=2)
+    assert replay.drafts_per_window[0] == 0 and replay.drafted > 0
 
 
 @pytest.mark.slow

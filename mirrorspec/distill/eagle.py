@@ -72,13 +72,16 @@ class EagleHead(nn.Module):
 
     def __init__(self, target: PreTrainedModel, vocab: Sequence[int] | torch.Tensor, layers: int = 1):
         super().__init__()
+        decoder = target.get_decoder()
+        if not 1 <= layers <= len(decoder.layers):
+            raise ValueError(f"layers must be in [1, {len(decoder.layers)}] (the target's own, which it starts "
+                             f"from), got {layers}")
         config = copy.deepcopy(target.config)
         config.num_hidden_layers = layers
         if getattr(config, "layer_types", None):
             config.layer_types = config.layer_types[:layers]
         hidden = config.hidden_size
         self.body = AutoModel.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-        decoder = target.get_decoder()
         for i, layer in enumerate(self.body.layers):  # from the target's top layers: they read features
             layer.load_state_dict(decoder.layers[len(decoder.layers) - layers + i].state_dict())
         self.body.norm.load_state_dict(decoder.norm.state_dict())
@@ -90,8 +93,10 @@ class EagleHead(nn.Module):
             self.fc.weight[:, :hidden].copy_(0.1 * torch.eye(hidden))
             self.fc.weight[:, hidden:].copy_(torch.eye(hidden))
             self.fc.bias.zero_()
-        self.register_buffer("vocab", torch.as_tensor(vocab, dtype=torch.long), persistent=True)
         self._target_head = target.get_output_embeddings().weight.detach()  # [V, hidden], not a copy
+        vocab = torch.as_tensor(vocab, dtype=torch.long)
+        _check_vocabulary(vocab, self._target_head.shape[0])
+        self.register_buffer("vocab", vocab, persistent=True)
         self.register_buffer("head_rows", self._rows(), persistent=False)  # [m, hidden]
         self.to(self._target_head.device)  # beside the target whose features it reads
 
@@ -123,11 +128,18 @@ class EagleHead(nn.Module):
         """Load weights ``trained_state`` wrote, whatever sub-vocabulary this head was built with."""
         if "vocab" not in state:
             raise ValueError("not a head's weights: no 'vocab' (the sub-vocabulary it proposes from)")
+        _check_vocabulary(state["vocab"], self._target_head.shape[0])
         self.vocab = state["vocab"].to(self.device, torch.long)  # may differ in size from this head's
         missing, unexpected = self.load_state_dict({k: v for k, v in state.items() if k != "vocab"}, strict=False)
         if unexpected or set(missing) - {"body.embed_tokens.weight", "vocab"}:
             raise ValueError(f"not this head's weights: missing {missing}, unexpected {unexpected}")
         self.head_rows = self._rows()  # the loaded sub-vocabulary's rows of the target's head
+
+
+def _check_vocabulary(vocab: torch.Tensor, vocab_size: int) -> None:
+    if vocab.numel() == 0 or not 0 <= int(vocab.min()) <= int(vocab.max()) < vocab_size:
+        raise ValueError(f"the head's sub-vocabulary must be ids of this target's {vocab_size}-token vocabulary "
+                         "(weights trained for another target?)")
 
 
 @torch.inference_mode()
@@ -141,6 +153,8 @@ def draft_chain(head: EagleHead, features: torch.Tensor, tokens: torch.Tensor, c
     ones still missing are fed first, then each draft's input (the head's own prediction, the
     draft) is appended, and dropped again before returning: the next call's true inputs replace them.
     """
+    if committed < 2:
+        raise ValueError(f"a head drafts after at least 2 committed tokens (one feature), got {committed}")
     last = committed - 2  # the last true input: (features[c - 2], tokens[c - 1])
     index = torch.arange(fed, last + 1, device=head.device)
     predicted = head(features.to(head.device)[index][None].float(), tokens.to(head.device)[index + 1][None],

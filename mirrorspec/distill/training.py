@@ -18,6 +18,8 @@ StepLoss = Callable[[list], tuple[torch.Tensor, int, int]]  # batch -> (loss, to
 def train_epochs(module: torch.nn.Module, params: Sequence[torch.nn.Parameter], epoch_batches: Callable[[], list],
                  step_loss: StepLoss, *, epochs: float, learning_rate: float,
                  on_step: Callable[[int, int, float, float], None] | None = None) -> None:
+    if not (math.isfinite(epochs) and epochs > 0):
+        raise ValueError(f"epochs must be a finite number above 0, got {epochs}")
     optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0)
     first = epoch_batches()
     total = max(1, int(len(first) * epochs))

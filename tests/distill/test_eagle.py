@@ -79,3 +79,24 @@ def test_trained_state_round_trips_without_the_targets_embedding(tiny_dir):
         again.load_trained_state({k: v for k, v in state.items() if k != "vocab"})
     with pytest.raises(ValueError, match="unexpected"):
         again.load_trained_state({**state, "body.layers.1.mlp.up_proj.weight": torch.zeros(1)})
+
+
+def test_misfits_are_clear_errors(tiny_dir):
+    """A head deeper than its target, a sub-vocabulary beyond the target's ids, a chain with no
+    feature to start from, a training run of no epochs: each a ValueError that says which."""
+    import support
+
+    target = support.load(tiny_dir["target16"])  # 2 layers, 16 ids
+    with pytest.raises(ValueError, match="layers must be in"):
+        EagleHead(target, [0, 1], layers=3)
+    with pytest.raises(ValueError, match="sub-vocabulary"):
+        EagleHead(target, [0, 16])
+    head = EagleHead(target, [0, 1])
+    with pytest.raises(ValueError, match="another target"):
+        head.load_trained_state({**head.trained_state(), "vocab": torch.tensor([3, 40])})
+    with pytest.raises(ValueError, match="at least 2 committed"):
+        draft_chain(head, torch.zeros(0, 16), torch.tensor([5]), 1, 2, DynamicCache(), 0)
+    for epochs in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="epochs"):
+            train_head(head, [FeatureExample(torch.arange(6), 2, torch.zeros(5, 16, dtype=torch.float16))],
+                       EagleRecipe(epochs=epochs))
