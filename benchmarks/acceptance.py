@@ -47,7 +47,7 @@ from benchmarks.flags import (csv_of, draft_confidence, draft_spec, integer_at_l
                               sampling_temperature, torch_threads, window_k)
 from benchmarks.metrics import expected_tokens_per_window
 from benchmarks.prompts import add_replay_flags, load_prompts
-from benchmarks.run import DEFAULT_OUT, load_draft
+from benchmarks.run import DEFAULT_OUT, args_config, load_draft
 from mirrorspec.adaptive import window_cost
 from mirrorspec.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, QUANTIZATIONS, AdaptiveKConfig,
                                InvalidRequest, SamplingParams)
@@ -74,6 +74,11 @@ class Replay:
     accepted: int
     tests: int  # positions tested: a window stops at its first rejection
     drafts_per_window: tuple[int, ...] = field(default=(), compare=False)
+
+    @staticmethod
+    def totals(replays: Sequence[Replay]) -> tuple[int, int, int, int]:
+        """(windows, drafted, accepted, tests) over many answers' replays."""
+        return tuple(sum(getattr(r, f) for r in replays) for f in ("windows", "drafted", "accepted", "tests"))
 
 
 def replay_greedy(agrees: Sequence[bool], k: int, confidences: Sequence[float] | None = None,
@@ -188,8 +193,7 @@ def summarize(dataset: str, draft: str, temperature: float, betas: list[list[flo
 
 
 def _greedy_row(estimate: Row, replays: Sequence[Replay], threshold: float, draft_cost: float) -> Row:
-    windows, drafted, accepted, tests = (sum(getattr(r, f) for r in replays)
-                                         for f in ("windows", "drafted", "accepted", "tests"))
+    windows, drafted, accepted, tests = Replay.totals(replays)
     costs = AdaptiveKConfig()
     cost = sum(window_cost(d, costs, draft_cost) for r in replays for d in r.drafts_per_window)
     return replace(estimate, tokens_per_pass=round(estimate.positions / max(windows, 1), 3),
@@ -335,7 +339,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                    for (dataset, name, temperature), values in betas.items()}
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / time.strftime("acceptance-%Y%m%d-%H%M%S.json")
-    config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
+    config = args_config(args)
     out.write_text(json.dumps({"config": config, "rows": [asdict(r) for r in rows], "beta_by_category": by_category,
                                "answers": answers}, indent=1))
     print(format_table(rows))

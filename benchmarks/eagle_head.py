@@ -35,7 +35,7 @@ from tqdm import tqdm
 from benchmarks.acceptance import Replay, replay_greedy, teacher_forced_logits
 from benchmarks.flags import csv_of, positive, positive_float, torch_threads, window_k
 from benchmarks.prompts import add_replay_flags, load_prompts
-from benchmarks.run import DEFAULT_OUT, load_draft
+from benchmarks.run import DEFAULT_OUT, args_config, load_draft
 from mirrorspec.config import SamplingParams
 from mirrorspec.distill.eagle import (EagleHead, EagleRecipe, agreement, draft_chain, load_feature_examples,
                                       train_head)
@@ -78,8 +78,7 @@ def replay_head(head: EagleHead, features: torch.Tensor, sequence: torch.Tensor,
 
 def _summary(name: str, dataset: str, k: int, replays: Sequence[Replay], positions: int,
              tested: Sequence[int] = (), kept: Sequence[int] = ()) -> dict:
-    windows, drafted, accepted, tests = (sum(getattr(r, f) for r in replays)
-                                         for f in ("windows", "drafted", "accepted", "tests"))
+    windows, drafted, accepted, tests = Replay.totals(replays)
     return {"dataset": dataset, "draft": name, "k": k, "positions": positions,
             "accept": round(accepted / max(drafted, 1), 4), "alpha": round(accepted / max(tests, 1), 4),
             "tokens_per_pass": round(positions / max(windows, 1), 3),
@@ -123,7 +122,7 @@ def replay(args: argparse.Namespace) -> int:
               f"{r['alpha']:>6.3f} {r['tokens_per_pass']:>8.3f}  {depth}")
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / time.strftime("eagle-head-%Y%m%d-%H%M%S.json")
-    config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
+    config = args_config(args)
     out.write_text(json.dumps({"config": config, "rows": rows}, indent=1))
     print(f"\nalpha = accepted / tests run (a window stops at its first miss); by depth = share of drafts "
           f"accepted at each depth of the window, of those tested there\nwrote {out}")

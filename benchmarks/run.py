@@ -34,6 +34,11 @@ from benchmarks.report import (LEGEND, cpu_sample, environment, format_table, ot
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
+def args_config(args: argparse.Namespace) -> dict:
+    """A run's flags as its JSON records them (paths as strings)."""
+    return {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
+
+
 def first_paragraph(text: str) -> str:
     """A docstring's first paragraph on one line (a first line alone can stop mid-sentence)."""
     return " ".join(text.split("\n\n")[0].split()).rstrip(".")
@@ -247,7 +252,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     notes += contention_note(env["others_cpu_busy_during_run"], "during the run", env["device"])
     summaries = summarize(records)
 
-    config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
+    config = args_config(args)
     config.update(target_source=target.source, modes_run=[m.name for m in modes], elapsed_s=elapsed)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / time.strftime("bench-%Y%m%d-%H%M%S")
