@@ -13,6 +13,7 @@ target went away or hung (its session moves, as a failed window's does), or the 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 def windows_on_target(remote: RemoteDrafter, drafter: Drafter, verifier: RemoteVerifier, prompt: Sequence[int],
                       params: SamplingParams, spec: SpeculationConfig, seed: int, stats: GenerationStats,
                       runner_up: bool, client_deadline: float | None = None,
-                      mirror: MirrorConfig | None = None) -> Iterator[WindowEvent]:
+                      mirror: MirrorConfig | None = None, reach: TargetReach | None = None) -> Iterator[WindowEvent]:
     """The request's windows: run on the target while it can, else here (``decode_windows``
     with ``drafter``, the front door's face of ``remote``), window by window, until the target can
     run them again: the drafter is back (a failed one reopens after its cooldown), or the session
@@ -45,16 +46,17 @@ def windows_on_target(remote: RemoteDrafter, drafter: Drafter, verifier: RemoteV
     windows that come back here are serial. With adaptive K (``spec.adaptive``), one policy follows
     the request's windows wherever they run: each run is sent its state, and it follows the run's
     windows here, so each window's K is the one the in-process engine would choose. Where the
-    target cannot get drafts from the drafter, the windows stay here a while (``TargetReach``)."""
+    target cannot get drafts from the drafter, the windows stay here a while (``reach``: the front
+    door's ``TargetReach``, which its other requests on the same replicas heed too)."""
     context = list(prompt)
     policy = window_policy(spec, drafter)
-    reach = TargetReach(verifier.pool.cooldown_s)
+    reach = reach or TargetReach(verifier.pool.cooldown_s)
 
     def rest() -> SamplingParams:
         return replace(params, max_new_tokens=params.max_new_tokens - (len(context) - len(prompt)))
 
     while True:
-        if reach.back() and (yield from _run(remote, verifier, context, rest(), spec.num_speculative_tokens, stats,
+        if reach.back(run_pair(remote, verifier)) and (yield from _run(remote, verifier, context, rest(), spec.num_speculative_tokens, stats,
                                              runner_up, client_deadline, mirror, policy, reach)):
             return
         for event in decode_windows(drafter, verifier, context, rest(), spec, seed, stats, policy=policy):
@@ -62,36 +64,70 @@ def windows_on_target(remote: RemoteDrafter, drafter: Drafter, verifier: RemoteV
             yield event
             if event.finish_reason:
                 return
-            if verifier.runs_windows and remote.failure is None and reach.back():
+            if verifier.runs_windows and remote.failure is None and reach.back(run_pair(remote, verifier)):
                 break  # the decode_windows generator is dropped: it holds nothing
 
 
 @dataclass
-class TargetReach:
-    """Whether the request's target gets drafts from its drafter. A draft call the target made that
-    failed shows only that the target could not reach the drafter: this side may still reach it
-    (the two pools partitioned from each other, or a drafter address that names another host
-    from the target's side). So the next windows run here, drafting from here, and the drafter is
-    blamed only where those draft calls fail too. The windows go back to the target after the
-    pool's cooldown, doubled for each run in a row that failed so (at most a minute)."""
-
-    cooldown_s: float
+class _PairReach:
     failures_in_a_row: int = 0
     retry_at: float = 0.0
 
-    def back(self) -> bool:
-        return time.monotonic() >= self.retry_at
 
-    def lost(self) -> float:
-        """A run's draft call failed: how long its windows now stay here."""
-        wait = backoff_s(self.cooldown_s, self.failures_in_a_row)
-        self.failures_in_a_row += 1
-        self.retry_at = time.monotonic() + wait
-        return wait
+class TargetReach:
+    """Whether a target replica gets drafts from a drafter replica, for every request of a front
+    door. A draft call the target made that failed shows only that the target could not reach the
+    drafter: this side may still reach it (the two pools partitioned from each other, or a drafter
+    address that names another host from the target's side). So the next windows of every request
+    on that pair run here, drafting from here, and the drafter is blamed only where those draft
+    calls fail too. The pair's windows go back to the target after the pool's cooldown, doubled for
+    each run in a row that failed so (at most a minute). Kept per front door, not per request: each
+    new request on a pair that fails paid a failed run before (a black-holed drafter address costs
+    the draft deadline, up to gRPC's connect timeout). Thread-safe: the requests' workers share it."""
 
-    def held(self) -> None:
-        """A run got its drafts."""
-        self.failures_in_a_row = 0
+    # a pair not failing for this long is forgotten: replacements come on new ports
+    FORGET_AFTER_S = 600.0
+
+    def __init__(self, cooldown_s: float):
+        self.cooldown_s = cooldown_s
+        self._pairs: dict[tuple[str, str], _PairReach] = {}
+        self._lock = threading.Lock()
+
+    def back(self, pair: tuple[str, str] | None) -> bool:
+        """Whether runs on ``pair`` (target address, drafter address) may go to the target now."""
+        with self._lock:
+            reach = self._pairs.get(pair)
+            return reach is None or time.monotonic() >= reach.retry_at
+
+    def lost(self, pair: tuple[str, str]) -> float:
+        """A run's draft call failed: how long the pair's windows now stay here. Runs that were
+        already under way when an earlier one failed fail for the same cause: they do not double
+        the wait again."""
+        now = time.monotonic()
+        with self._lock:
+            self._forget_old(now)
+            reach = self._pairs.setdefault(pair, _PairReach())
+            if now < reach.retry_at:
+                return reach.retry_at - now
+            wait = backoff_s(self.cooldown_s, reach.failures_in_a_row)
+            reach.failures_in_a_row += 1
+            reach.retry_at = now + wait
+            return wait
+
+    def held(self, pair: tuple[str, str]) -> None:
+        """A run on ``pair`` got its drafts."""
+        with self._lock:
+            self._pairs.pop(pair, None)
+
+    def _forget_old(self, now: float) -> None:
+        for pair in [p for p, r in self._pairs.items() if now - r.retry_at > self.FORGET_AFTER_S]:
+            del self._pairs[pair]
+
+
+def run_pair(remote: RemoteDrafter, verifier: RemoteVerifier) -> tuple[str, str] | None:
+    """The (target, drafter) replicas a run would go between now, where both sessions are open."""
+    target, drafter = verifier.replica, remote.session.replica
+    return None if target is None or drafter is None else (target.address, drafter.address)
 
 
 def _run(remote: RemoteDrafter, verifier: RemoteVerifier, context: list[int], params: SamplingParams, k: int,
@@ -106,6 +142,7 @@ def _run(remote: RemoteDrafter, verifier: RemoteVerifier, context: list[int], pa
     if not (verifier.runs_windows and remote.drafting(k, context)):
         return False
     target = verifier.replica
+    pair = (target.address, drafts.replica.address)
     # the target waits this long for a draft before it answers drafter_error
     draft_timeout_s = drafts.timeout_s or RemoteDrafter.HUNG_AFTER_S
     request = target_pb2.RunWindowsRequest(
@@ -129,11 +166,12 @@ def _run(remote: RemoteDrafter, verifier: RemoteVerifier, context: list[int], pa
                 drafts.may_hold_more = True  # it may have taken a commit before it failed
                 if result.drafter_error.startswith("DEADLINE_EXCEEDED"):
                     remote.suspected()
-                log.warning("target replica %s got no drafts from drafter replica %s (%s); the request's windows "
+                log.warning("target replica %s got no drafts from drafter replica %s (%s); windows between the two "
                             "run at the front door for %.3g s", target.address, drafts.replica.address,
-                            result.drafter_error, reach.lost())
+                            result.drafter_error, reach.lost(pair))
                 return False
-            reach.held()
+            if not produced:
+                reach.held(pair)
             verifier.held = list(context)  # as of this window's verify
             if result.draft_call_s > 0:  # and its draft call, where it made one
                 drafts.held = list(context)

@@ -37,7 +37,7 @@ from mirrorspec.v1 import (
     generation_pb2_grpc,
     target_pb2_grpc,
 )
-from orchestrator.direct import windows_on_target
+from orchestrator.direct import TargetReach, windows_on_target
 from orchestrator.lookup import FrontDoorNgram, front_door_drafter, looks_up_whole_window
 from orchestrator.metrics import SpecDecodeMetrics
 from orchestrator.pool import NoReplicaAvailable, ReplicaPool, parse_addresses
@@ -160,6 +160,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                                    failure_cooldown_s=config.failure_cooldown_s)
         self.drafters = ReplicaPool("drafter", parse_addresses(config.drafter), drafter_pb2_grpc.DrafterServiceStub,
                                     failure_cooldown_s=config.failure_cooldown_s)
+        # which target replicas got no drafts from which drafter replicas of late: every request heeds it
+        self.reach = TargetReach(config.failure_cooldown_s)
         self._workers = ThreadPoolExecutor(max_workers=config.max_concurrent_requests,
                                            thread_name_prefix="request")
         # a request's drafter session opens here while its worker opens the target session
@@ -350,7 +352,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if self._on_target(prepared) and opened is not None:
                 events = windows_on_target(remote, drafter, verifier, prepared.prompt, prepared.params, prepared.spec,
                                            prepared.seed, outcome.stats, self.config.runner_up, budget.client_deadline,
-                                           prepared.mirror)
+                                           prepared.mirror, self.reach)
             else:
                 events = decode_windows(drafter, verifier, prepared.prompt, prepared.params, prepared.spec,
                                         prepared.seed, outcome.stats, pipeline,

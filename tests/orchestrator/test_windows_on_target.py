@@ -264,13 +264,17 @@ def test_a_target_that_cannot_reach_the_drafter_leaves_the_windows_to_the_front_
     """The target's draft calls fail where the front door's succeed (the pools partitioned from
     each other, or a drafter address that names another host from the target's side): the
     windows run at the front door, drafting from there, and the drafter is not blamed. Before,
-    drafting turned off for the request, which went on target-only."""
+    drafting turned off for the request, which went on target-only. The front door remembers the
+    pair for its cooldown: the later requests do not send the target a run that fails too (each
+    paid one before, and a black-holed drafter address costs a run the draft deadline)."""
     from support import free_port
     from target_service.run_windows import DrafterLinks
 
     acquire = DrafterLinks.acquire
+    runs = []
 
     async def elsewhere(self, address):
+        runs.append(address)
         return await acquire(self, f"127.0.0.1:{free_port()}")  # nobody there
 
     monkeypatch.setattr(DrafterLinks, "acquire", elsewhere)
@@ -286,6 +290,34 @@ def test_a_target_that_cannot_reach_the_drafter_leaves_the_windows_to_the_front_
         st = result.stats
         assert not st.drafter_fallback and st.drafted >= 2 * st.windows  # drafted from the front door, every window
         assert st.windows_on_target == 0
+    assert len(runs) == 1, runs
+
+
+def test_target_reach_is_kept_per_pair_of_replicas(monkeypatch):
+    """One pair failing keeps only its own windows at the front door; runs that were under way as
+    it failed fail for the same cause, and do not double the wait; a run that got its drafts
+    clears the pair."""
+    from orchestrator import direct
+    from orchestrator.direct import TargetReach
+
+    now = [100.0]
+    monkeypatch.setattr(direct.time, "monotonic", lambda: now[0])
+    reach = TargetReach(cooldown_s=2.0)
+    cut, other = ("t:1", "d:1"), ("t:1", "d:2")
+    assert reach.back(cut) and reach.back(None)
+    assert reach.lost(cut) == 2.0
+    assert not reach.back(cut) and reach.back(other) and reach.back(None)
+    now[0] += 1.5
+    assert reach.lost(cut) == pytest.approx(0.5)  # a run begun before the first failed: same cause
+    now[0] += 0.5
+    assert reach.back(cut)
+    assert reach.lost(cut) == 4.0  # failed again once back: the wait doubles
+    now[0] += 4.0
+    reach.held(cut)
+    assert reach.back(cut) and reach.lost(cut) == 2.0
+    now[0] += TargetReach.FORGET_AFTER_S + 3.0
+    reach.lost(other)
+    assert cut not in reach._pairs  # long past: forgotten (replacements come on new ports)
 
 
 def test_a_target_without_run_windows_serves_the_windows_from_the_front_door(tiny_dir, monkeypatch):
