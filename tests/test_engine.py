@@ -32,6 +32,16 @@ def test_greedy_is_token_identical_to_target_only_and_to_hf(tiny_target, tiny_dr
             assert generate(tiny_target, draft, prompt, params, num_speculative_tokens=k).token_ids == baseline
 
 
+def test_a_vanishing_top_p_decodes_the_greedy_chain(tiny_target, tiny_draft):
+    """top_p=1e-300 keeps only each step's top token, on the target and the draft alike (it gave
+    token 0 every step before: the float32 comparison dropped every token)."""
+    prompt, greedy = [1, 2, 3], SamplingParams(max_new_tokens=12)
+    vanishing = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=1e-300)
+    baseline = generate(tiny_target, None, prompt, greedy).token_ids
+    assert generate(tiny_target, None, prompt, vanishing, seed=1).token_ids == baseline
+    assert generate(tiny_target, tiny_draft, prompt, vanishing, num_speculative_tokens=3, seed=1).token_ids == baseline
+
+
 def test_stop_token_inside_a_window_truncates_there(tiny_target):
     prompt = [0, 3, 5, 2]
     full = generate(tiny_target, None, prompt, SamplingParams(max_new_tokens=30)).token_ids

@@ -48,6 +48,9 @@ def _mask_outside_top_p(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # exclusive cumulative sum
-    drop_sorted = mass_before >= top_p  # the first token always has mass_before == 0 < top_p
+    drop_sorted = mass_before >= top_p
+    # the first token is always kept: its mass_before is 0, but a top_p below float32's smallest
+    # (~1e-45) compares as 0 too, and dropped every token (NaN rows, garbage tokens)
+    drop_sorted[..., 0] = False
     drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
     return scaled.masked_fill(drop, float("-inf"))

@@ -24,6 +24,14 @@ def test_top_p_can_keep_a_single_token():
     assert p.tolist() == [[1.0, 0.0, 0.0, 0.0]]
 
 
+@pytest.mark.parametrize("top_p", [1e-46, 1e-300, 5e-324])
+def test_a_top_p_below_float32_s_range_keeps_the_top_token(top_p):
+    """Such a top_p compares as 0 in float32: it dropped every token before (NaN rows)."""
+    logits = torch.tensor([[1.0, 5.0, 0.0, -1.0], [0.0, 0.0, 3.0, 0.0]])
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    assert p.tolist() == [[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]]
+
+
 def test_top_k_with_ties_keeps_exactly_k():
     p = target_probs(torch.zeros(1, 6), SamplingParams(temperature=1.0, top_k=2))
     assert int((p > 0).sum()) == 2
