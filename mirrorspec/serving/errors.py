@@ -16,6 +16,10 @@ from mirrorspec.config import InvalidRequest, OutOfRange
 log = logging.getLogger(__name__)
 
 FIELD_METADATA = "mirrorspec-field"  # trailing metadata of an INVALID_ARGUMENT / OUT_OF_RANGE: the field
+# a status message travels as trailing metadata, percent-encoded outside printable ASCII (up to 3x),
+# where gRPC's limit is 8 KB (16 KB hard): one that quotes a long input back would replace the
+# status with RESOURCE_EXHAUSTED "received metadata size exceeds hard limit"
+MAX_MESSAGE_BYTES = 2000
 
 
 class SessionNotFound(KeyError):
@@ -111,7 +115,15 @@ async def _abort(context: grpc.aio.ServicerContext, err: Exception, method: str)
         message = f"a backend answered {err.code().name}: {err.details()}"
     # the request field at fault, for clients that name their own setting for it (the CLI's flag)
     field = getattr(err, "field", None) if isinstance(err, InvalidRequest) else None
-    await context.abort(code, message, trailing_metadata=((FIELD_METADATA, field),) if field else ())
+    await context.abort(code, capped(message), trailing_metadata=((FIELD_METADATA, field),) if field else ())
+
+
+def capped(message: str, limit: int = MAX_MESSAGE_BYTES) -> str:
+    """``message`` cut to ``limit`` UTF-8 bytes, saying so, where it is longer."""
+    raw = message.encode()
+    if len(raw) <= limit:
+        return message
+    return raw[:limit].decode(errors="ignore") + f"... (message cut at {limit} bytes)"
 
 
 def _wrap_unary(fn: Callable[..., Awaitable], method: str):

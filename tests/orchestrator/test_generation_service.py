@@ -931,6 +931,28 @@ def test_a_chat_with_an_unknown_role_is_refused_over_the_wire(tiny_dir):
         s.stop()
 
 
+def test_an_error_that_quotes_a_long_input_keeps_its_status_and_message(tiny_dir):
+    """A message over gRPC's metadata limit lost both before: the client got RESOURCE_EXHAUSTED
+    "received metadata size exceeds hard limit". The message is cut, and the server serves on."""
+    s = start_stack(tiny_dir["target16"], strategy=None, tokenizer="demo-target")
+    try:
+        with Client(s.address) as client:
+            for role in ("u" * 20000, "\u00e9" * 20000):  # 2 bytes each, percent-encoded to 6
+                with pytest.raises(grpc.RpcError) as err:
+                    client.generate([{"role": role, "content": "hi"}], max_tokens=3)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert err.value.details().startswith("chat message 0 has role")
+                assert err.value.details().endswith("(message cut at 2000 bytes)")
+            target = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(f"127.0.0.1:{s.targets[0].port}"))
+            with pytest.raises(grpc.RpcError) as err:
+                list(target.Verify(target_pb2.VerifyRequest(session_id="s" * 100000, context_length=3)))
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+            assert err.value.details().startswith("unknown session 'sss")
+            assert len(client.generate([1, 2, 3], max_tokens=3).token_ids) == 3
+    finally:
+        s.stop()
+
+
 def test_a_drafter_pool_that_joins_later_is_described_by_a_replica_that_can_draft(stack, tiny_dir):
     """A front door started without drafters asks the pool that joins later for its Info. A
     replica that does not answer, or drafts another vocabulary, is passed over for the next one;
