@@ -5,14 +5,29 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
 from mirrorspec.config import InvalidRequest, SamplingParams, SpeculationConfig, check_draft_confidence
 
 TRUNCATE_PREFIX = "truncate:"
+
+
+def output_dir(text: str) -> Path:
+    """``--out``: the folder is made as the flags are read, so one that cannot be written is
+    refused naming the flag before the run, not with a traceback after it (its results lost)."""
+    path = Path(text)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"cannot make the output folder {text!r}: {err.strerror or err}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write in the output folder {text!r}; choose another")
+    return path
 
 
 @contextmanager

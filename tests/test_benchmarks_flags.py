@@ -1,0 +1,27 @@
+"""Flags every benchmark command shares (``benchmarks/flags.py``), checked as they are read."""
+
+import importlib
+
+import pytest
+
+from support import assert_flag_refused
+
+# each command's main and the argv before its flags
+COMMANDS = [("run", []), ("acceptance", []), ("mirror", []), ("hints", []), ("pass_cost", []), ("prefill", []),
+            ("trees", []), ("data_plane", []), ("cluster", []), ("eagle_head", ["replay", "--head", __file__])]
+
+
+@pytest.mark.parametrize("command,head", COMMANDS, ids=[c for c, _ in COMMANDS])
+def test_an_out_folder_that_cannot_be_made_is_refused_before_the_run(command, head, tmp_path, capsys):
+    """Each wrote its results at the end only: a bad --out cost the whole run, then a traceback."""
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("")
+    main = importlib.import_module(f"benchmarks.{command}").main
+    assert_flag_refused(main, [*head, "--out", str(in_the_way / "results")], "--out", capsys)
+
+
+def test_the_out_folder_is_made_as_the_flags_are_read(tmp_path):
+    from benchmarks.flags import output_dir
+
+    assert output_dir(str(tmp_path / "a" / "b")) == tmp_path / "a" / "b"
+    assert (tmp_path / "a" / "b").is_dir()
