@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import numbers
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -53,6 +54,31 @@ class OutOfRange(InvalidRequest):
 MIN_TEMPERATURE = 1e-5
 
 
+def is_integer(value) -> bool:
+    """An int, numpy or 0-d integer torch value; not a bool (True passed for 1) nor a float."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def is_real(value) -> bool:
+    """A real number (ints, floats, numpy's), not a bool nor a string."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _token_ids(ids, field: str) -> tuple[int, ...]:
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise InvalidRequest(f"{field} must be a sequence of token ids, got {ids!r}", field=field)
+    ids = tuple(ids)
+    if not all(is_integer(t) for t in ids):
+        raise InvalidRequest(f"{field} must hold integer token ids, got {ids!r}", field=field)
+    return tuple(operator.index(t) for t in ids)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How the *target* distribution p is formed, and when generation stops.
@@ -67,8 +93,15 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature):
+        object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids, "stop_token_ids"))
+        for name in ("temperature", "top_p"):
+            if not is_real(getattr(self, name)):
+                raise InvalidRequest(f"{name} must be a number, got {getattr(self, name)!r}", field=name)
+            object.__setattr__(self, name, float(getattr(self, name)))
+        for name in ("top_k", "max_new_tokens"):
+            if is_integer(getattr(self, name)):
+                object.__setattr__(self, name, operator.index(getattr(self, name)))
+        if math.isnan(self.temperature):
             raise InvalidRequest("temperature is NaN; use 0 for greedy or a positive value such as 0.7",
                                  field="temperature")
         if self.temperature < 0 or math.isinf(self.temperature):
@@ -78,11 +111,11 @@ class SamplingParams:
             raise InvalidRequest(f"temperature {self.temperature} is below {MIN_TEMPERATURE}, where logits / "
                                  f"temperature overflow float32 and p becomes NaN; use 0 for greedy",
                                  field="temperature")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not is_integer(self.top_k) or self.top_k < 0:
             raise InvalidRequest(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}", field="top_k")
         if math.isnan(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"top_p must be in (0, 1] (1 = off), got {self.top_p}", field="top_p")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if not is_integer(self.max_new_tokens) or self.max_new_tokens < 1:
             raise InvalidRequest(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens}",
                                  field="max_new_tokens")
 
@@ -191,7 +224,7 @@ class SpeculationConfig:
         if not 1 <= self.max_speculative_tokens <= 64:
             raise InvalidRequest(f"max_speculative_tokens must be in [1, 64], got {self.max_speculative_tokens}",
                                  field="max_speculative_tokens")
-        if not isinstance(self.num_speculative_tokens, int) or not (
+        if not is_integer(self.num_speculative_tokens) or not (
             0 <= self.num_speculative_tokens <= self.max_speculative_tokens
         ):
             raise OutOfRange(
@@ -243,7 +276,7 @@ def default_k(draft_model: bool, draft_confidence: float) -> int:
 
 
 def check_draft_confidence(threshold: float) -> None:
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold < 1.0:
+    if not is_real(threshold) or not 0.0 <= threshold < 1.0:
         raise InvalidRequest(f"draft_confidence must be a probability in [0, 1): a draft model's window ends after "
                              f"the first token it gives less than this (0 = always draft K; "
                              f"{DEFAULT_DRAFT_CONFIDENCE} is a good default), got {threshold!r}",
@@ -251,7 +284,7 @@ def check_draft_confidence(threshold: float) -> None:
 
 
 def check_prompt_lookup(min_match: int) -> None:
-    if not isinstance(min_match, int) or not 0 <= min_match <= MAX_PROMPT_LOOKUP:
+    if not is_integer(min_match) or not 0 <= min_match <= MAX_PROMPT_LOOKUP:
         raise InvalidRequest(f"prompt_lookup must be an int in [0, {MAX_PROMPT_LOOKUP}]: the context tokens a "
                              f"lookup must match before it drafts instead of the draft model (0 = the draft model "
                              f"alone; 2 is a good default), got {min_match!r}", field="prompt_lookup")
@@ -262,13 +295,9 @@ def check_unsigned(field: str, value, bits: int, what: str = "it", hint: str = "
     itself refuses one that does not with a bare "Value out of range", naming nothing."""
     if value is None:
         return None
-    try:
-        number = operator.index(value)  # ints, numpy and 0-d integer torch values; not floats
-    except TypeError:
-        number = None
-    if number is None or isinstance(value, bool) or not 0 <= number < 1 << bits:
+    if not is_integer(value) or not 0 <= operator.index(value) < 1 << bits:
         raise InvalidRequest(f"{what} must be an integer in [0, 2**{bits}), got {value!r}{hint}", field=field)
-    return number
+    return operator.index(value)
 
 
 def check_text(text: str, field: str) -> str:
@@ -375,7 +404,7 @@ PREFILL_CHUNK_HELP = (f"prefill long prompts on the targets this many tokens per
 
 
 def check_prefill_chunk(tokens: int) -> int:
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+    if not is_integer(tokens) or tokens < 1:
         raise InvalidRequest(f"prefill_chunk_tokens must be a whole number of tokens >= 1, got {tokens!r}",
                              field="prefill_chunk_tokens")
     return tokens

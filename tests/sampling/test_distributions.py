@@ -32,6 +32,15 @@ def test_a_top_p_below_float32_s_range_keeps_the_top_token(top_p):
     assert p.tolist() == [[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]]
 
 
+def test_numpy_and_torch_numbers_are_taken_as_plain_ones():
+    import numpy as np
+
+    params = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(3), top_p=np.float64(0.9),
+                            max_new_tokens=torch.tensor(4), stop_token_ids=np.array([2, 7]))
+    assert params == SamplingParams(temperature=0.5, top_k=3, top_p=0.9, max_new_tokens=4, stop_token_ids=(2, 7))
+    assert type(params.top_k) is int and type(params.max_new_tokens) is int and type(params.temperature) is float
+
+
 def test_top_k_with_ties_keeps_exactly_k():
     p = target_probs(torch.zeros(1, 6), SamplingParams(temperature=1.0, top_k=2))
     assert int((p > 0).sum()) == 2
@@ -50,6 +59,17 @@ def test_greedy_is_one_hot_argmax_even_from_bf16():
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": -1}, "top_k"),
     ({"max_new_tokens": 0}, "max_new_tokens"),
+    # the wrong type: each said "temperature is NaN", or raised a bare TypeError or ValueError, or
+    # passed True as 1 and 1.5 as token 1
+    ({"temperature": "0.5"}, "temperature"),
+    ({"temperature": None}, "temperature"),
+    ({"top_p": "0.5"}, "top_p"),
+    ({"top_k": True}, "top_k"),
+    ({"max_new_tokens": True}, "max_new_tokens"),
+    ({"stop_token_ids": 3}, "stop_token_ids"),
+    ({"stop_token_ids": "2"}, "stop_token_ids"),
+    ({"stop_token_ids": ("a",)}, "stop_token_ids"),
+    ({"stop_token_ids": (1.5,)}, "stop_token_ids"),
 ])
 def test_bad_parameters_name_the_field(kwargs, field):
     with pytest.raises(InvalidRequest) as err:
