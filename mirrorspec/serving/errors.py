@@ -10,6 +10,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from mirrorspec.config import InvalidRequest, OutOfRange
 
@@ -88,22 +89,52 @@ class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
     def _wrap(handler, method: str):
         if handler is None:
             return None
+        parse = _parsing(handler.request_deserializer, method)
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
                 _wrap_unary(handler.unary_unary, method),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+                request_deserializer=parse, response_serializer=handler.response_serializer)
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, method),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-        if handler.stream_stream:  # the request iterator stands where a unary-stream handler's request does
+                _wrap_stream(handler.unary_stream, method, _checked),
+                request_deserializer=parse, response_serializer=handler.response_serializer)
+        if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(
-                _wrap_stream(handler.stream_stream, method),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+                _wrap_stream(handler.stream_stream, method, _each_checked),
+                request_deserializer=parse, response_serializer=handler.response_serializer)
         return handler
+
+
+class _Malformed:
+    """What a request message that does not parse becomes, so that its handler answers
+    INVALID_ARGUMENT: a deserializer that raised got UNKNOWN "Unexpected DecodeError" from gRPC."""
+
+    def __init__(self, method: str, err: DecodeError):
+        self.error = InvalidRequest(f"the {method} request does not parse as its protobuf message ({err}); build it "
+                                    f"with the generated classes in mirrorspec.v1, or call through mirrorspec.Client")
+
+
+def _parsing(deserialize: Callable[[bytes], object] | None, method: str) -> Callable[[bytes], object] | None:
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes) -> object:
+        try:
+            return deserialize(data)
+        except DecodeError as err:
+            return _Malformed(method, err)
+    return parse
+
+
+def _checked(request):
+    if isinstance(request, _Malformed):
+        raise request.error
+    return request
+
+
+async def _each_checked(requests: AsyncIterator) -> AsyncIterator:
+    async for request in requests:
+        yield _checked(request)
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: Exception, method: str) -> None:
@@ -129,7 +160,7 @@ def capped(message: str, limit: int = MAX_MESSAGE_BYTES) -> str:
 def _wrap_unary(fn: Callable[..., Awaitable], method: str):
     async def wrapped(request, context):
         try:
-            return await fn(request, context)
+            return await fn(_checked(request), context)
         except grpc.aio.AbortError:
             raise
         except Exception as err:  # noqa: BLE001 - mapped to a status, never a crash
@@ -137,10 +168,11 @@ def _wrap_unary(fn: Callable[..., Awaitable], method: str):
     return wrapped
 
 
-def _wrap_stream(fn: Callable[..., AsyncIterator], method: str):
+def _wrap_stream(fn: Callable[..., AsyncIterator], method: str, checked: Callable):
+    """``checked``: the request (``_checked``), or the request iterator (``_each_checked``)."""
     async def wrapped(request, context):
         try:
-            async for item in fn(request, context):
+            async for item in fn(checked(request), context):
                 yield item
         except grpc.aio.AbortError:
             raise
