@@ -55,16 +55,19 @@ def windows_on_target(remote: RemoteDrafter, drafter: Drafter, verifier: RemoteV
     def rest() -> SamplingParams:
         return replace(params, max_new_tokens=params.max_new_tokens - (len(context) - len(prompt)))
 
+    def reachable() -> bool:
+        return reach.back(run_pair(remote, verifier))
+
     while True:
-        if reach.back(run_pair(remote, verifier)) and (yield from _run(remote, verifier, context, rest(), spec.num_speculative_tokens, stats,
-                                             runner_up, client_deadline, mirror, policy, reach)):
+        if reachable() and (yield from _run(remote, verifier, context, rest(), spec.num_speculative_tokens, stats,
+                                            runner_up, client_deadline, mirror, policy, reach)):
             return
         for event in decode_windows(drafter, verifier, context, rest(), spec, seed, stats, policy=policy):
             context += event.tokens
             yield event
             if event.finish_reason:
                 return
-            if verifier.runs_windows and remote.failure is None and reach.back(run_pair(remote, verifier)):
+            if verifier.runs_windows and remote.failure is None and reachable():
                 break  # the decode_windows generator is dropped: it holds nothing
 
 
@@ -142,7 +145,7 @@ def _run(remote: RemoteDrafter, verifier: RemoteVerifier, context: list[int], pa
     if not (verifier.runs_windows and remote.drafting(k, context)):
         return False
     target = verifier.replica
-    pair = (target.address, drafts.replica.address)
+    pair = run_pair(remote, verifier)
     # the target waits this long for a draft before it answers drafter_error
     draft_timeout_s = drafts.timeout_s or RemoteDrafter.HUNG_AFTER_S
     request = target_pb2.RunWindowsRequest(
@@ -170,7 +173,7 @@ def _run(remote: RemoteDrafter, verifier: RemoteVerifier, context: list[int], pa
                             "run at the front door for %.3g s", target.address, drafts.replica.address,
                             result.drafter_error, reach.lost(pair))
                 return False
-            if not produced:
+            if result.draft_call_s > 0:  # a window that made no draft call (K=0) shows nothing of the pair
                 reach.held(pair)
             verifier.held = list(context)  # as of this window's verify
             if result.draft_call_s > 0:  # and its draft call, where it made one

@@ -3,6 +3,7 @@ drafts itself. Same outputs as the front door's own loop, the same failures surv
 sampled requests drawing the in-process tokens, and the network chi-square test, run both ways in
 test_generation_service.)"""
 
+import asyncio
 import random
 import threading
 import time
@@ -291,6 +292,37 @@ def test_a_target_that_cannot_reach_the_drafter_leaves_the_windows_to_the_front_
         assert not st.drafter_fallback and st.drafted >= 2 * st.windows  # drafted from the front door, every window
         assert st.windows_on_target == 0
     assert len(runs) == 1, runs
+
+
+def test_a_window_that_made_no_draft_call_does_not_clear_a_pair_found_cut(tiny_dir, monkeypatch):
+    """A run under way as another request's found the pair cut, whose window needs no draft (one
+    token left: K=0), says nothing of the pair: it cleared it, and the next request sent the
+    target a run that failed again (review 4's repro)."""
+    from support import free_port
+    from target_service.run_windows import DrafterLinks
+
+    acquire = DrafterLinks.acquire
+    runs = []
+
+    async def elsewhere(self, address):
+        runs.append(address)
+        if len(runs) == 1:  # the one-token request's run: its window comes after the other's failure
+            await asyncio.sleep(3.0)
+        return await acquire(self, f"127.0.0.1:{free_port()}")  # nobody there
+
+    monkeypatch.setattr(DrafterLinks, "acquire", elsewhere)
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, windows_on_target=True, failure_cooldown_s=30.0)
+    try:
+        with Client(s.address) as client:
+            short = threading.Thread(target=client.generate, args=([1, 2, 3],), kwargs={"max_tokens": 1})
+            short.start()
+            assert wait_until(lambda: len(runs) == 1)
+            assert client.generate([1, 2, 3], max_tokens=24).stats.windows_on_target == 0  # finds the pair cut
+            short.join()
+            assert client.generate([1, 2, 3], max_tokens=24).stats.windows_on_target == 0
+    finally:
+        s.stop()
+    assert len(runs) == 2, runs  # the third request sent no run
 
 
 def test_target_reach_is_kept_per_pair_of_replicas(monkeypatch):
