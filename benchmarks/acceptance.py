@@ -38,12 +38,13 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from benchmarks.flags import (csv_of, draft_confidence, draft_spec, integer_at_least, one_of, output_dir, positive,
-                             sampling_temperature, torch_threads, window_k)
+                              sampling_temperature, torch_threads, window_k)
 from benchmarks.metrics import expected_tokens_per_window
 from benchmarks.prompts import add_replay_flags, load_prompts
 from benchmarks.run import DEFAULT_OUT, args_config, load_draft
@@ -252,7 +253,7 @@ def build_parser(prog: str = "python -m benchmarks.acceptance") -> argparse.Argu
                    help="the draft's q kept to its top-k tokens, as drafters with --proposal-top-k propose (0 = dense, "
                         "as `mirrorspec generate --local`; `mirrorspec serve` uses 32)")
     p.add_argument("--threads", type=positive, default=2, help="torch intra-op threads (default 2)")
-    p.add_argument("--out", type=output_dir, default=str(DEFAULT_OUT), help=f"output directory (default {DEFAULT_OUT})")
+    p.add_argument("--out", type=output_dir, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
@@ -336,6 +337,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     by_category = {f"{dataset} {name} T={temperature:g}":
                    category_betas([a["category"] for a in answers[dataset]], values)
                    for (dataset, name, temperature), values in betas.items()}
+    args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / time.strftime("acceptance-%Y%m%d-%H%M%S.json")
     config = args_config(args)
     out.write_text(json.dumps({"config": config, "rows": [asdict(r) for r in rows], "beta_by_category": by_category,

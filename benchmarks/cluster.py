@@ -18,6 +18,7 @@ import json
 import threading
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import ray
 
@@ -124,7 +125,7 @@ def main(argv=None) -> int:
     parser.add_argument("--target", default="demo-target")
     parser.add_argument("--draft", default="demo-draft")
     parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--out", type=output_dir, default="benchmarks/results")
+    parser.add_argument("--out", type=output_dir, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
     prompts = [p.text for pair in zip(load_prompts("mtbench", 8), load_prompts("humaneval", 8)) for p in pair]
@@ -163,6 +164,7 @@ def main(argv=None) -> int:
     print("\nshape   streams  tok/s  vs first shape")
     for r in results:
         print(f"{r.shape:6s}  {r.streams:7d}  {r.tokens_per_s:5.1f}  {r.tokens_per_s / base[r.streams]:.2f}x")
+    args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"cluster-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"target": args.target, "draft": args.draft, "k": args.k, "max_tokens": args.max_tokens,
                                "replica_threads": 1, "results": [asdict(r) for r in results],

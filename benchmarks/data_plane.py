@@ -233,7 +233,7 @@ def main(argv=None) -> int:
     parser.add_argument("--windows", type=int, default=300)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=output_dir, default="benchmarks/results")
+    parser.add_argument("--out", type=output_dir, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
     if args.windows < 10:
         parser.error("--windows: need at least 10 windows for a p99")
@@ -255,6 +255,7 @@ def main(argv=None) -> int:
           "empty unary round trips per window (health checks), each after its server idled as in the window loop; "
           "above: p50 minus the floor (below 0 where the windows' stream beats a unary call)")
     print(f"dense/sparse bytes ratio: {rows[1]['q_bytes_per_window'] / rows[0]['q_bytes_per_window']:.0f}x")
+    args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"data_plane-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"k": args.k, "vocab": VOCAB, "threads": args.threads, "torch": torch.__version__,
                                "machine": platform.machine(), "rows": rows}, indent=2))

@@ -120,6 +120,7 @@ def replay(args: argparse.Namespace) -> int:
         depth = " ".join("-" if v is None else f"{v:.2f}" for v in r["by_depth"])
         print(f"{r['dataset']:<10} {Path(r['draft']).name[:28]:<28} {r['k']:>2} {r['positions']:>9} {r['accept']:>6.3f} "
               f"{r['alpha']:>6.3f} {r['tokens_per_pass']:>8.3f}  {depth}")
+    args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / time.strftime("eagle-head-%Y%m%d-%H%M%S.json")
     config = args_config(args)
     out.write_text(json.dumps({"config": config, "rows": rows}, indent=1))
@@ -217,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--draft-quantize", default="int8", choices=("int8", "none"))
     r.add_argument("--k", type=csv_of(window_k), default=[4, 8])
     r.add_argument("--target", default="demo-target")
-    r.add_argument("--out", type=output_dir, default=str(DEFAULT_OUT))
+    r.add_argument("--out", type=output_dir, default=DEFAULT_OUT)
     for sp in (t, r):
         sp.add_argument("--threads", type=positive, default=2, help="torch intra-op threads (default 2)")
         sp.add_argument("--no-progress", action="store_true")

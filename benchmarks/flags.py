@@ -18,8 +18,10 @@ TRUNCATE_PREFIX = "truncate:"
 
 
 def output_dir(text: str) -> Path:
-    """``--out``: the folder is made as the flags are read, so one that cannot be written is
-    refused naming the flag before the run, not with a traceback after it (its results lost)."""
+    """``--out``: a folder the user names is made as the flags are read, so one that cannot be
+    written is refused naming the flag before the run, not with a traceback after it (its results
+    lost). A command's default (a ``Path``, which argparse leaves unconverted) is made only when
+    results are written: ``--reprint`` writes nothing, and an installed copy may be read-only."""
     path = Path(text)
     try:
         path.mkdir(parents=True, exist_ok=True)

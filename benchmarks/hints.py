@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=60)
     parser.add_argument("--target", default="demo-target")
     parser.add_argument("--draft", default="demo-draft")
-    parser.add_argument("--out", type=output_dir, default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--out", type=output_dir, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
     datasets = checked_datasets(parser, args, positive=("num_prompts", "max_tokens", "k", "max_branches", "reps"))
     try:
@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                                if o not in HELD and outcomes[o])
             print(f"  {d:10s} {'own guesses' if probe is None else name + ' hints':28s} "
                   f"{hit:4d}/{windows:<4d} = {hit / max(windows, 1):.2f}   misses: {shares}")
+    args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"hints-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"config": vars(args) | {"out": str(args.out)},
                                "verify_s": cost, "vocab_size": {"full": int(target.model.config.vocab_size),

@@ -206,7 +206,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per server process (default 1)")
     parser.add_argument("--no-pin", action="store_true",
                         help="let the scheduler place drafter and target (default: one core each, apart)")
-    parser.add_argument("--out", type=output_dir, default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--out", type=output_dir, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
     datasets = checked_datasets(parser, args, positive=("num_prompts", "max_tokens", "k", "threads"))
     try:
@@ -299,6 +299,7 @@ def main(argv=None) -> int:
                   f"{1e3 * s['network_s_per_window']:6.1f} {s['identical_to_target_only']}")
     if busy is not None and busy > 0.1:
         print(f"note: other processes used {busy:.0%} of the CPUs just before the run; timings are noisy")
+    args.out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = args.out / f"mirror-{stamp}.json"
     out.write_text(json.dumps({"config": vars(args) | {"out": str(args.out)}, "others_cpu_busy": busy,

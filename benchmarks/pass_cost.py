@@ -23,6 +23,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                         "the prompt alone); attention's share of a pass grows with it")
     p.add_argument("--device", default="auto", type=device_flag, help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
-    p.add_argument("--out", type=output_dir, default="benchmarks/results")
+    p.add_argument("--out", type=output_dir, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     try:
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     tables = {name: table(m) for name, m in runs.items()}
     for name, t in tables.items():
         print(f"{name}: AdaptiveKConfig(pass_costs={t})")
+    args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"pass-cost-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"target": args.target, "threads": args.threads, "context_tokens": len(context),
                                "device": str(target.model.device),

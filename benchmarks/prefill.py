@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-tokens", type=int, default=2048, help="the long prompt's length (default 2048)")
     parser.add_argument("--short-tokens", type=int, default=96, help="tokens stream A decodes (default 96)")
     parser.add_argument("--chunks", default="0,512,256", help="prefill chunk sizes to compare; 0 = unchunked")
-    parser.add_argument("--out", type=output_dir, default="benchmarks/results")
+    parser.add_argument("--out", type=output_dir, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
     try:
         chunks = [int(c) for c in args.chunks.split(",")]
@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chunk {r['chunk']} vs {base['chunk'] or 'unchunked'}: A's longest stall "
               f"{r['short_gap_ms_max_during_prefill'] / base['short_gap_ms_max_during_prefill']:.2f}x, "
               f"B's TTFT {r['long_ttft_s'] / base['long_ttft_s']:.2f}x")
+    args.out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = args.out / f"prefill-{stamp}.json"
     out.write_text(json.dumps({"model": args.model, "torch": torch.__version__, "rows": rows}, indent=1))

@@ -23,7 +23,7 @@ from mirrorspec.models.prepack import is_prepacked, prepack_linears
 from mirrorspec.models.quantize import apply_quantization
 
 from benchmarks.flags import (TRUNCATE_PREFIX, csv_of, draft_spec, one_of, output_dir, positive, sampling_temperature,
-                             seed_flag, torch_threads, window_k)
+                              seed_flag, torch_threads, window_k)
 from benchmarks.harness import MODES, BenchPlan, Drafts, RunRecord, run_benchmark, select_modes
 from benchmarks.metrics import summarize
 from benchmarks.prompts import DATASETS, load_prompts
@@ -75,7 +75,7 @@ def build_parser(prog: str = "python -m benchmarks") -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", type=device_flag, help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, help=DTYPE_HELP)
     p.add_argument("--seed", type=seed_flag, default=0, help="base seed; prompt i uses seed + i in every mode")
-    p.add_argument("--out", type=output_dir, default=str(DEFAULT_OUT), help=f"output directory (default {DEFAULT_OUT})")
+    p.add_argument("--out", type=output_dir, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--reprint", type=Path, metavar="JSON",
                    help="print the table of an earlier run's JSON (recomputed from its records) and exit")
@@ -254,6 +254,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     config = args_config(args)
     config.update(target_source=target.source, modes_run=[m.name for m in modes], elapsed_s=elapsed)
+    args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / time.strftime("bench-%Y%m%d-%H%M%S")
     write_json(stem.with_suffix(".json"), env, config, notes, summaries, records)
     title = (f"target={args.target} draft={args.draft} threads={env['torch_threads']} device={env['device']} "

@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--max-tokens) instead of generating them")
     p.add_argument("--threads", type=positive, default=2, help="torch intra-op threads (default 2)")
     p.add_argument("--reps", type=positive, default=15, help="timing repetitions per pass size (default 15)")
-    p.add_argument("--out", type=output_dir, default=str(DEFAULT_OUT), help=f"output directory (default {DEFAULT_OUT})")
+    p.add_argument("--out", type=output_dir, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
@@ -252,6 +252,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     rows = [rows_for(dataset, name, tree, per[1::2], target_cost, draft_cost)
             for dataset, per in ranks.items() for name, tree in shapes.items()]
     print(format_table(rows))
+    args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"trees-{time.strftime('%Y%m%d-%H%M%S')}.json"
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     path.write_text(json.dumps({"config": config, "rows": [asdict(r) for r in rows],
