@@ -38,6 +38,7 @@ from mirrorspec.sampling import (
     Stream,
     TokenKind,
     WindowVerdict,
+    finite_logits,
     fresh_seed,
     greedy_verify,
     next_kind,
@@ -109,6 +110,7 @@ class TargetVerifier:
     def _decide(self, logits: torch.Tensor, proposal: Proposal, runner_up: int | None, params: SamplingParams,
                 seed: int, start: int) -> tuple[int, int, bool]:
         """(drafts accepted, the token after them, whether the runner-up took the first slot)."""
+        logits = finite_logits(logits)
         k = len(proposal)
         draft_ids = proposal.token_tensor(logits.device)  # [1, k]
         if params.greedy:
@@ -132,6 +134,7 @@ class TargetVerifier:
     def _after_runner_up(logits: torch.Tensor, params: SamplingParams, seed: int, start: int) -> int:
         """The target's token after a runner-up that took slot ``start``: its argmax, or a draw at
         slot start + 1 (a NEXT uniform no other token of this window used).  # logits: [1, vocab]"""
+        logits = finite_logits(logits)
         if params.greedy:
             return int(logits[0].argmax())
         return int(sample_categorical(target_probs(logits, params), uniforms(seed, [start + 1], Stream.NEXT)).item())

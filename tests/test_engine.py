@@ -42,6 +42,33 @@ def test_a_vanishing_top_p_decodes_the_greedy_chain(tiny_target, tiny_draft):
     assert generate(tiny_target, tiny_draft, prompt, vanishing, num_speculative_tokens=3, seed=1).token_ids == baseline
 
 
+@pytest.mark.parametrize("runner_up", [False, True])
+def test_a_draft_whose_logits_overflow_leaves_sampled_output_the_target_s(tiny_target, tmp_path, runner_up):
+    """A float16 draft whose head overflows has a NaN q: every draft is rejected and each token
+    is drawn from p, as target-only draws it, seed for seed (it was token 0 every time)."""
+    from transformers import AutoModelForCausalLM
+
+    path = save_tiny_llama(tmp_path / "overflowing", seed=1, logit_scale=1e6)
+    draft = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16).eval()
+    params = SamplingParams(temperature=1.0, max_new_tokens=4)
+    for seed in range(12):
+        alone = generate(tiny_target, None, [1, 2, 3], params, seed=seed).token_ids
+        assert generate(tiny_target, draft, [1, 2, 3], params, num_speculative_tokens=3, seed=seed,
+                        runner_up=runner_up).token_ids == alone
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_target_whose_logits_hold_nan_is_a_clear_error(tiny_dir, temperature):
+    """Sampling drew column 0 from an all-NaN p every step, and greedy took the NaN's index."""
+    from mirrorspec.sampling import NonFiniteLogits
+
+    target = load(tiny_dir["target"])
+    with torch.no_grad():
+        target.lm_head.weight[2, 0] = float("nan")
+    with pytest.raises(NonFiniteLogits, match="the target model's logits hold NaN"):
+        generate(target, None, [1, 2, 3], SamplingParams(temperature=temperature, max_new_tokens=4), seed=0)
+
+
 def test_stop_token_inside_a_window_truncates_there(tiny_target):
     prompt = [0, 3, 5, 2]
     full = generate(tiny_target, None, prompt, SamplingParams(max_new_tokens=30)).token_ids

@@ -1,6 +1,6 @@
 """The exact sampling core: pure tensor functions, no I/O, no model code."""
 
-from mirrorspec.sampling.distributions import one_hot_argmax, target_probs
+from mirrorspec.sampling.distributions import NonFiniteLogits, finite_logits, one_hot_argmax, target_probs
 from mirrorspec.sampling.proposal import (
     ProposalRows,
     proposal_distribution,
@@ -19,10 +19,12 @@ from mirrorspec.sampling.rejection import (
 )
 
 __all__ = [
+    "NonFiniteLogits",
     "ProposalRows",
     "Stream",
     "TokenKind",
     "WindowVerdict",
+    "finite_logits",
     "fresh_seed",
     "greedy_verify",
     "next_kind",

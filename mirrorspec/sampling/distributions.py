@@ -30,6 +30,27 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return torch.softmax(scaled, dim=-1)
 
 
+class NonFiniteLogits(RuntimeError):
+    """A model's logits hold NaN, or a row with nothing above -inf: no distribution to draw from."""
+
+
+def finite_logits(logits: torch.Tensor, model: str = "target") -> torch.Tensor:
+    """``logits`` as the samplers can take them.  # [..., vocab] -> [..., vocab]
+
+    One reduction where all is finite, the usual case. A +inf (a float16 head that overflowed) is
+    the softmax's limit: the draw is uniform over a row's +inf entries, and the argmax their first,
+    as before. NaN, or a row of -inf, is refused: sampling from it drew column 0 every time, silently."""
+    if bool(torch.isfinite(logits.sum(dtype=torch.float32))):
+        return logits
+    if bool(torch.isnan(logits).any()) or bool((logits == float("-inf")).all(dim=-1).any()):
+        raise NonFiniteLogits(f"the {model} model's logits hold NaN (or a row of -inf): its forward pass overflowed "
+                              f"or its weights are broken; load it in bfloat16 or float32 (--dtype)")
+    top = torch.isposinf(logits)
+    if not bool(top.any()):  # finite but for -inf entries (masked tokens)
+        return logits
+    return torch.where(top.any(dim=-1, keepdim=True), torch.where(top, 0.0, float("-inf")).to(logits.dtype), logits)
+
+
 def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
     """# [..., vocab] -> [..., vocab] float32, 1.0 at the (first) argmax."""
     out = torch.zeros_like(logits, dtype=torch.float32)

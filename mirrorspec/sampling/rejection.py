@@ -87,7 +87,9 @@ def recovery_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """norm(max(0, p - q)), falling back to p where the residual mass is ~0.  # [..., vocab]"""
     residual = (p - q).clamp_min(0.0)
     mass = residual.sum(dim=-1, keepdim=True)
-    degenerate = mass <= RESIDUAL_EPS
+    # NaN too (a draft whose logits overflowed: its q is NaN, and every test against it rejects):
+    # then the draw is from p, which is exact, where a NaN row drew column 0 every time
+    degenerate = ~(mass > RESIDUAL_EPS)
     return torch.where(degenerate, p, residual / mass.clamp_min(RESIDUAL_EPS))
 
 

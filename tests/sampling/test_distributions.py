@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from mirrorspec import InvalidRequest, SamplingParams
-from mirrorspec.sampling import target_probs
+from mirrorspec.sampling import NonFiniteLogits, finite_logits, target_probs
 from support import reference_probs
 
 
@@ -39,6 +39,26 @@ def test_numpy_and_torch_numbers_are_taken_as_plain_ones():
                             max_new_tokens=torch.tensor(4), stop_token_ids=np.array([2, 7]))
     assert params == SamplingParams(temperature=0.5, top_k=3, top_p=0.9, max_new_tokens=4, stop_token_ids=(2, 7))
     assert type(params.top_k) is int and type(params.max_new_tokens) is int and type(params.temperature) is float
+
+
+def test_finite_logits_pass_untouched():
+    logits = torch.tensor([[1.0, float("-inf"), 0.5], [0.0, 2.0, -1.0]])
+    assert finite_logits(logits) is logits
+
+
+def test_a_positive_infinity_is_the_softmax_s_limit_and_keeps_the_argmax():
+    """A float16 head that overflows gives +inf: p was all NaN, and sampling drew column 0."""
+    logits = torch.tensor([[0.0, float("inf"), 3.0, float("inf")], [0.0, 1.0, 2.0, 3.0]], dtype=torch.float16)
+    fixed = finite_logits(logits)
+    p = target_probs(fixed, SamplingParams(temperature=0.7))
+    assert p[0].tolist() == [0.0, 0.5, 0.0, 0.5]
+    assert torch.equal(fixed[1], logits[1]) and fixed.argmax(-1).tolist() == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("row", [[0.0, float("nan"), 1.0], [float("-inf")] * 3], ids=["nan", "all-minus-inf"])
+def test_logits_with_no_distribution_are_refused_naming_the_model(row):
+    with pytest.raises(NonFiniteLogits, match="the draft model's logits hold NaN"):
+        finite_logits(torch.tensor([[0.0, 1.0, 2.0], row]), model="draft")
 
 
 def test_top_k_with_ties_keeps_exactly_k():

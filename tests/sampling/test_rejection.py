@@ -7,12 +7,14 @@ from scipy import stats
 import mirrorspec.sampling.rejection as rejection_module
 from mirrorspec.sampling import (
     ProposalRows,
+    Stream,
     greedy_verify,
     recovery_distribution,
     rejection_sample,
     runner_up_sample,
     sample_categorical,
     sample_proposal,
+    uniforms,
 )
 
 
@@ -51,6 +53,18 @@ def test_residual_mass_near_zero_falls_back_to_p():
     p = torch.tensor([0.5, 0.5])
     q = p + torch.tensor([1e-9, -1e-9])
     assert torch.allclose(recovery_distribution(p, q), p)
+
+
+def test_a_nan_q_is_always_rejected_and_the_token_drawn_from_p():
+    """A draft whose logits overflowed has a NaN q: every accept test fails, and the residual's
+    mass is NaN, which now falls back to p (it drew column 0 every time)."""
+    p = torch.tensor([[[0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]]])  # [1, k + 1, vocab]
+    q = torch.full((1, 1, 4), float("nan"))
+    assert torch.equal(recovery_distribution(p[:, 0], q[:, 0]), p[:, 0])
+    for seed in range(20):
+        u_next = uniforms(seed, [0, 1], Stream.NEXT).unsqueeze(0)
+        n, token = rejection_sample(torch.tensor([[0]]), q, p, torch.full((1, 1), 0.5), u_next)
+        assert n.item() == 0 and token.item() == sample_categorical(p[:, 0], u_next[:, 0]).item()
 
 
 def test_one_hot_q_accepts_with_probability_p_of_the_draft():
