@@ -67,7 +67,9 @@ def race_noise(u: torch.Tensor, width: int) -> torch.Tensor:
     whatever the device (so draws agree across devices).  # [n] -> [n, width] float64"""
     keys = (u.detach().to("cpu", torch.float64) * 2.0**53).to(torch.int64).numpy().astype(np.uint64)  # [n]
     bits = splitmix64(splitmix64(keys)[:, None] ^ np.arange(width, dtype=np.uint64)[None, :])  # [n, width]
-    return torch.from_numpy(-np.log(_unit(bits) + 2.0**-54))  # the uniform lies in (0, 1)
+    # the uniform lies in (0, 1), but for 53 one-bits it rounds to 1.0, and its noise to -0.0: a
+    # zero-probability column then won (0 / -0.0 is NaN, which argmax takes)
+    return torch.from_numpy(np.maximum(-np.log(_unit(bits) + 2.0**-54), 2.0**-60))
 
 
 def fresh_seed() -> int:
