@@ -19,6 +19,9 @@ from mirrorspec.sampling import ProposalRows
 
 _DTYPES = {"float32": np.float32, "float16": np.float16, "int32": np.int32, "int64": np.int64}
 Q_SUM_TOLERANCE = 1e-3
+# float32 softmax rows sum to 1 within ~5e-6 (dense 49k rows, float64 sum): those are kept bit for
+# bit, so served draws equal in-process ones; a row off by more is divided by its sum
+Q_RENORMALISE_ABOVE = 1e-4
 
 
 def encode_tensor(tensor: torch.Tensor) -> bytes:
@@ -81,6 +84,12 @@ def decode_proposal(probs_frame: bytes, ids_frame: bytes | None, *, num_tokens: 
     if (np.abs(sums - 1) > Q_SUM_TOLERANCE).any():
         raise InvalidRequest(f"each q row must sum to 1 (±{Q_SUM_TOLERANCE}); row sums are "
                              f"{[round(float(s), 6) for s in sums]}", field="q")
+    # a drafter draws in proportion to its row (a race, or any sampler that normalises), so the
+    # row over its sum is the q it drew from: as sent, the accept test u q < p was biased by the gap
+    off = np.abs(sums - 1) > Q_RENORMALISE_ABOVE
+    if off.any():
+        probs = probs.copy()
+        probs[off] = (probs[off] / sums[off, None]).astype(np.float32)
     ids = None
     if ids_frame:
         ids = decode_array(ids_frame, name="q.ids")

@@ -63,3 +63,13 @@ def test_dense_rows_of_a_narrower_draft_table_are_checked_against_its_width():
         decode_proposal(dense, None, num_tokens=1, vocab_size=5, draft_tokens=[1])
     probs, ids = encode_proposal(ProposalRows.one_hot([4]))
     assert decode_proposal(probs, ids, num_tokens=1, vocab_size=5, draft_tokens=[4], dense_width=3).ids.tolist() == [[4]]
+
+
+def test_a_q_row_off_by_more_than_rounding_is_divided_by_its_sum_and_one_within_it_kept_bit_for_bit():
+    """A row off by up to the tolerance biased the accept test by as much (review 3: p = [.5, .5] and
+    q = [1.0009, 0] kept token 0 with probability 0.49955). float32 softmax rows sum within ~5e-6."""
+    off = torch.tensor([[0.6 * 1.0009, 0.4 * 1.0009], [0.5, 0.5]])  # [k, vocab]: rows sum to 1.0009 and 1
+    q = decode_proposal(encode_tensor(off), None, num_tokens=2, vocab_size=2)
+    assert torch.allclose(q.probs[0], torch.tensor([0.6, 0.4]), atol=1e-7) and torch.equal(q.probs[1], off[1])
+    near = torch.softmax(torch.randn(3, 49152, generator=torch.Generator().manual_seed(0)) * 4, dim=-1)
+    assert torch.equal(decode_proposal(encode_tensor(near), None, num_tokens=3, vocab_size=49152).probs, near)
