@@ -221,7 +221,7 @@ class SpeculationConfig:
     adaptive: AdaptiveKConfig | None = None
 
     def __post_init__(self) -> None:
-        if not 1 <= self.max_speculative_tokens <= 64:
+        if not is_integer(self.max_speculative_tokens) or not 1 <= self.max_speculative_tokens <= 64:
             raise InvalidRequest(f"max_speculative_tokens must be in [1, 64], got {self.max_speculative_tokens}",
                                  field="max_speculative_tokens")
         if not is_integer(self.num_speculative_tokens) or not (
@@ -232,6 +232,8 @@ class SpeculationConfig:
                 f"got {self.num_speculative_tokens}; use 0 for target-only decoding",
                 field="num_speculative_tokens",
             )
+        for name in ("num_speculative_tokens", "max_speculative_tokens"):  # numpy's and torch's: plain ints
+            object.__setattr__(self, name, operator.index(getattr(self, name)))
         check_proposal_top_k(self.proposal_top_k)
         check_prompt_lookup(self.prompt_lookup)
         check_draft_confidence(self.draft_confidence)
@@ -407,7 +409,7 @@ def check_prefill_chunk(tokens: int) -> int:
     if not is_integer(tokens) or tokens < 1:
         raise InvalidRequest(f"prefill_chunk_tokens must be a whole number of tokens >= 1, got {tokens!r}",
                              field="prefill_chunk_tokens")
-    return tokens
+    return operator.index(tokens)
 
 
 def check_stall_timeout(seconds: float) -> float:

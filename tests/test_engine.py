@@ -210,6 +210,20 @@ def test_bad_input_is_a_clear_error(tiny_target, prompt, params, k, error, field
     assert err.value.field == field
 
 
+def test_k_is_a_plain_int_whatever_integer_it_came_as_and_never_a_bool_or_a_fraction():
+    import numpy as np
+
+    from mirrorspec.config import SpeculationConfig
+
+    for k in (np.int64(3), torch.tensor(3)):
+        spec = SpeculationConfig(num_speculative_tokens=k, max_speculative_tokens=np.int32(8))
+        assert type(spec.num_speculative_tokens) is int and type(spec.max_speculative_tokens) is int
+    for bad in ({"num_speculative_tokens": True}, {"num_speculative_tokens": 2.0}, {"max_speculative_tokens": 2.5}):
+        with pytest.raises(InvalidRequest) as err:
+            SpeculationConfig(**bad)
+        assert err.value.field == next(iter(bad))
+
+
 @pytest.mark.parametrize("prompt", ["hello", [1.5, 2], [[1, 2]], None])
 def test_a_prompt_that_is_not_token_ids_is_refused_naming_input_ids(tiny_target, prompt):
     # text, a float (silently truncated to 1 before), nested lists, nothing
