@@ -6,6 +6,7 @@ status a client sees, so every server answers the same mistake the same way and 
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -96,11 +97,11 @@ class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
                 request_deserializer=parse, response_serializer=handler.response_serializer)
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, method, _checked),
+                _wrap_streaming(handler.unary_stream, method, _checked),
                 request_deserializer=parse, response_serializer=handler.response_serializer)
         if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(
-                _wrap_stream(handler.stream_stream, method, _each_checked),
+                _wrap_streaming(handler.stream_stream, method, _each_checked),
                 request_deserializer=parse, response_serializer=handler.response_serializer)
         return handler
 
@@ -157,10 +158,17 @@ def capped(message: str, limit: int = MAX_MESSAGE_BYTES) -> str:
     return raw[:limit].decode(errors="ignore") + f"... (message cut at {limit} bytes)"
 
 
-def _wrap_unary(fn: Callable[..., Awaitable], method: str):
+def _wrap_streaming(fn: Callable, method: str, checked: Callable):
+    """A streaming handler yields its responses, or is a coroutine that writes them with
+    ``context.write`` (grpc_health's ``Watch``, which iterating answered INTERNAL)."""
+    return _wrap_stream(fn, method, checked) if inspect.isasyncgenfunction(fn) else _wrap_unary(fn, method, checked)
+
+
+def _wrap_unary(fn: Callable[..., Awaitable], method: str, checked: Callable = _checked):
+    """``checked``: as for ``_wrap_stream``, for a coroutine that writes a stream's responses."""
     async def wrapped(request, context):
         try:
-            return await fn(_checked(request), context)
+            return await fn(checked(request), context)
         except grpc.aio.AbortError:
             raise
         except Exception as err:  # noqa: BLE001 - mapped to a status, never a crash
