@@ -325,6 +325,38 @@ def test_a_window_that_made_no_draft_call_does_not_clear_a_pair_found_cut(tiny_d
     assert len(runs) == 2, runs  # the third request sent no run
 
 
+def test_a_drafter_address_that_never_connects_fails_the_run_at_the_connect_timeout(tiny_dir, monkeypatch, caplog):
+    """From the target, the drafter's address accepts TCP and never speaks (a middlebox, packets
+    dropped: the connect never completes). The run's first draft call waited for gRPC's connect
+    timeout, 20 s, or the draft deadline where shorter (30 s by default; 7.5 s here, half the
+    client's 15 s), before the front door could draft. The target now stops connecting after
+    DRAFTER_CONNECT_TIMEOUT_S, and says it could not connect."""
+    import logging
+    import socket
+
+    from target_service.run_windows import DrafterLinks
+
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(8)  # the kernel completes TCP handshakes; nobody speaks HTTP/2
+    address = f"127.0.0.1:{hole.getsockname()[1]}"
+    acquire, release = DrafterLinks.acquire, DrafterLinks.release
+    monkeypatch.setattr(DrafterLinks, "acquire", lambda self, _: acquire(self, address))
+    monkeypatch.setattr(DrafterLinks, "release", lambda self, _: release(self, address))
+    model = load(tiny_dir["target16"])
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, windows_on_target=True, drafter_timeout_s=60.0)
+    try:
+        with Client(s.address, timeout_s=15.0) as client, caplog.at_level(logging.WARNING, logger="orchestrator"):
+            result = client.generate([1, 2, 3], max_tokens=24)
+    finally:
+        s.stop()
+        hole.close()
+    assert list(result.token_ids) == target_only(model, [1, 2, 3], 24)
+    assert result.stats.windows_on_target == 0 and result.stats.drafted >= 2 * result.stats.windows
+    said = [r.getMessage() for r in caplog.records if "got no drafts" in r.getMessage()]
+    assert len(said) == 1 and "UNAVAILABLE: failed to connect" in said[0], said  # not "no draft within 7.5 s"
+
+
 def test_target_reach_is_kept_per_pair_of_replicas(monkeypatch):
     """One pair failing keeps only its own windows at the front door; runs that were under way as
     it failed fail for the same cause, and do not double the wait; a run that got its drafts
