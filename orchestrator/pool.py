@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from mirrorspec.serving.errors import NoReplicaAvailable
-from mirrorspec.serving.server import CHANNEL_OPTIONS, health_status
+from mirrorspec.serving.server import BACKEND_CHANNEL_OPTIONS, health_status
 from mirrorspec.v1 import common_pb2
 from orchestrator.window_stream import Watchdog
 
@@ -91,7 +91,7 @@ class ReplicaPool:
                     self._slow_at.pop(address, None)
             for address in wanted:
                 if address not in self._members:
-                    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                    channel = grpc.insecure_channel(address, options=BACKEND_CHANNEL_OPTIONS)
                     self._members[address] = Replica(address, channel, self._make_stub(channel))
                     self._failed_at.pop(address, None)
                     self._slow_at.pop(address, None)

@@ -29,7 +29,7 @@ from mirrorspec.models.loading import same_tokenizer, try_load_tokenizer
 from mirrorspec.models.detokenize import IncrementalDetokenizer
 from mirrorspec.sampling import fresh_seed
 from mirrorspec.serving.convert import params_from_proto
-from mirrorspec.serving.server import CHANNEL_OPTIONS, Service, start_grpc_server
+from mirrorspec.serving.server import BACKEND_CHANNEL_OPTIONS, Service, start_grpc_server
 from mirrorspec.v1 import (
     common_pb2,
     drafter_pb2_grpc,
@@ -536,7 +536,7 @@ class _StopStrings:
 
 
 def _channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.insecure_channel(address, options=BACKEND_CHANNEL_OPTIONS)
 
 
 def _eos_ids(tokenizer) -> list[int]:

@@ -26,7 +26,7 @@ from mirrorspec.drafting import Proposal
 from mirrorspec.mirror import BranchPolicy, guesses
 from mirrorspec.sampling import WindowVerdict
 from mirrorspec.serving.convert import proposal_from_proto
-from mirrorspec.serving.server import CHANNEL_OPTIONS
+from mirrorspec.serving.server import BACKEND_CHANNEL_OPTIONS
 from mirrorspec.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -131,14 +131,6 @@ class DraftCallFailed(Exception):
     """A draft call that failed, timed out, or answered something this target cannot verify."""
 
 
-# how long a connection to a drafter may take before the run's draft call fails. gRPC's own is
-# 20 s (the draft deadline, 30 s by default, did not cut it short): a drafter address that drops
-# packets (a firewall, a partition) stalled each run that long, where the front door drafts itself
-# the moment a run fails. A drafter on any network this serves connects in milliseconds.
-DRAFTER_CONNECT_TIMEOUT_S = 2.0
-LINK_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.min_reconnect_backoff_ms", int(DRAFTER_CONNECT_TIMEOUT_S * 1000))]
-
-
 class DrafterLinks:
     """One channel per drafter address this target was asked to call, shared by its sessions'
     runs (HTTP/2 multiplexes their streams), and closed with the server. As a run starts, channels
@@ -152,7 +144,8 @@ class DrafterLinks:
 
     async def acquire(self, address: str) -> drafter_pb2_grpc.DrafterServiceStub:
         """The stub for a run's drafter at ``address``; ``release`` it when the run ends."""
-        channel = self._channels.pop(address, None) or grpc.aio.insecure_channel(address, options=LINK_OPTIONS)
+        channel = (self._channels.pop(address, None)
+                   or grpc.aio.insecure_channel(address, options=BACKEND_CHANNEL_OPTIONS))
         self._channels[address] = channel
         self._runs[address] = self._runs.get(address, 0) + 1
         idle = [a for a in self._channels if a not in self._runs]

@@ -35,6 +35,12 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# How long a connection from one server to another (front door to replicas, target to drafters)
+# may take before its call fails UNAVAILABLE, and the caller fails over: gRPC's own is 20 s, which
+# a 30 s draft deadline did not cut, so an address that drops packets (a firewall, a partition, a
+# host gone without a reset) stalled each call that long. Servers on one network connect in ms.
+BACKEND_CONNECT_TIMEOUT_S = 2.0
+BACKEND_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.min_reconnect_backoff_ms", int(BACKEND_CONNECT_TIMEOUT_S * 1000))]
 
 
 @dataclass

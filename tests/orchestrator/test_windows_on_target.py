@@ -330,7 +330,7 @@ def test_a_drafter_address_that_never_connects_fails_the_run_at_the_connect_time
     dropped: the connect never completes). The run's first draft call waited for gRPC's connect
     timeout, 20 s, or the draft deadline where shorter (30 s by default; 7.5 s here, half the
     client's 15 s), before the front door could draft. The target now stops connecting after
-    DRAFTER_CONNECT_TIMEOUT_S, and says it could not connect."""
+    BACKEND_CONNECT_TIMEOUT_S, and says it could not connect."""
     import logging
     import socket
 
