@@ -138,13 +138,17 @@ def check_shardable(config, world: int) -> None:
         check_supported(config)
         for rank in range(world):
             head_share(config.num_attention_heads, config.num_key_value_heads, world, rank)
+        if config.intermediate_size < world:  # a rank with no MLP columns failed as it loaded, ranks up
+            raise UnsupportedForTensorParallel(
+                f"the MLP's {config.intermediate_size} columns cannot be split over tp={world} ranks; "
+                f"use tp <= {config.intermediate_size}")
 
 
 @torch.no_grad()
 def shard_causal_lm(model: nn.Module, rank: int, world: int, group=None) -> nn.Module:
     """Cut ``model`` (loaded whole on every rank) down to rank's shard, in place."""
     config = model.config
-    check_supported(config)
+    check_shardable(config, world)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     share = head_share(config.num_attention_heads, config.num_key_value_heads, world, rank)
     mlp = split_range(config.intermediate_size, world, rank)

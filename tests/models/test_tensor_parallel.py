@@ -45,6 +45,17 @@ def test_other_architectures_are_refused_with_a_clear_error():
         tp.check_supported(config)
 
 
+def test_an_mlp_narrower_than_the_ranks_is_refused_naming_tp():
+    """A rank with no MLP columns passed the check, then failed as it loaded (review 6: a follower
+    died in prepack, and `serve --tp 3` waited out its start timeout)."""
+    config = LlamaConfig(vocab_size=8, hidden_size=12, intermediate_size=2, num_attention_heads=3,
+                         num_key_value_heads=3, num_hidden_layers=1)
+    tp.check_shardable(config, 2)
+    with pytest.raises(tp.UnsupportedForTensorParallel, match="2 columns cannot be split over tp=3") as err:
+        tp.check_shardable(config, 3)
+    assert err.value.field == "tp"
+
+
 def save_uneven_llama(path):
     config = LlamaConfig(vocab_size=17, hidden_size=24, intermediate_size=51, num_hidden_layers=2,
                          num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=128,
