@@ -963,8 +963,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     params = SamplingParams(max_new_tokens=args.max_tokens)
     if args.teacher_prompts is not None and args.teacher_prompts < 1:
         raise InvalidRequest(f"must be >= 1, got {args.teacher_prompts}", field="teacher_prompts")
-    if args.epochs is not None and not args.epochs > 0:
-        raise InvalidRequest(f"must be > 0, got {args.epochs}", field="epochs")
+    if args.epochs is not None and not (math.isfinite(args.epochs) and args.epochs > 0):
+        raise InvalidRequest(f"must be a finite number > 0, got {args.epochs}", field="epochs")
     for field in ("teacher_prompts", "epochs", "out"):
         if getattr(args, field) is not None and not args.rebuild:
             raise InvalidRequest("sets up a rebuild, so it needs --rebuild", field=field)
@@ -1025,7 +1025,7 @@ def _rebuild_demo_draft(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("teacher_prompts", args.teacher_prompts), ("epochs", args.epochs)) if v is not None}
     recipe = dataclasses.replace(DistillRecipe(**shipped), **overrides)
     out = args.out or cache_root() / "demo-draft-rebuild" / "draft.safetensors"
-    provenance = student_stage(recipe, teacher_stage(recipe), out)
+    provenance = student_stage(recipe, teacher_stage(recipe, threads=args.threads), out, threads=args.threads)
     same = weights_digest(out) == weights_digest(SHIPPED_WEIGHTS)
     print(f"wrote {out}: held-out top-1 agreement {provenance['held_out_top1_agreement']['after']:.3f}; "
           f"{'bit-identical to' if same else 'differs from'} the shipped {SHIPPED_WEIGHTS.name}")
@@ -1041,6 +1041,8 @@ def _check_rebuild_out(out: Path) -> None:
     if out.suffix != ".safetensors":
         raise InvalidRequest(f"must name a .safetensors file (so --draft {out} reads it back as demo-draft weights), "
                              f"got {out}", field="out")
+    if out.exists() and not out.is_file():
+        raise InvalidRequest(f"{out} exists and is not a file (a folder?); name a file in it", field="out")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:

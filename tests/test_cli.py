@@ -84,6 +84,7 @@ from support import save_tiny_llama
     (["serve", "--hint-layer", "27", "--hint-lens", "exact"], "argument --hint-lens"),
     (["demo", "--k", "99"], "--k"),
     (["demo", "--rebuild", "--epochs", "0"], "--epochs"),
+    (["demo", "--rebuild", "--epochs", "inf"], "--epochs"),  # a traceback after the teacher stage's hour before
     (["demo", "--epochs", "2"], "--epochs"),  # a rebuild's setting without --rebuild: refused, not ignored
     (["demo", "--out", "draft.safetensors"], "--out"),
     (["demo", "--rebuild", "--out", "draft.bin"], "--out"),  # --draft would read it as a model directory
@@ -122,6 +123,29 @@ def test_bad_flags_are_named(argv, flag, capsys):
         main(argv)
     assert exit_info.value.code == 2
     assert f"error: {flag}" in capsys.readouterr().err
+
+
+def test_a_rebuild_out_that_is_a_folder_is_refused_before_the_work(tmp_path, capsys):
+    """A folder named like weights passed the suffix check and failed at the very end (review 5)."""
+    folder = tmp_path / "draft.safetensors"
+    folder.mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--rebuild", "--out", str(folder)])
+    assert exit_info.value.code == 2 and "error: --out: " in capsys.readouterr().err
+
+
+def test_a_rebuild_runs_both_stages_on_the_threads_asked_for(monkeypatch, tmp_path):
+    """--threads was set, then each stage reset torch to every core (review 5)."""
+    from mirrorspec.distill import build
+
+    seen = {}
+    monkeypatch.setattr("torch.set_num_threads", lambda n: None)  # this process's own stay as they are
+    monkeypatch.setattr(build, "teacher_stage", lambda recipe, threads=None: seen.setdefault("teacher", threads) and [])
+    monkeypatch.setattr(build, "student_stage", lambda recipe, shards, out, threads=None: seen.setdefault(
+        "student", threads) and {"held_out_top1_agreement": {"after": 0.0}})
+    monkeypatch.setattr("mirrorspec.models.demo_draft.weights_digest", lambda path: str(path))
+    main(["demo", "--rebuild", "--threads", "1", "--out", str(tmp_path / "draft.safetensors")])
+    assert seen == {"teacher": 1, "student": 1}
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
