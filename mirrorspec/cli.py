@@ -1018,6 +1018,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _rebuild_demo_draft(args: argparse.Namespace) -> int:
     from mirrorspec.config import DistillRecipe
     from mirrorspec.distill.build import student_stage, teacher_stage
+    from mirrorspec.distill.prompts import PromptsRanOut
     from mirrorspec.models.demo_draft import SHIPPED_WEIGHTS, weights_digest
     from mirrorspec.models.demo_target import cache_root
 
@@ -1025,7 +1026,11 @@ def _rebuild_demo_draft(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("teacher_prompts", args.teacher_prompts), ("epochs", args.epochs)) if v is not None}
     recipe = dataclasses.replace(DistillRecipe(**shipped), **overrides)
     out = args.out or cache_root() / "demo-draft-rebuild" / "draft.safetensors"
-    provenance = student_stage(recipe, teacher_stage(recipe, threads=args.threads), out, threads=args.threads)
+    try:
+        shards = teacher_stage(recipe, threads=args.threads)
+    except PromptsRanOut as err:
+        raise InvalidRequest(str(err), field="teacher_prompts") from None
+    provenance = student_stage(recipe, shards, out, threads=args.threads)
     same = weights_digest(out) == weights_digest(SHIPPED_WEIGHTS)
     print(f"wrote {out}: held-out top-1 agreement {provenance['held_out_top1_agreement']['after']:.3f}; "
           f"{'bit-identical to' if same else 'differs from'} the shipped {SHIPPED_WEIGHTS.name}")

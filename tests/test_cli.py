@@ -134,6 +134,19 @@ def test_a_rebuild_out_that_is_a_folder_is_refused_before_the_work(tmp_path, cap
     assert exit_info.value.code == 2 and "error: --out: " in capsys.readouterr().err
 
 
+def test_a_teacher_budget_past_the_prompt_set_is_refused_naming_the_flag(monkeypatch, tmp_path, capsys):
+    """It drew forever, silently, past the chat family's distinct prompts (review 5); here a
+    family of one template runs dry at once."""
+    from mirrorspec.distill import broad_chat
+
+    monkeypatch.setattr("torch.set_num_threads", lambda n: None)
+    monkeypatch.setattr(broad_chat, "CATEGORIES", {"only": ["Say hello."]})
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--rebuild", "--teacher-prompts", "20000", "--out", str(tmp_path / "draft.safetensors")])
+    assert exit_info.value.code == 2
+    assert "error: --teacher-prompts: prompt set 2 ran out of distinct chat prompts" in capsys.readouterr().err
+
+
 def test_a_rebuild_runs_both_stages_on_the_threads_asked_for(monkeypatch, tmp_path):
     """--threads was set, then each stage reset torch to every core (review 5)."""
     from mirrorspec.distill import build

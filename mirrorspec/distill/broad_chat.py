@@ -226,8 +226,11 @@ def _fill(template: str, rng: random.Random) -> str:
         h=rng.randint(1, 12), m=rng.randrange(0, 60, 5), p=rng.randint(2, 12), y=rng.randint(2, 6))
 
 
-def broad_chat_prompts(rng: random.Random, n: int, constraint_rate: float = 0.3) -> list[str]:
-    """``n`` distinct prompts, categories in turn, some with a constraint appended.
+def broad_chat_prompts(rng: random.Random, n: int, constraint_rate: float = 0.3,
+                       max_repeats_in_a_row: int = 100_000) -> list[str]:
+    """``n`` distinct prompts, categories in turn, some with a constraint appended; fewer where a
+    category runs dry (``max_repeats_in_a_row`` draws repeat earlier prompts: the family holds
+    ~242k, and past them the loop drew forever).
 
     A draw that repeats an earlier prompt (a template without slots) is drawn again: the target's
     answer to a repeated prompt teaches the draft little and costs as much as a new one.
@@ -235,11 +238,15 @@ def broad_chat_prompts(rng: random.Random, n: int, constraint_rate: float = 0.3)
     categories = sorted(CATEGORIES)
     out: list[str] = []
     seen: set[str] = set()
-    while len(out) < n:
+    repeats = 0
+    while len(out) < n and repeats < max_repeats_in_a_row:
         text = _fill(rng.choice(CATEGORIES[categories[len(out) % len(categories)]]), rng)
         if rng.random() < constraint_rate:
             text += " " + rng.choice(_CONSTRAINTS)
-        if text not in seen:
-            seen.add(text)
-            out.append(text)
+        if text in seen:
+            repeats += 1
+            continue
+        repeats = 0
+        seen.add(text)
+        out.append(text)
     return out

@@ -50,9 +50,10 @@ def teacher_stage(recipe: DistillRecipe, *, threads: int | None = None) -> list[
     from mirrorspec.models import encode_prompt, load_causal_lm
 
     torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
-    target = load_causal_lm("demo-target", dtype=recipe.teacher_dtype, prepack=False)  # as the cache was written
+    # first: a budget past the prompt set is refused before the model loads
     prompts = training_prompts(recipe.seed, prompt_set=recipe.prompt_set,
                                count=recipe.teacher_prompts)[:recipe.teacher_prompts]
+    target = load_causal_lm("demo-target", dtype=recipe.teacher_dtype, prepack=False)  # as the cache was written
     encoded = [encode_prompt(target.tokenizer, p.text)[-recipe.max_prompt_tokens:] for p in prompts]
     num_batches = -(-len(encoded) // recipe.teacher_batch_size)
     with tqdm(total=num_batches, desc="target writes training data", unit="batch") as bar:

@@ -40,6 +40,10 @@ class TrainingPrompt:
     text: str
 
 
+class PromptsRanOut(ValueError):
+    """A teacher budget asks for more distinct prompts than the prompt set holds."""
+
+
 def stdlib_functions(max_lines: int = 30) -> Iterator[ast.FunctionDef]:
     """Documented functions (and methods) of the standard library, parsed, never imported."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -224,11 +228,16 @@ def more_chat_prompts(seed: int, n: int, *, prompt_set: int, exclude: set[str],
     seen = set(exclude)
     out: list[TrainingPrompt] = []
     for _ in range(max_rounds):
-        for prompt in _chat(rng, n - len(out), prompt_set):
+        asked = n - len(out)
+        drawn = _chat(rng, asked, prompt_set)
+        for prompt in drawn:
             if prompt.text not in seen:
                 seen.add(prompt.text)
                 out.append(prompt)
         if len(out) == n:
             return out
-    raise ValueError(f"prompt set {prompt_set} ran out of distinct chat prompts after {len(out)} more; "
-                     f"lower the teacher budget")
+        if len(drawn) < asked:  # the family itself ran dry
+            break
+    raise PromptsRanOut(f"prompt set {prompt_set} ran out of distinct chat prompts after {len(out)} more "
+                        f"({len(exclude) + len(out)} in all); lower the teacher budget")
+

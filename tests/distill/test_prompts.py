@@ -78,3 +78,16 @@ def test_a_chat_family_that_runs_dry_is_refused():
     exclude = set(broad_chat_prompts(random.Random(0), 50))
     with pytest.raises(ValueError, match="ran out of distinct chat prompts"):
         more_chat_prompts(0, 10, prompt_set=2, exclude=exclude | {"x"}, max_rounds=0)
+
+
+def test_a_chat_family_that_runs_dry_returns_short_then_is_refused(monkeypatch):
+    """Past the family's distinct prompts (~242k), the draws went on forever: `--teacher-prompts
+    1000000000` spun silently (review 5)."""
+    from mirrorspec.distill import broad_chat
+    from mirrorspec.distill.prompts import PromptsRanOut, more_chat_prompts
+
+    monkeypatch.setattr(broad_chat, "CATEGORIES", {"only": ["Say hello."]})
+    few = broad_chat_prompts(random.Random(0), 1000, max_repeats_in_a_row=2000)
+    assert 1 < len(few) < 1000 and len(set(few)) == len(few)
+    with pytest.raises(PromptsRanOut, match="ran out of distinct chat prompts"):
+        more_chat_prompts(0, 1000, prompt_set=2, exclude=set())
