@@ -80,8 +80,16 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
     try:
         write(tmp)
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as err:  # torch.save on a full disk: "unexpected pos 16448 vs 16332"
+        free = shutil.disk_usage(path.parent).free
+        raise CacheWriteFailed(f"could not write {path} ({err}); {free / 1e6:,.0f} MB free on its disk: free "
+                               f"some, or move the cache with MIRRORSPEC_CACHE") from err
     finally:
         tmp.unlink(missing_ok=True)
+
+
+class CacheWriteFailed(OSError):
+    """A cache file could not be written (a full disk, most often); nothing half-written is left."""
 
 
 def save_tensors_atomically(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
