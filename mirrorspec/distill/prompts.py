@@ -240,4 +240,3 @@ def more_chat_prompts(seed: int, n: int, *, prompt_set: int, exclude: set[str],
             break
     raise PromptsRanOut(f"prompt set {prompt_set} ran out of distinct chat prompts after {len(out)} more "
                         f"({len(exclude) + len(out)} in all); lower the teacher budget")
-

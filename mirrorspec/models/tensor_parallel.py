@@ -148,6 +148,7 @@ def check_shardable(config, world: int) -> None:
 def shard_causal_lm(model: nn.Module, rank: int, world: int, group=None) -> nn.Module:
     """Cut ``model`` (loaded whole on every rank) down to rank's shard, in place."""
     config = model.config
+    check_supported(config)
     check_shardable(config, world)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     share = head_share(config.num_attention_heads, config.num_key_value_heads, world, rank)
