@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from mirrorspec.config import InvalidRequest, SamplingParams, SpeculationConfig, check_draft_confidence
+from mirrorspec.config import (InvalidRequest, SamplingParams, SpeculationConfig, check_draft_confidence,
+                               check_writable_folder)
 
 TRUNCATE_PREFIX = "truncate:"
 
@@ -22,14 +22,10 @@ def output_dir(text: str) -> Path:
     written is refused naming the flag before the run, not with a traceback after it (its results
     lost). A command's default (a ``Path``, which argparse leaves unconverted) is made only when
     results are written: ``--reprint`` writes nothing, and an installed copy may be read-only."""
-    path = Path(text)
     try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise argparse.ArgumentTypeError(f"cannot make the output folder {text!r}: {err.strerror or err}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"cannot write in the output folder {text!r}; choose another")
-    return path
+        return check_writable_folder(Path(text), "out")
+    except InvalidRequest as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 @contextmanager

@@ -36,6 +36,7 @@ from mirrorspec.config import (
     SamplingParams,
     SpeculationConfig,
     check_max_sessions,
+    check_writable_folder,
     check_seed,
     check_prefill_chunk,
     check_stall_timeout,
@@ -1048,12 +1049,7 @@ def _check_rebuild_out(out: Path) -> None:
                              f"got {out}", field="out")
     if out.exists() and not out.is_file():
         raise InvalidRequest(f"{out} exists and is not a file (a folder?); name a file in it", field="out")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise InvalidRequest(f"cannot create {out.parent}: {err.strerror or err}", field="out") from None
-    if not os.access(out.parent, os.W_OK):
-        raise InvalidRequest(f"{out.parent} is not writable", field="out")
+    check_writable_folder(out.parent, "out")
 
 
 def _load_draft(args: argparse.Namespace):

@@ -10,9 +10,11 @@ import argparse
 import math
 import numbers
 import operator
+import os
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 class InvalidRequest(ValueError):
@@ -300,6 +302,18 @@ def check_unsigned(field: str, value, bits: int, what: str = "it", hint: str = "
     if not is_integer(value) or not 0 <= operator.index(value) < 1 << bits:
         raise InvalidRequest(f"{what} must be an integer in [0, 2**{bits}), got {value!r}{hint}", field=field)
     return operator.index(value)
+
+
+def check_writable_folder(folder: Path, field: str) -> Path:
+    """``folder``, made if it is not there, where this process can write: checked before a long
+    job whose results would land there, not after it."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise InvalidRequest(f"cannot make the folder {str(folder)!r}: {err.strerror or err}", field=field) from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InvalidRequest(f"cannot write in the folder {str(folder)!r}; choose another", field=field)
+    return folder
 
 
 def check_text(text: str, field: str) -> str:
