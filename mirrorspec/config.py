@@ -68,7 +68,10 @@ def is_integer(value) -> bool:
 
 
 def is_real(value) -> bool:
-    """A real number (ints, floats, numpy's), not a bool nor a string."""
+    """A real number (ints, floats, numpy's, a 0-d torch tensor or numpy array), not a bool nor a
+    string: what a caller computed a temperature with is taken as it comes."""
+    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
+        value = value.item()
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
@@ -239,6 +242,9 @@ class SpeculationConfig:
         check_proposal_top_k(self.proposal_top_k)
         check_prompt_lookup(self.prompt_lookup)
         check_draft_confidence(self.draft_confidence)
+        for name in ("proposal_top_k", "prompt_lookup"):
+            object.__setattr__(self, name, operator.index(getattr(self, name)))
+        object.__setattr__(self, "draft_confidence", float(self.draft_confidence))
 
 
 MAX_PROMPT_LOOKUP = 8
@@ -369,8 +375,8 @@ def check_max_sessions(max_sessions: int) -> None:
 
 
 def check_proposal_top_k(top_k: int) -> None:
-    if top_k < 0:
-        raise InvalidRequest(f"proposal_top_k must be >= 0 (0 = dense q), got {top_k}", field="proposal_top_k")
+    if not is_integer(top_k) or top_k < 0:
+        raise InvalidRequest(f"proposal_top_k must be an int >= 0 (0 = dense q), got {top_k!r}", field="proposal_top_k")
 
 
 def check_seed(seed) -> int | None:

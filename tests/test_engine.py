@@ -1,5 +1,7 @@
 """The in-process engine: greedy identity, stop/length handling, seeding, statistics, bad input."""
 
+import dataclasses
+import json
 import random
 
 import pytest
@@ -216,9 +218,14 @@ def test_k_is_a_plain_int_whatever_integer_it_came_as_and_never_a_bool_or_a_frac
     from mirrorspec.config import SpeculationConfig
 
     for k in (np.int64(3), torch.tensor(3)):
-        spec = SpeculationConfig(num_speculative_tokens=k, max_speculative_tokens=np.int32(8))
+        spec = SpeculationConfig(num_speculative_tokens=k, max_speculative_tokens=np.int32(8), proposal_top_k=k,
+                                 prompt_lookup=k, draft_confidence=np.float32(0.25))
+        assert json.dumps(dataclasses.asdict(spec))  # numpy's float32 and torch's ints did not serialise
         assert type(spec.num_speculative_tokens) is int and type(spec.max_speculative_tokens) is int
-    for bad in ({"num_speculative_tokens": True}, {"num_speculative_tokens": 2.0}, {"max_speculative_tokens": 2.5}):
+        assert type(spec.proposal_top_k) is int and type(spec.prompt_lookup) is int
+        assert type(spec.draft_confidence) is float
+    for bad in ({"num_speculative_tokens": True}, {"num_speculative_tokens": 2.0}, {"max_speculative_tokens": 2.5},
+                {"proposal_top_k": 2.5}, {"prompt_lookup": 1.0}, {"draft_confidence": "0.5"}):
         with pytest.raises(InvalidRequest) as err:
             SpeculationConfig(**bad)
         assert err.value.field == next(iter(bad))

@@ -41,6 +41,15 @@ def test_numpy_and_torch_numbers_are_taken_as_plain_ones():
     assert type(params.top_k) is int and type(params.max_new_tokens) is int and type(params.temperature) is float
 
 
+def test_a_0_d_tensor_or_array_is_taken_as_a_number_and_other_shapes_are_refused():
+    """A temperature computed with torch or numpy is a 0-d tensor or array: it was "must be a number"."""
+    params = SamplingParams(temperature=torch.tensor(0.5), top_p=np.array(0.9))
+    assert params == SamplingParams(temperature=0.5, top_p=0.9) and type(params.temperature) is float
+    for value in (torch.tensor([0.5]), np.array([0.5]), torch.tensor(True), torch.tensor(1j)):
+        with pytest.raises(InvalidRequest, match="temperature must be a number"):
+            SamplingParams(temperature=value)
+
+
 def test_finite_logits_pass_untouched():
     logits = torch.tensor([[1.0, float("-inf"), 0.5], [0.0, 2.0, -1.0]])
     assert finite_logits(logits) is logits
