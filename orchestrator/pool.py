@@ -143,8 +143,17 @@ class ReplicaPool:
     def _why_none(self, avoid: set[str]) -> str:
         if not self._members:
             return f"no {self.name} replica is registered; scale the {self.name} pool up (mirrorspec scale {self.name} 1)"
-        return (f"all {len(self._members)} {self.name} replicas failed recently or were tried already "
-                f"({', '.join(sorted((avoid | set(self._failed_at)) & set(self._members)))}); retry shortly")
+        now = time.monotonic()
+        off = ", ".join(sorted((avoid | set(self._failed_at)) & set(self._members)))
+        which, were = ((f"the only {self.name} replica", "was") if len(self._members) == 1
+                       else (f"all {len(self._members)} {self.name} replicas", "were"))
+        back_in = [self._cooldown_s - (now - self._failed_at[a]) for a in self._members
+                   if a in self._failed_at and a not in avoid]
+        if not back_in:  # each was tried by this request: another request may find one well
+            return f"{which} failed or {were} tried already by this request ({off}); retry it"
+        return (f"{which} failed in the last {self._cooldown_s:g} s or {were} tried already ({off}); the first is "
+                f"tried again in {max(min(back_in), 0.0):.1f} s, and a deployment replaces one that died: retry "
+                f"then, or scale the {self.name} pool up (mirrorspec scale {self.name} N)")
 
     def release(self, replica: Replica) -> None:
         with self._changed:
