@@ -9,9 +9,12 @@ ordinary checkpoint that later loads in about a second.
 from __future__ import annotations
 
 import copy
+import glob
 import importlib.metadata
 import os
+import re
 import shutil
+import socket
 import tempfile
 import uuid
 from collections.abc import Callable
@@ -56,7 +59,8 @@ def build_once(out: Path, marker: str, build: Callable[[Path], None], message: s
         return out
     print(f"mirrorspec: {message} once, into {out} ...", flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    remove_abandoned(out.parent, f".{out.name}-")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-{writer_tag()}-", dir=out.parent))
     try:
         build(tmp)
         try:
@@ -76,7 +80,8 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
     entry at once each rename a whole file of their own (the last one stays).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}-{uuid.uuid4().hex}.tmp"  # not mkstemp: keep the umask's permissions
+    remove_abandoned(path.parent, f".{path.name}-")
+    tmp = path.parent / f".{path.name}-{writer_tag()}-{uuid.uuid4().hex}.tmp"  # not mkstemp: keep the umask's mode
     try:
         write(tmp)
         os.replace(tmp, path)
@@ -86,6 +91,39 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
                                f"some, or move the cache with MIRRORSPEC_CACHE") from err
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def writer_tag() -> str:
+    """This host and process, in the names of the temporaries they write: a later writer can tell
+    one a killed process left behind from one still being written (a cache shared over NFS
+    included: only this host's are judged)."""
+    return f"{re.sub(r'[^A-Za-z0-9]', '_', socket.gethostname())}-{os.getpid()}"
+
+
+def remove_abandoned(folder: Path, prefix: str) -> None:
+    """Removes the temporaries named ``prefix`` + this host + a process that is gone: a rebuild
+    killed mid-write (SIGKILL, a lost machine) left its shard behind for good, several MB each at
+    the real budget, since the rerun writes a temporary of its own."""
+    host, _ = writer_tag().rsplit("-", 1)
+    written_by = re.compile(re.escape(f"{prefix}{host}-") + r"(\d+)-")
+    for entry in folder.glob(f"{glob.escape(prefix)}*"):
+        match = written_by.match(entry.name)
+        if match is None or _process_exists(int(match.group(1))):
+            continue
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 class CacheWriteFailed(OSError):

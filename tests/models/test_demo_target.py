@@ -10,6 +10,7 @@ from mirrorspec.models import encode_prompt, load_causal_lm
 from mirrorspec.models.demo_target import (
     CHECKPOINT_NAME,
     CacheWriteFailed,
+    build_once,
     cache_root,
     locate_demo_gguf,
     save_tensors_atomically,
@@ -87,6 +88,36 @@ def test_a_failed_cache_write_leaves_the_old_entry_and_no_temp_file(tmp_path):
         write_atomically(path, fail)
     assert path.read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["entry.bin"]
+
+
+def test_a_temporary_left_by_a_killed_writer_is_removed_by_the_next_write(tmp_path):
+    """A rebuild killed mid-shard left its temporary behind for good (the rerun writes one of its
+    own). Another live process's, and another host's, are left alone: they may still be written."""
+    import signal
+    import subprocess
+    import sys
+
+    path = tmp_path / "shard-00003.pt"
+    script = ("import sys, time; from pathlib import Path; from mirrorspec.models.demo_target import write_atomically\n"
+              "def write(tmp):\n    tmp.write_bytes(b'half'); print('writing', flush=True); time.sleep(600)\n"
+              "write_atomically(Path(sys.argv[1]), write)\n")
+    writer = subprocess.Popen([sys.executable, "-c", script, str(path)], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline() == "writing\n"
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    (abandoned,) = tmp_path.iterdir()
+    host = abandoned.name.split("-")[2]
+    still_written = tmp_path / f".shard-00003.pt-{host}-{os.getpid()}-{'0' * 32}.tmp"
+    elsewhere = tmp_path / f".shard-00003.pt-{host}x-{writer.pid}-{'0' * 32}.tmp"
+    for other in (still_written, elsewhere):
+        other.write_bytes(b"")
+    write_atomically(path, lambda tmp: tmp.write_bytes(b"whole"))
+    assert path.read_bytes() == b"whole"
+    assert sorted(tmp_path.iterdir()) == sorted([path, still_written, elsewhere])
+    half_built = tmp_path / f".model-{host}-{writer.pid}-abcd1234"  # a conversion killed the same way
+    (half_built / "part").mkdir(parents=True)
+    build_once(tmp_path / "model", "OK", lambda tmp: [(tmp / n).write_text("{}") for n in ("config.json", "OK")], "x")
+    assert not half_built.exists() and (tmp_path / "model" / "OK").is_file()
 
 
 def test_saved_tensors_keep_the_umask_permissions_and_load_back(tmp_path):
