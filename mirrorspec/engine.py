@@ -32,7 +32,7 @@ from mirrorspec.config import (
 from mirrorspec.drafting import DraftModelDrafter, Drafter, HybridDrafter, NgramDrafter, Proposal
 from mirrorspec.models.early_exit import EarlyExitHint, EarlyExitProbe
 from mirrorspec.models.lens import TunedLens
-from mirrorspec.models.loading import same_tokenizer_at
+from mirrorspec.models.loading import LoadedModel, same_tokenizer_at
 from mirrorspec.models.session import KVSession, LogitSession
 from mirrorspec.sampling import (
     Stream,
@@ -452,10 +452,12 @@ def generate(
     """Generate with speculative decoding, exactly as the target alone would.
 
     Args:
-        target: an HF causal LM (or any ``LogitSession``) whose distribution the output follows.
-        draft: an HF causal LM sharing the target's tokenizer, a ``Drafter``, ``"ngram"``, or
-            ``None`` for target-only decoding (the baseline). A ``Drafter`` passed in belongs to
-            the caller and keeps its state (KV cache) afterwards; call its ``release()``.
+        target: an HF causal LM, or what ``load_causal_lm`` gives (or any ``LogitSession``), whose
+            distribution the output follows.
+        draft: an HF causal LM (or ``load_causal_lm``'s) sharing the target's tokenizer, a
+            ``Drafter``, ``"ngram"``, or ``None`` for target-only decoding (the baseline). A
+            ``Drafter`` passed in belongs to the caller and keeps its state (KV cache) afterwards;
+            call its ``release()``.
         input_ids: the prompt, a list of ids or a ``[1, n]`` / ``[n]`` tensor.
         params: temperature / top_k / top_p / max_new_tokens / stop_token_ids. Greedy by default.
         num_speculative_tokens: K, drafts per window; 0 means target-only.
@@ -484,6 +486,8 @@ def generate(
     Greedy output is token-identical to target-only greedy decoding; sampled output has exactly
     the target's distribution for any draft.
     """
+    # what load_causal_lm gives (the README's way to the demo models): its model, the tokenizer aside
+    target, draft = (m.model if isinstance(m, LoadedModel) else m for m in (target, draft))
     params = params or SamplingParams()
     spec = SpeculationConfig(num_speculative_tokens=num_speculative_tokens, proposal_top_k=proposal_top_k,
                              prompt_lookup=prompt_lookup, draft_confidence=draft_confidence,

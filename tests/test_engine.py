@@ -361,3 +361,13 @@ def test_greedy_runner_up_windows_are_identical_to_target_only_and_take_runner_u
     planted = [generate(tiny_target, near_draft, p, params, num_speculative_tokens=3, runner_up=True).token_ids
                for p in prompts]
     assert planted != baselines
+
+
+def test_what_load_causal_lm_gives_is_taken_as_target_and_draft(tiny_dir, tiny_target, tiny_draft):
+    """The README's way to the demo models; passing it raised AttributeError ('vocab_size')."""
+    from mirrorspec.models import load_causal_lm
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=12)
+    target, draft = (load_causal_lm(str(tiny_dir[name]), tokenizer=False) for name in ("target", "draft"))
+    loaded = generate(target, draft, [1, 2, 3], params, seed=5)
+    assert loaded.token_ids == generate(tiny_target, tiny_draft, [1, 2, 3], params, seed=5).token_ids
