@@ -10,14 +10,21 @@ Rank 0 serves; the other ranks follow. Every session operation rank 0 performs (
 ``logits_with_runner_up``, ``rollback``, ``close``) is broadcast first and replayed by the
 followers on their own shards and KV caches, in the same order, so the collectives inside the
 forward pass line up. Gloo on CPU, NCCL on GPU: the same code, chosen by ``backend_for``.
+
+A follower waits for its next operation inside a collective, and collectives time out (gloo
+after 30 minutes by default, NCCL after 10): an idle replica's followers failed, and the replica
+with them. So rank 0 broadcasts a no-op whenever it has been idle ``KEEPALIVE_S``, and the group's
+timeout, which bounds how long a rank that hangs holds the others, is set explicitly.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -29,6 +36,8 @@ from mirrorspec.models.session import KVSession
 from mirrorspec.serving.errors import ReplicaLost
 
 SUPPORTED_ARCHITECTURES = ("llama",)
+GROUP_TIMEOUT_S = 600.0  # how long a collective waits for a rank (NCCL's default; gloo's is 30 min)
+KEEPALIVE_S = 30.0  # rank 0 idle this long broadcasts a no-op, well inside GROUP_TIMEOUT_S
 
 
 class UnsupportedForTensorParallel(InvalidRequest):
@@ -178,11 +187,24 @@ class ShardDriver:
     compute lane, an eviction on the event loop) never interleave their collectives.
     """
 
-    def __init__(self, model: nn.Module, group=None):
+    def __init__(self, model: nn.Module, group=None, keepalive_s: float | None = KEEPALIVE_S):
         self.model = model
         self.group = group
         self.lock = threading.Lock()
         self.lost: str | None = None  # why the lockstep broke, once it has
+        self._last_op = time.monotonic()
+        self._stopped = threading.Event()
+        if keepalive_s is not None:
+            threading.Thread(target=self._keep_followers_waiting, args=(keepalive_s,), daemon=True,
+                             name="tp-keepalive").start()
+
+    def _keep_followers_waiting(self, every_s: float) -> None:
+        while not self._stopped.wait(every_s / 4) and self.lost is None:
+            if time.monotonic() - self._last_op >= every_s:
+                try:
+                    self.run(("keepalive", ""))
+                except ReplicaLost:  # the replica answers so from now on, and awaits replacement
+                    return
 
     def session(self) -> DrivenSession:
         return DrivenSession(self, uuid.uuid4().hex)
@@ -197,12 +219,14 @@ class ShardDriver:
                                   f"replacement")
             try:
                 dist.broadcast_object_list([op], src=0, group=self.group)
+                self._last_op = time.monotonic()
                 return local() if local is not None else None
             except Exception as err:
                 self.lost = " ".join(str(err).split())[:300] or type(err).__name__
                 raise ReplicaLost(f"a tensor-parallel rank failed mid-operation ({self.lost})") from err
 
     def stop(self) -> None:
+        self._stopped.set()
         self.run(("stop", ""))
 
 
@@ -243,6 +267,8 @@ def follow(model: nn.Module, group=None) -> None:
         op, key, *args = received[0]
         if op == "stop":
             return
+        if op == "keepalive":
+            continue
         if op == "close":
             sessions.pop(key, None)
             continue
@@ -250,18 +276,21 @@ def follow(model: nn.Module, group=None) -> None:
         getattr(session, op)(*args)
 
 
-def init_rank(init_method: str, rank: int, world: int, device: torch.device) -> None:
+def init_rank(init_method: str, rank: int, world: int, device: torch.device,
+              timeout_s: float = GROUP_TIMEOUT_S) -> None:
     """Join the target's process group (one per replica; every rank calls this)."""
     if not dist.is_initialized():
-        dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world)
+        dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
 
 
-def load_shard(source: str, rank: int, world: int, init_method: str, dtype: str = "auto", device: str = "auto"):
+def load_shard(source: str, rank: int, world: int, init_method: str, dtype: str = "auto", device: str = "auto",
+               group_timeout_s: float = GROUP_TIMEOUT_S):
     """Load the target whole, join the group and keep this rank's shard: what every rank runs."""
     from mirrorspec.models.loading import load_causal_lm, resolve_device
     from mirrorspec.models.prepack import prepack_linears
 
-    init_rank(init_method, rank, world, resolve_device(device))
+    init_rank(init_method, rank, world, resolve_device(device), group_timeout_s)
     loaded = load_causal_lm(source, dtype=dtype, device=device, tokenizer=False, prepack=False)
     shard_causal_lm(loaded.model, rank, world)
     prepack_linears(loaded.model)  # the column shards; row-parallel layers and the head stay plain
@@ -269,10 +298,10 @@ def load_shard(source: str, rank: int, world: int, init_method: str, dtype: str 
 
 
 def run_follower(source: str, rank: int, world: int, init_method: str, threads: int = 1,
-                 dtype: str = "auto", device: str = "auto") -> None:
+                 dtype: str = "auto", device: str = "auto", group_timeout_s: float = GROUP_TIMEOUT_S) -> None:
     """The whole life of a follower rank (a Ray actor's method, or a spawned process in tests)."""
     torch.set_num_threads(threads)
-    loaded = load_shard(source, rank, world, init_method, dtype, device)
+    loaded = load_shard(source, rank, world, init_method, dtype, device, group_timeout_s)
     try:
         follow(loaded.model)
     finally:

@@ -6,6 +6,7 @@ would. The model splits unevenly on purpose (3 KV groups, 17 vocabulary rows, 51
 """
 
 import multiprocessing
+import time
 
 import grpc
 import pytest
@@ -89,6 +90,31 @@ def test_a_rank_lost_mid_operation_makes_the_replica_unavailable_for_good(monkey
         driver.run(("rollback", "s", 0))
     assert len(broadcasts) == 1  # nothing more is sent to ranks out of step
     assert status_for(err.value) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_an_idle_replica_keeps_its_followers_past_the_group_s_timeout(tmp_path):
+    """A follower waits for rank 0's next operation inside a collective, which times out like any
+    other: an idle replica lost its followers after gloo's 30 minutes (NCCL's 10), then every
+    request on it failed until it was replaced. Here the timeout is 4 s and the replica idles 8 s.
+    (Runs before the module's shared group starts: a process joins one group at a time.)"""
+    source = str(save_uneven_llama(tmp_path / "target"))
+    init = f"tcp://127.0.0.1:{free_port()}"
+    follower = multiprocessing.get_context("spawn").Process(target=tp.run_follower, args=(source, 1, 2, init),
+                                                             kwargs={"group_timeout_s": 4.0}, daemon=True)
+    follower.start()
+    try:
+        driver = tp.ShardDriver(tp.load_shard(source, 0, 2, init, group_timeout_s=4.0).model, keepalive_s=0.25)
+        time.sleep(8)
+        context = [0, 5, 9, 16, 3]
+        torch.testing.assert_close(driver.session().logits_for(context, 2), KVSession(load(source)).logits_for(context, 2),
+                                   rtol=1e-5, atol=1e-5)
+        driver.stop()
+        follower.join(timeout=30)
+        assert follower.exitcode == 0
+    finally:
+        if follower.is_alive():
+            follower.kill()
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
