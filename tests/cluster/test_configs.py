@@ -344,3 +344,8 @@ def test_the_head_launches_the_serving_stack_with_flags_the_cli_accepts(name):
     # it comes after `ray start`, which it joins
     starts = [i for i, c in enumerate(config["head_start_ray_commands"]) if "ray start" in c]
     assert starts and starts[0] < config["head_start_ray_commands"].index(command)
+    # a drafter node's "drafter" slots all fit its GPUs at --drafter-gpus (aws.yaml offered 4 slots
+    # on one GPU while the head asked 0.5 GPU a replica: two fit, and `scale drafter 4` took 2 nodes)
+    for resources in worker_roles(config, ray_validate(config)).values():
+        if "drafter" in resources and args.drafter_gpus:
+            assert resources["drafter"] * args.drafter_gpus <= resources.get("GPU", 0), (resources, args.drafter_gpus)
