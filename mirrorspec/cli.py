@@ -319,8 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from benchmarks.run import main as bench_main
 
         return bench_main(argv[1:], prog="mirrorspec bench")
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command_line(argv)
     try:
         return args.handler(args)
     except InvalidRequest as err:
@@ -331,6 +330,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (e.g. `| head`): not an error of ours
         sys.stdout = open(os.devnull, "w")
         return 0
+
+
+def parse_command_line(argv: Sequence[str]) -> argparse.Namespace:
+    """``argv`` parsed, with ``given``: the flags the command line itself sets. A flag given its
+    default value is given all the same: `generate --server ... --target demo-target` against a
+    server running another target was ignored, as if never typed."""
+    args = build_parser().parse_args(argv)
+    bare = build_parser()  # the same flags with no defaults: what parses is what was typed
+    for command in next(a for a in bare._actions if isinstance(a, argparse._SubParsersAction)).choices.values():
+        for action in command._actions:
+            action.default = argparse.SUPPRESS
+    args.given = frozenset(vars(bare.parse_args(argv)))
+    return args
 
 
 def _quiet_transformers() -> None:
@@ -359,8 +371,8 @@ SERVER_SETTINGS = (
 
 
 def _is_set(args: argparse.Namespace, dest: str) -> bool:
-    """Whether the user gave this flag a value other than its default."""
-    return getattr(args, dest) != args.subparser.get_default(dest)
+    """Whether the command line gave this flag (``parse_command_line``), whatever its value."""
+    return dest in args.given
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -36,6 +36,11 @@ from support import save_tiny_llama
     (["generate", "hi", "--server", "http://127.0.0.1:50051"], "--server"),
     (["generate", "hi", "--local", "--timeout", "5"], "--timeout"),  # the engine has no deadline: refused, not ignored
     (["generate", "hi", "--local", "--server", "127.0.0.1:1"], "--server"),  # ignored before
+    # a server setting given its default value is given all the same: ignored before (review 10 of stop 47)
+    (["generate", "hi", "--target", "demo-target"], "--target"),
+    (["generate", "hi", "--draft", "auto"], "--draft"),
+    (["generate", "hi", "--threads", "2"], "--threads"),
+    (["generate", "hi", "--local", "--server", "127.0.0.1:50051"], "--server"),
     (["generate", "hi", "--timeout", "0"], "--timeout"),
     (["generate", "hi", "--timeout", "nan"], "--timeout"),
     (["serve", "--k", "-1"], "--k"),
@@ -567,9 +572,9 @@ def test_serve_windows_on_target_reaches_the_front_door_on_ray_and_in_process(mo
     """The flag reaches the Ray deployment's spec, and the in-process stack's front door."""
     import mirrorspec.cli as cli
 
-    args = cli.build_parser().parse_args(["serve", "--windows-on-target", "--draft", "ngram"])
+    args = cli.parse_command_line(["serve", "--windows-on-target", "--draft", "ngram"])
     assert cli._stack_spec(args, target_gpus=0.0).windows_on_target
-    assert not cli._stack_spec(cli.build_parser().parse_args(["serve", "--draft", "ngram"]), 0.0).windows_on_target
+    assert not cli._stack_spec(cli.parse_command_line(["serve", "--draft", "ngram"]), 0.0).windows_on_target
 
     started = {}
 
@@ -580,6 +585,6 @@ def test_serve_windows_on_target_reaches_the_front_door_on_ray_and_in_process(mo
     monkeypatch.setattr(cli, "start_local_stack", fake_stack)
     monkeypatch.setattr("mirrorspec.models.load_causal_lm", lambda source, **_: SimpleNamespace(source=source))
     with pytest.raises(KeyboardInterrupt):
-        cli._serve_in_process(cli.build_parser().parse_args(
+        cli._serve_in_process(cli.parse_command_line(
             ["serve", "--in-process", "--windows-on-target", "--draft", "ngram", "--threads", "1"]))
     assert started["windows_on_target"] is True
