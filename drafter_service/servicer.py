@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 from mirrorspec.config import (DEFAULT_DRAFT_QUANTIZE, DEFAULT_PROPOSAL_TOP_K, MAX_BRANCHES, InvalidRequest,
@@ -79,7 +79,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         params = params_from_proto(request.params, default_max_new_tokens=1)
         max_context = self.loaded.max_context if self.loaded is not None else 1 << 31
         vocab_size = max(self.vocab_size, request.target_vocab_size)  # a target's wider table: KVSession.input_ids
-        prompt = validate_prompt(request.prompt_ids, vocab_size, max_context, params, field="prompt_ids")
+        # only the prompt must fit this drafter's window: the target's bounds the answer, and a
+        # draft model with a shorter one drafts up to its end (``_advance``), then windows go undrafted
+        prompt = validate_prompt(request.prompt_ids, vocab_size, max_context, replace(params, max_new_tokens=1),
+                                 field="prompt_ids")
         session_id = self.sessions.open(DraftSession(SequenceState(prompt, params, int(request.seed)),
                                                      self._new_drafter(request.caller_looks_up), vocab_size))
         self.sessions.orphan(session_id)  # until its first call (SessionStore)

@@ -120,7 +120,8 @@ class PooledSession:
                 if full:
                     raise SessionLimitReached(
                         f"every {self.pool.name} replica that answered is at its session limit "
-                        f"({', '.join(sorted(full))}); retry later or scale the {self.pool.name} pool up") from None
+                        f"({', '.join(sorted(full))}); retry later, scale the {self.pool.name} pool up, or raise the "
+                        f"replicas' --max-sessions") from None
                 raise
             try:
                 response = self._open_on(replica, self.open_request(context, params))

@@ -272,6 +272,27 @@ def test_a_drafter_that_predates_rank_tokens_still_drafts_mirror_requests(tiny_d
         old.stop()
 
 
+def test_a_draft_with_a_shorter_context_window_drafts_up_to_its_end(tiny_dir, tmp_path):
+    """Its drafter refused every session whose prompt + max_tokens passed its window, so those
+    requests ran target-only from their first token (review 9 of stop 47)."""
+    import json
+
+    from support import save_tiny_llama
+
+    short = save_tiny_llama(tmp_path / "short", seed=1, logit_scale=2.0)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32}))
+    s = start_stack(tiny_dir["target"], short, k=3)
+    try:
+        with Client(s.address) as client:
+            prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
+            served = client.generate(prompt, max_tokens=60)  # 70 tokens: past the draft's 32
+        assert served.token_ids == target_only(load(tiny_dir["target"]), prompt, 60)
+        assert not served.stats.drafter_fallback and served.stats.drafted > 0
+    finally:
+        s.stop()
+
+
 def test_stream_delivers_the_same_tokens_in_order_with_stats_last(stack):
     with Client(stack.address) as client:
         unary = client.generate([0, 4, 2], max_tokens=30, temperature=0.9, seed=5)
@@ -740,7 +761,8 @@ def test_a_request_the_target_refuses_leaves_no_drafter_session_behind(tiny_dir)
         stub.OpenSession(target_pb2.OpenTargetSessionRequest(prompt_ids=[0]))
         with Client(s.address) as client, pytest.raises(grpc.RpcError) as err:
             client.generate([0, 1], max_tokens=2)
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "raise the replicas' --max-sessions" in (
+            err.value.details())
         assert open_sessions(s) == (1, 0)
     finally:
         s.stop()
