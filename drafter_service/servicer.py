@@ -80,7 +80,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         max_context = self.loaded.max_context if self.loaded is not None else 1 << 31
         vocab_size = max(self.vocab_size, request.target_vocab_size)  # a target's wider table: KVSession.input_ids
         # only the prompt must fit this drafter's window: the target's bounds the answer, and a
-        # draft model with a shorter one drafts up to its end (``_advance``), then windows go undrafted
+        # draft model with a shorter one drafts up to its end (``DraftModelDrafter.max_context``)
         prompt = validate_prompt(request.prompt_ids, vocab_size, max_context, replace(params, max_new_tokens=1),
                                  field="prompt_ids")
         session_id = self.sessions.open(DraftSession(SequenceState(prompt, params, int(request.seed)),
@@ -103,7 +103,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
     async def _draft(self, request) -> drafter_pb2.DraftResponse:
         session = self.sessions.get(request.session_id)
         async with session.lock:
-            k = self._advance(session, request)
+            k = self._commit(session, request)
             started = time.perf_counter()
             seq = session.sequence
             proposal = await self.lane.run(session.drafter.propose, list(seq.context), k, seq.params, seq.seed)
@@ -131,7 +131,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                              field="branch_tokens")
         forks = _fork_points(request.branch_forks, len(branch_tokens), int(request.context_length))
         async with session.lock:
-            k = self._advance(session, request, reserve=1)
+            k = self._commit(session, request)
             started = time.perf_counter()
             seq = session.sequence
             own = await self.lane.run(own_next_token, session.drafter, list(seq.context), seq.seed) \
@@ -174,15 +174,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         keep = int(request.keep) if request.HasField("keep") else None
         session.sequence.commit(commit, int(request.context_length), keep)
         return int(request.k)
-
-    def _advance(self, session: DraftSession, request, reserve: int = 0) -> int:
-        """``_commit``, then the k to draft within the context window (``reserve``: tokens the
-        call appends before drafting)."""
-        k = self._commit(session, request)
-        seq = session.sequence
-        if self.loaded is not None:
-            k = max(min(k, self.loaded.max_context - len(seq.context) - reserve), 0)
-        return k
 
     async def CloseSession(self, request, context):
         return common_pb2.CloseSessionResponse(existed=self.sessions.close(request.session_id))

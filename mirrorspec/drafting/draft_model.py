@@ -98,11 +98,14 @@ class DraftModelDrafter(Drafter):
         self.session = KVSession(model, self.vocab_ids) if isinstance(model, torch.nn.Module) else model
         if isinstance(model, torch.nn.Module):
             self.step_cost = draft_model_step_cost(model)
+        # a draft's window may be shorter than its target's: it drafts up to the end of its own
+        self.max_context = int(getattr(getattr(model, "config", None), "max_position_embeddings", 1 << 30))
         self.proposal_top_k = proposal_top_k
         self.num_alternatives = num_alternatives  # top tokens kept per position, for mirror branch guesses
         self.confidence = confidence
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, seed: int) -> Proposal:
+        k = min(k, self.max_context - len(context))
         if k <= 0:
             return Proposal.empty()
         start = len(context)
@@ -122,6 +125,7 @@ class DraftModelDrafter(Drafter):
         Each row draws from its own q with the uniforms of its own positions, so each branch is the
         proposal ``propose([*head[:fork], c], k)`` would make (up to float rounding between batched
         and single forwards)."""
+        k = min(k, self.max_context - len(head) - 1)  # the last fork's window, the one that ends latest
         if k <= 0 or len(next_tokens) < 2 or not isinstance(self.session, KVSession):
             return super().propose_branches(head, next_tokens, k, params, seed, fork_points)
         forks = fork_points_or_end(head, next_tokens, fork_points)
@@ -143,7 +147,7 @@ class DraftModelDrafter(Drafter):
 
     def alternatives_for(self, context: Sequence[int], tokens: Sequence[int]) -> RankedTokens:
         """One forward over ``tokens``: the cache catches up on them now, not in the next draft."""
-        if not tokens:
+        if not tokens or len(context) + len(tokens) > self.max_context:
             return RankedTokens()
         logits = self.session.logits_for([*context, *tokens[:-1]], len(tokens))  # [len(tokens), vocab or m]
         tops = [self._top(logits[i].float().softmax(-1)) for i in range(len(tokens))]

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from mirrorspec import SamplingParams
-from mirrorspec.drafting import DraftModelDrafter
+from mirrorspec.drafting import DraftModelDrafter, RankedTokens
 
 
 def test_greedy_drafts_follow_the_draft_models_argmax(tiny_draft):
@@ -142,3 +142,17 @@ def test_branches_drafted_together_are_the_branches_drafted_one_by_one(tiny_dir,
     after = together.propose([*head, 6], 3, params, seed=3)
     fresh = DraftModelDrafter(model, proposal_top_k=4, confidence=confidence)
     assert after.tokens == fresh.propose([*head, 6], 3, params, seed=3).tokens
+
+
+def test_a_draft_drafts_up_to_the_end_of_its_own_context_window(tiny_draft):
+    """A draft's window may be shorter than its target's: past its end it proposes nothing (it
+    drafted on; a model with learned positions fails there), and a drafter server did the same."""
+    window = tiny_draft.config.max_position_embeddings
+    drafter = DraftModelDrafter(tiny_draft)
+    context = [1, 2, 3] * (window // 3)
+    context = context[:window - 2]
+    assert len(drafter.propose(context, 4, SamplingParams(), seed=0).tokens) == 2
+    assert not drafter.propose(context + [1, 2], 4, SamplingParams(), seed=0).tokens
+    assert drafter.alternatives_for(context + [1], [2, 3]) == RankedTokens()
+    branches = drafter.propose_branches(context, [4, 5], 4, SamplingParams(), seed=0)
+    assert [len(b.tokens) for b in branches] == [1, 1]

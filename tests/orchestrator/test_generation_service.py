@@ -274,7 +274,9 @@ def test_a_drafter_that_predates_rank_tokens_still_drafts_mirror_requests(tiny_d
 
 def test_a_draft_with_a_shorter_context_window_drafts_up_to_its_end(tiny_dir, tmp_path):
     """Its drafter refused every session whose prompt + max_tokens passed its window, so those
-    requests ran target-only from their first token (review 9 of stop 47)."""
+    requests ran target-only from their first token (review 9 of stop 47); in process, it drafted
+    on past its window (a model with learned positions would fail there), and a seeded sampled
+    request no longer matched the served one."""
     import json
 
     from support import save_tiny_llama
@@ -287,8 +289,13 @@ def test_a_draft_with_a_shorter_context_window_drafts_up_to_its_end(tiny_dir, tm
         with Client(s.address) as client:
             prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
             served = client.generate(prompt, max_tokens=60)  # 70 tokens: past the draft's 32
+            sampled = client.generate(prompt, max_tokens=60, temperature=1.0, seed=3)
         assert served.token_ids == target_only(load(tiny_dir["target"]), prompt, 60)
         assert not served.stats.drafter_fallback and served.stats.drafted > 0
+        in_process = generate(load(tiny_dir["target"]), load_as_served_draft(short), prompt,
+                              SamplingParams(max_new_tokens=60, temperature=1.0), num_speculative_tokens=3, seed=3,
+                              proposal_top_k=4)
+        assert sampled.token_ids == in_process.token_ids and sampled.stats.drafted == in_process.stats.drafted
     finally:
         s.stop()
 
