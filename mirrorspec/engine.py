@@ -33,7 +33,7 @@ from mirrorspec.drafting import DraftModelDrafter, Drafter, HybridDrafter, Ngram
 from mirrorspec.models.early_exit import EarlyExitHint, EarlyExitProbe
 from mirrorspec.models.lens import TunedLens
 from mirrorspec.models.loading import LoadedModel, same_tokenizer_at
-from mirrorspec.models.session import KVSession, LogitSession
+from mirrorspec.models.session import KVSession, LogitSession, scores_runner_up
 from mirrorspec.sampling import (
     Stream,
     TokenKind,
@@ -81,7 +81,7 @@ class TargetVerifier:
         self.session = session
         self.vocab_size = session.vocab_size
         self.probe = probe
-        self.runner_up = runner_up and hasattr(session, "logits_with_runner_up")
+        self.runner_up = runner_up and hasattr(session, "logits_with_runner_up")  # and per window, scores_runner_up
 
     @property
     def gives_hints(self) -> bool:
@@ -91,6 +91,8 @@ class TargetVerifier:
                on_hint: Callable[[EarlyExitHint], None] | None = None) -> WindowVerdict:
         k, start = len(proposal), len(context)
         runner_up = self.offered_runner_up(proposal)
+        if runner_up is not None and not scores_runner_up(self.session, start + k):
+            runner_up = None  # past a sliding window: the chain alone (the drafter offered it all the same)
         hinting = (self.probe.watching(k + 1, on_hint, trailing=int(runner_up is not None))
                    if on_hint is not None and self.probe else nullcontext())
         window = [*context, *proposal.tokens]

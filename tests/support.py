@@ -21,19 +21,26 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 
 def save_tiny_llama(path: Path, seed: int, vocab: int = 8, hidden: int = 16, layers: int = 1,
-                    logit_scale: float = 3.0, eos_token_id: int | list[int] | None = None) -> Path:
-    """A random Llama with a tiny vocabulary, saved as an ordinary checkpoint.
+                    logit_scale: float = 3.0, eos_token_id: int | list[int] | None = None,
+                    sliding_window: int | None = None) -> Path:
+    """A random Llama with a tiny vocabulary, saved as an ordinary checkpoint (with a
+    ``sliding_window``, a Mistral: the same model whose layers see that many positions back).
 
     The LM head is scaled so next-token distributions are far from uniform (default init gives
     nearly flat ones, which would make every test weak). No EOS by default: a server stops at its
     target's EOS ids, and tests compare with target-only decoding run to max_new_tokens.
     """
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config_type, model_type = (LlamaConfig, LlamaForCausalLM) if sliding_window is None else (MistralConfig,
+                                                                                              MistralForCausalLM)
+    window = {} if sliding_window is None else {"sliding_window": sliding_window}
+    config = config_type(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2,
                          max_position_embeddings=128, tie_word_embeddings=False,
-                         bos_token_id=0, eos_token_id=eos_token_id, pad_token_id=0)
+                         bos_token_id=0, eos_token_id=eos_token_id, pad_token_id=0, **window)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = model_type(config)
     with torch.no_grad():
         model.lm_head.weight.mul_(logit_scale / model.lm_head.weight.std())
     model.save_pretrained(path)

@@ -126,7 +126,11 @@ class DraftModelDrafter(Drafter):
         proposal ``propose([*head[:fork], c], k)`` would make (up to float rounding between batched
         and single forwards)."""
         k = min(k, self.max_context - len(head) - 1)  # the last fork's window, the one that ends latest
-        if k <= 0 or len(next_tokens) < 2 or not isinstance(self.session, KVSession):
+        # a row forking early is masked off the cache past its fork, and a sliding window counts
+        # those masked slots too: past its reach, branches go one by one, as ``propose`` drafts them
+        reach = getattr(self.session, "reach", None)
+        past_reach = reach is not None and len(head) + 1 + k > reach
+        if k <= 0 or len(next_tokens) < 2 or not isinstance(self.session, KVSession) or past_reach:
             return super().propose_branches(head, next_tokens, k, params, seed, fork_points)
         forks = fork_points_or_end(head, next_tokens, fork_points)
         # row b drafts at positions fork_b + 1 ... fork_b + k

@@ -95,6 +95,20 @@ def sub_vocabulary_head(model: torch.nn.Module, rows: torch.Tensor) -> torch.nn.
     return heads[key]
 
 
+def attention_reach(config) -> int | None:
+    """How many positions back the narrowest layer of a model attends (None: every layer sees the
+    whole context). A 4D mask handed to the model is used as it is, in sliding-window layers too,
+    so the runner-up's whole-context mask is right only while the sequence fits this reach
+    (Mistral's ``sliding_window``, Gemma 2 and 3's sliding layers, Llama 4's attention chunks)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = getattr(config, "layer_types", None)
+    if types is not None and all(kind == "full_attention" for kind in types):
+        return None
+    reaches = [getattr(config, name, None) for name in ("sliding_window", "attention_chunk_size")]
+    reaches = [int(r) for r in reaches if isinstance(r, int) and not isinstance(r, bool) and r > 0]
+    return min(reaches, default=None)
+
+
 def runner_up_mask(cached: int, queries: int, first: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Additive attention mask for ``queries`` new tokens after ``cached`` ones: causal for all
     but the last, which sees keys before ``first`` and itself only.
@@ -107,6 +121,12 @@ def runner_up_mask(cached: int, queries: int, first: int, dtype: torch.dtype, de
     visible[-1, -1] = True
     blocked = torch.full(visible.shape, torch.finfo(dtype).min, dtype=dtype, device=device)
     return blocked.masked_fill(visible, 0.0)[None, None]
+
+
+def scores_runner_up(session, length: int) -> bool:
+    """Whether ``session`` can score a runner-up within a ``length``-token sequence."""
+    reach = getattr(session, "reach", None)
+    return hasattr(session, "logits_with_runner_up") and (reach is None or length <= reach)
 
 
 class KVSession:
@@ -126,6 +146,7 @@ class KVSession:
         self.tokens: list[int] = []
         self._cache = DynamicCache()
         self._head = None
+        self.reach = attention_reach(model.config)  # longest sequence a runner-up can be scored in (None: any)
         if output_rows is not None:
             self._head = sub_vocabulary_head(model, output_rows)  # [..., hidden] -> [..., m]
 
@@ -158,6 +179,9 @@ class KVSession:
         """
         if not 2 <= num_positions <= len(context):
             raise ValueError(f"num_positions must be in [2, {len(context)}], got {num_positions}")
+        if not scores_runner_up(self, len(context)):
+            raise ValueError(f"a runner-up in a {len(context)}-token sequence is past this model's attention reach "
+                             f"({self.reach}): its mask would see too far back")
         return self._extend(context, num_positions, runner_up)[0]
 
     def _extend(self, context: Sequence[int], num_positions: int, runner_up: int | None = None) -> torch.Tensor:

@@ -238,6 +238,7 @@ class DrivenSession:
         self.key = key
         self.local = KVSession(driver.model)
         self.vocab_size = self.local.vocab_size
+        self.reach = self.local.reach
 
     def logits_for(self, context: Sequence[int], num_positions: int) -> torch.Tensor:
         context = list(context)

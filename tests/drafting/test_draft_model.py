@@ -156,3 +156,19 @@ def test_a_draft_drafts_up_to_the_end_of_its_own_context_window(tiny_draft):
     assert drafter.alternatives_for(context + [1], [2, 3]) == RankedTokens()
     branches = drafter.propose_branches(context, [4, 5], 4, SamplingParams(), seed=0)
     assert [len(b.tokens) for b in branches] == [1, 1]
+
+
+def test_branches_of_a_sliding_window_draft_past_its_window_are_the_ones_drafted_one_by_one(tmp_path):
+    """A row forking early is masked off the cache past its fork, and the sliding window counted
+    those masked slots too: its drafts and q differed from ``propose``'s (a seeded sampled request
+    then drew other tokens with mirror than without)."""
+    from support import load, save_tiny_llama
+
+    path = save_tiny_llama(tmp_path / "draft", seed=3, layers=2, sliding_window=8)
+    head, forks, tokens, params = [1, 2, 3, 4, 5, 6, 7, 0] * 2 + [1, 2, 3, 4], [14, 17, 20], [6, 7, 5], \
+        SamplingParams(temperature=1.0)
+    together = DraftModelDrafter(load(path)).propose_branches(head, tokens, 4, params, seed=11, fork_points=forks)
+    for branch, fork, token in zip(together, forks, tokens):
+        alone = DraftModelDrafter(load(path)).propose(head[:fork] + [token], 4, params, seed=11)
+        assert branch.tokens == alone.tokens
+        torch.testing.assert_close(branch.q.dense(8), alone.q.dense(8))

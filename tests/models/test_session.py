@@ -139,3 +139,27 @@ def test_the_runner_up_row_is_a_forward_over_the_runner_up_in_place_of_the_first
     session.rollback(len(context) - 1)  # a chain verdict keeps a prefix of the drafts
     torch.testing.assert_close(session.logits_for(context, 1), reference.logits_for(context, 1), rtol=1e-4, atol=1e-5)
     assert session.tokens == context
+
+
+def test_attention_reach_is_the_narrowest_window_any_layer_has():
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    from mirrorspec.models.session import attention_reach
+
+    assert attention_reach(MistralConfig(sliding_window=8)) == 8
+    assert attention_reach(MistralConfig(sliding_window=None)) is None
+    assert attention_reach(Gemma2Config(sliding_window=16)) == 16  # alternating sliding and full layers
+    assert attention_reach(Gemma2Config(sliding_window=16, layer_types=["full_attention"] * 26)) is None
+    assert attention_reach(Qwen2Config(sliding_window=8, use_sliding_window=False)) is None
+    assert attention_reach(LlamaConfig()) is None
+
+
+def test_a_runner_up_past_a_sliding_window_is_refused_rather_than_scored_wrong(tmp_path):
+    """Its 4D mask sees the whole context, and a model uses a 4D mask as it is, sliding layers too."""
+    import support
+
+    session = KVSession(support.load(support.save_tiny_llama(tmp_path / "m", seed=0, layers=2, sliding_window=8)))
+    assert session.reach == 8
+    assert session.logits_with_runner_up([1, 2, 3, 4, 5, 6, 7, 1], 3, 5).shape[0] == 4
+    with pytest.raises(ValueError, match=r"a runner-up in a 9-token sequence is past this model's attention reach \(8\)"):
+        session.logits_with_runner_up([1, 2, 3, 4, 5, 6, 7, 1, 2], 3, 5)

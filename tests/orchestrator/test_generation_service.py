@@ -300,6 +300,22 @@ def test_a_draft_with_a_shorter_context_window_drafts_up_to_its_end(tiny_dir, tm
         s.stop()
 
 
+def test_served_runner_up_windows_on_a_sliding_window_target_stay_identical_to_target_only(tmp_path):
+    """A target server scored runner-ups under a whole-context mask in its sliding layers too
+    (review 12 of stop 47): greedy output left target-only's past the window."""
+    from support import save_tiny_llama
+
+    target = save_tiny_llama(tmp_path / "target", seed=0, layers=2, sliding_window=8)
+    draft = save_tiny_llama(tmp_path / "draft", seed=1, layers=1, sliding_window=8)
+    s = start_stack(target, draft, k=3, runner_up=True)
+    try:
+        with Client(s.address) as client:
+            for prompt in ([1, 2, 3], [4, 4, 1, 6, 2, 7, 0, 3, 5]):
+                assert client.generate(prompt, max_tokens=40).token_ids == target_only(load(target), prompt, 40)
+    finally:
+        s.stop()
+
+
 def test_stream_delivers_the_same_tokens_in_order_with_stats_last(stack):
     with Client(stack.address) as client:
         unary = client.generate([0, 4, 2], max_tokens=30, temperature=0.9, seed=5)
