@@ -3,6 +3,7 @@ import torch
 from transformers import DynamicCache
 
 from mirrorspec.models.features import FeatureTap, final_norm
+from mirrorspec.models.session import cache_argument
 
 
 def base_features(model, ids):
@@ -25,8 +26,8 @@ def test_incremental_forwards_give_the_features_of_the_positions_they_read(tiny_
     ids = [0, 3, 5, 2, 6, 1]
     cache = DynamicCache()
     with torch.inference_mode(), FeatureTap(tiny_target) as tap:
-        tiny_target(torch.tensor([ids[:4]]), past_key_values=cache, use_cache=True)
-        tiny_target(torch.tensor([ids[4:]]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        tiny_target(torch.tensor([ids[:4]]), **cache_argument(tiny_target, cache), use_cache=True)
+        tiny_target(torch.tensor([ids[4:]]), **cache_argument(tiny_target, cache), use_cache=True, logits_to_keep=1)
         features = tap.take()[0]  # both forwards, in order; logits_to_keep does not thin them
     torch.testing.assert_close(features, base_features(tiny_target, ids), atol=1e-5, rtol=1e-5)
 
