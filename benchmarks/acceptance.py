@@ -251,7 +251,7 @@ def build_parser(prog: str = "python -m benchmarks.acceptance") -> argparse.Argu
                                                           f"(default {DEFAULT_DRAFT_QUANTIZE})")
     p.add_argument("--proposal-top-k", type=integer_at_least(0), default=0,
                    help="the draft's q kept to its top-k tokens, as drafters with --proposal-top-k propose (0 = dense, "
-                        "as `mirrorspec generate --local`; `mirrorspec serve` uses 32)")
+                        "the default here; `mirrorspec serve` and `generate --local` use 32)")
     p.add_argument("--threads", type=positive, default=2, help="torch intra-op threads (default 2)")
     p.add_argument("--out", type=output_dir, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

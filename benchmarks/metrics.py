@@ -62,10 +62,11 @@ def _verify_per_window(stats: list[dict]) -> float | None:
     """A window's verify time, the first window of each request left out where it is known: in
     process, that verify prefills the prompt too (several one-token steps), and a mode with fewer
     windows would carry more of it per window than target-only does."""
-    known = [s for s in stats if s.get("first_verify_time_s") and s["windows"] > 1]
-    if known and len(known) == len(stats):
-        return (sum(s["verify_time_s"] - s["first_verify_time_s"] for s in known)
-                / sum(s["windows"] - 1 for s in known))
+    if stats and all(s.get("first_verify_time_s") is not None for s in stats):
+        # per request: a one-window request adds nothing to either sum (it used to send its whole
+        # group back to counting every first window, prefill and all, beside target-only's row)
+        later = sum(s["windows"] - 1 for s in stats)
+        return sum(s["verify_time_s"] - s["first_verify_time_s"] for s in stats) / later if later else None
     windows = sum(s["windows"] for s in stats)
     return sum(s["verify_time_s"] for s in stats) / windows if windows else None
 

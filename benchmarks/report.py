@@ -207,7 +207,7 @@ def plot(path: Path, summaries: Sequence[Summary], title: str) -> None:
         top.legend(fontsize=7)
         for ax in (top, bottom):
             ax.grid(alpha=0.3)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(title, fontsize=9, wrap=True)  # one dataset makes a narrow figure: the title was cut at both edges
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

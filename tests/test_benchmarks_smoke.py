@@ -70,6 +70,22 @@ def test_pass_cost_leaves_out_the_prefill_and_tokens_per_pass_count_committed_to
     assert rows["mirrorspec-draft"].cost_ratio == pytest.approx((0.08 / 8) / 0.06)
 
 
+def test_a_one_window_request_leaves_the_rest_of_its_mode_without_the_prefill():
+    """A request whose answer fit one window (all accepted, or K >= max tokens - 1) sent its whole
+    mode back to counting every first window, prefill and all, beside target-only's row without
+    them (review 14 of stop 47: pass x 5.18 printed for 1.25)."""
+    base = _record("target-only", 0.0, [1] * 10, k=0)
+    base.stats = _stats(windows=10, accepted=0, verify_time_s=0.3 + 9 * 0.05, first_verify_time_s=0.3, committed=10,
+                        drafted=0)
+    long, short = _record("mirrorspec-draft", 0.0, [1] * 5), _record("mirrorspec-draft", 0.0, [1] * 5, prompt_id="2")
+    long.stats = _stats(windows=4, accepted=2, verify_time_s=0.3 + 3 * 0.06, first_verify_time_s=0.3, committed=5)
+    short.stats = _stats(windows=1, accepted=4, verify_time_s=0.3, first_verify_time_s=0.3, committed=5)
+    rows = {s.mode: s for s in summarize([base, long, short])}
+    assert rows["mirrorspec-draft"].pass_cost == pytest.approx(0.06 / 0.05)
+    short_only = {s.mode: s for s in summarize([base, short])}["mirrorspec-draft"]
+    assert short_only.pass_cost is None and short_only.cost_ratio is None  # no window but a prefill's to time
+
+
 def test_sampled_served_runs_are_checked_against_their_in_process_twin():
     """Greedy rows compare with target-only; a sampled served row with the in-process mode it
     reproduces, prompt by prompt at the same K, and a row with no twin that ran stays unknown."""
