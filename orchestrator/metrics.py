@@ -9,6 +9,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 from mirrorspec.config import InvalidRequest
 
+# request latencies on CPU run to minutes (the library's default buckets end at 10 s)
+LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, float("inf"))
+
 
 class SpecDecodeMetrics:
     def __init__(self) -> None:
@@ -18,11 +21,19 @@ class SpecDecodeMetrics:
         self.num_drafts = Counter("mirrorspec_spec_decode_num_drafts", "Windows verified with at least one draft "
                                   "(as vLLM counts drafts: target-only windows are not among them)", registry=r)
         self.num_draft_tokens = Counter("mirrorspec_spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
-        self.num_accepted_tokens = Counter("mirrorspec_spec_decode_num_accepted_tokens", "Draft tokens accepted",
-                                           registry=r)
+        self.num_accepted_tokens = Counter("mirrorspec_spec_decode_num_accepted_tokens", "Draft tokens accepted "
+                                           "(runner-up wins not among them: see num_runner_up_hits)", registry=r)
+        self.num_windows = Counter("mirrorspec_spec_decode_num_windows", "Windows verified, target-only ones too: "
+                                   "generation tokens / windows is the mean accepted length (bonus and runner-up "
+                                   "wins included), as a request's stats give it", registry=r)
+        self.num_runner_up_hits = Counter("mirrorspec_spec_decode_num_runner_up_hits",
+                                          "Windows whose first slot went to the draft's runner-up", registry=r)
         self.accepted_per_pos = Counter("mirrorspec_spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted at each window position", ["position"], registry=r)
-        self.requests = Counter("mirrorspec_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.requests = Counter("mirrorspec_requests", "Requests that ran, by how they ended (cancelled: the "
+                                "client left; deadline_exceeded: its deadline passed)", ["finish_reason"], registry=r)
+        self.refused = Counter("mirrorspec_requests_refused", "Requests refused before they ran, by gRPC status "
+                               "(bad input, a front door that is stopping, no replica)", ["code"], registry=r)
         self.drafter_fallbacks = Counter("mirrorspec_drafter_fallbacks", "Requests that lost their drafter",
                                          registry=r)
         self.mirror_windows = Counter("mirrorspec_mirror_windows", "Windows verified while branches were drafted",
@@ -33,16 +44,20 @@ class SpecDecodeMetrics:
                                       "Windows sent without drafts because too many requests were in flight",
                                       registry=r)
         self.generation_tokens = Counter("mirrorspec_generation_tokens", "Tokens generated", registry=r)
-        self.ttft = Histogram("mirrorspec_time_to_first_token_seconds", "Time to first token", registry=r)
+        self.ttft = Histogram("mirrorspec_time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=LATENCY_BUCKETS_S)
         self.inter_token = Histogram("mirrorspec_inter_token_latency_seconds", "Mean time per output token",
                                      registry=r)
-        self.e2e = Histogram("mirrorspec_e2e_request_latency_seconds", "Request latency", registry=r)
+        self.e2e = Histogram("mirrorspec_e2e_request_latency_seconds", "Request latency", registry=r,
+                             buckets=LATENCY_BUCKETS_S)
 
     def observe(self, outcome) -> None:
         s = outcome.stats
         self.num_drafts.inc(s.drafted_per_position[0] if s.drafted_per_position else 0)
         self.num_draft_tokens.inc(s.drafted)
         self.num_accepted_tokens.inc(s.accepted)
+        self.num_windows.inc(s.windows)
+        self.num_runner_up_hits.inc(s.runner_up_hits)
         for position, count in enumerate(s.accepted_per_position):
             self.accepted_per_pos.labels(position=str(position)).inc(count)
         self.requests.labels(finish_reason=outcome.finish_reason).inc()
@@ -57,6 +72,9 @@ class SpecDecodeMetrics:
             self.ttft.observe(outcome.first_token_at - outcome.started)
             if len(outcome.tokens) > 1:
                 self.inter_token.observe((total - (outcome.first_token_at - outcome.started)) / (len(outcome.tokens) - 1))
+
+    def refuse(self, code: str) -> None:
+        self.refused.labels(code=code).inc()
 
     def summary(self) -> dict:
         """The headline figures, for ``mirrorspec status``."""

@@ -29,6 +29,7 @@ from mirrorspec.models.loading import same_tokenizer, try_load_tokenizer
 from mirrorspec.models.detokenize import IncrementalDetokenizer
 from mirrorspec.sampling import fresh_seed
 from mirrorspec.serving.convert import params_from_proto
+from mirrorspec.serving.errors import status_for
 from mirrorspec.serving.server import BACKEND_CHANNEL_OPTIONS, Service, start_grpc_server
 from mirrorspec.v1 import (
     common_pb2,
@@ -204,8 +205,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     # ---- RPCs -------------------------------------------------------------------------------
     async def Generate(self, request, context):
-        self._refuse_while_draining()
-        prepared = self.prepare(request)
+        prepared = self._admit(request)
         outcome = RequestOutcome()
         async for _ in self._run(prepared, outcome, context):
             pass
@@ -215,8 +215,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             prompt_tokens=len(prepared.prompt))
 
     async def GenerateStream(self, request, context):
-        self._refuse_while_draining()
-        prepared = self.prepare(request)
+        prepared = self._admit(request)
         outcome = RequestOutcome()
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
         async for tokens in self._run(prepared, outcome, context):
@@ -236,6 +235,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         return info
 
     # ---- request preparation ----------------------------------------------------------------
+    def _admit(self, request) -> PreparedRequest:
+        """The request prepared, or refused before it runs and counted so: refusals (bad input, a
+        front door that is stopping) reached no metric, and an operator saw none of them."""
+        try:
+            self._refuse_while_draining()
+            return self.prepare(request)
+        except Exception as err:
+            self.metrics.refuse(status_for(err).name)
+            raise
+
     def prepare(self, request) -> PreparedRequest:
         params = params_from_proto(request.params, default_max_new_tokens=self.config.default_max_new_tokens)
         params = replace(params, stop_token_ids=tuple(sorted(set(params.stop_token_ids) | set(self.eos_ids))))
@@ -301,6 +310,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     # the client's deadline passing is the client leaving, not a failure of the service
                     outcome.finish_reason = "cancelled" if cancelled.is_set() or budget.client_gone() else "error"
                     answer = err
+            if outcome.finish_reason == "cancelled" and budget.client_gone():  # for the metrics: no answer goes out
+                outcome.finish_reason = "deadline_exceeded"
             self.metrics.observe(outcome)
             if answer is not None:
                 emit(answer)
