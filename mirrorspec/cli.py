@@ -59,7 +59,7 @@ DRAFT_CONFIDENCE_HELP = ("with a draft model: a window ends after the first toke
                          "0 = always draft K)")
 
 DRAFT_QUANTIZE_HELP = ("with a draft model: int8 runs its linear layers on int8 weights, ~1.7x faster per "
-                       "drafted token on CPU (exact either way; a no-op on GPU or bf16)")
+                       "drafted token on CPU (exact either way; a no-op on GPU or for a bf16/fp16 model)")
 
 K_HELP = (f"speculative tokens per window (default {DEFAULT_K_CONFIDENT} with a draft model whose windows end at its "
           f"first unsure token, --draft-confidence > 0; else {DEFAULT_K})")

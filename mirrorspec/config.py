@@ -402,7 +402,9 @@ def check_quantization(name: str, field: str = "quantize") -> str:
 # the --dtype flags' values and help: ``models.loading.resolve_dtype`` says why auto is what it is
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_HELP = ("auto (float32 on CPU; on CUDA a bf16/fp16 checkpoint's own dtype, else float32), "
-              "float32, bfloat16, float16")
+              "float32, bfloat16, float16 (in bf16/fp16 the target rounds a pass over several positions "
+              "differently from a one-token step: greedy output may leave target-only's at near-ties; float32 "
+              "keeps it identical)")
 
 
 @dataclass(frozen=True)

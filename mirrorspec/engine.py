@@ -486,7 +486,9 @@ def generate(
             (``mirrorspec.mirror.runner_up_guesses``).
 
     Greedy output is token-identical to target-only greedy decoding; sampled output has exactly
-    the target's distribution for any draft.
+    the target's distribution for any draft. (In bf16 or fp16 a target rounds a pass over several
+    positions differently from a one-token step, so at a near-tie greedy output can leave
+    target-only's: identity is a float32 promise.)
     """
     # what load_causal_lm gives (the README's way to the demo models): its model, the tokenizer aside
     target, draft = (m.model if isinstance(m, LoadedModel) else m for m in (target, draft))
