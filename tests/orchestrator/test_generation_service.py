@@ -343,6 +343,32 @@ def test_cancellation_frees_the_sessions_on_both_services(stack):
     assert wait_until(lambda: open_sessions(stack) == (0, 0))
 
 
+def test_a_client_process_killed_mid_stream_frees_the_sessions_and_ends_its_request(tiny_dir):
+    """A client that dies (SIGKILL: no cancel sent, its connection just drops) is a client that
+    left: the request stops there and both sessions close, rather than running on for nobody."""
+    import signal
+    import subprocess
+    import sys
+
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"])
+    script = ("import sys\nfrom mirrorspec.client import Client\n"
+              "with Client(sys.argv[1]) as client:\n"
+              "    for chunk in client.stream([0, 1, 2], max_tokens=100):\n        pass\n")
+    try:
+        with targets_held(s):  # in flight, its prefill held
+            client = subprocess.Popen([sys.executable, "-c", script, s.address])
+            assert wait_until(lambda: open_sessions(s)[0] == 1, timeout=60)
+            client.send_signal(signal.SIGKILL)
+            client.wait()
+            time.sleep(0.5)  # the front door sees the connection go while the request still waits
+        assert wait_until(lambda: open_sessions(s) == (0, 0))
+        finished = {sample.labels["finish_reason"]: sample.value for family in s.front.servicer.metrics.requests.collect()
+                    for sample in family.samples if sample.name.endswith("_total")}
+        assert finished == {"cancelled": 1.0}
+    finally:
+        s.stop()
+
+
 def test_deadline_frees_the_sessions_too(stack):
     with Client(stack.address, timeout_s=0.05) as client:
         with pytest.raises(grpc.RpcError) as err:
