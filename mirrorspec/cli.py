@@ -397,7 +397,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise InvalidRequest("chooses K per window in [0, --k], and --k 0 leaves it nothing to choose (it is "
                              "target-only); give --k the largest K to try", field="adaptive")
     if args.local:
-        refuse_draft_model_settings_for_ngram(args, resolve_draft(args.draft, args.target))
+        refuse_draft_model_settings_without_a_model(args, resolve_draft(args.draft, args.target))
     args.draft_quantize = args.draft_quantize or DEFAULT_DRAFT_QUANTIZE
     args.proposal_top_k = DEFAULT_PROPOSAL_TOP_K if args.proposal_top_k is None else args.proposal_top_k
     args.prompt_lookup = DEFAULT_PROMPT_LOOKUP if args.prompt_lookup is None else args.prompt_lookup
@@ -574,18 +574,21 @@ def start_local_stack(target: TargetConfig, drafter: DrafterConfig | None, *, ta
 DRAFT_MODEL_SETTINGS = ("prompt_lookup", "draft_confidence", "proposal_top_k", "draft_quantize")
 
 
-def refuse_draft_model_settings_for_ngram(args: argparse.Namespace, draft: str) -> None:
-    if draft != "ngram":
+def refuse_draft_model_settings_without_a_model(args: argparse.Namespace, draft: str) -> None:
+    why = {"ngram": "--draft ngram has none (it proposes what followed the context's last tokens where they "
+                    "occurred before)",
+           "none": "--draft none has none (it decodes with the target alone)"}.get(draft)
+    if why is None:
         return
     for dest in DRAFT_MODEL_SETTINGS:
         if _is_set(args, dest):
-            raise InvalidRequest("sets how a draft model drafts, and --draft ngram has none (it proposes what "
-                                 "followed the context's last tokens where they occurred before): drop one of the two",
-                                 field=dest)
+            raise InvalidRequest(f"sets how a draft model drafts, and {why}: drop one of the two", field=dest)
 
 
 # serve's flags that place replicas on Ray; --in-process runs one target and one drafter server
 # in this process, where they would change nothing: refused, rather than silently ignored
+# ...but these at 1 say what --in-process runs: one target, unsplit, and one drafter
+ONE_OF_EACH = ("tp", "drafters", "targets")
 RAY_SETTINGS = ("address", "detach", "name", "drafters", "targets", "tp", "replica_cpus", "drafter_gpus",
                 "target_gpus", "num_cpus", "start_timeout")
 
@@ -612,7 +615,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_threads(args.threads)
     if args.in_process:
         for dest in RAY_SETTINGS:
-            if _is_set(args, dest):
+            if _is_set(args, dest) and not (dest in ONE_OF_EACH and getattr(args, dest) == 1):
                 raise InvalidRequest("places replicas on Ray, which --in-process does not use (it runs one target "
                                      "and one drafter server in this process): drop one of the two", field=dest)
     if args.k is None:
@@ -632,10 +635,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InvalidRequest(f"is --port too ({args.port}): the metrics endpoint needs a port of its own",
                              field="metrics_port")
     draft = resolve_draft(args.draft, args.target)
-    refuse_draft_model_settings_for_ngram(args, draft)
-    if _is_set(args, "hint_lens") and args.hint_layer is None:
-        raise InvalidRequest("sets how the targets read their early-exit hints, and they send none without "
-                             "--hint-layer: give one, or drop --hint-lens", field="hint_lens")
+    refuse_draft_model_settings_without_a_model(args, draft)
+    for dest, what in (("hint_lens", "how the targets read"), ("hint_vocab", "what vocabulary scores")):
+        if _is_set(args, dest) and args.hint_layer is None:
+            raise InvalidRequest(f"sets {what} their early-exit hints, and they send none without --hint-layer: "
+                                 f"give one, or drop --{dest.replace('_', '-')}", field=dest)
     if args.in_process or args.address is None:  # a local Ray's replicas load from this machine's paths
         check_models(args.target, None if draft in ("ngram", "none") else draft)
     _check_tp_split(args.target, args.tp, args.in_process or args.address is None)
@@ -981,6 +985,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for field in ("teacher_prompts", "epochs", "out"):
         if getattr(args, field) is not None and not args.rebuild:
             raise InvalidRequest("sets up a rebuild, so it needs --rebuild", field=field)
+    for field in ("prompt", "max_tokens", "k"):  # the side-by-side run's, which a rebuild does not make
+        if _is_set(args, field) and args.rebuild:  # named here: generate's prompt is positional
+            raise InvalidRequest(f"--{field.replace('_', '-')}: sets up the side-by-side run, which --rebuild does "
+                                 f"not make: drop one of the two")
     if args.out is not None:
         _check_rebuild_out(args.out)
     import torch

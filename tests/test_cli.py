@@ -41,6 +41,10 @@ from support import save_tiny_llama
     (["generate", "hi", "--draft", "auto"], "--draft"),
     (["generate", "hi", "--threads", "2"], "--threads"),
     (["generate", "hi", "--local", "--server", "127.0.0.1:50051"], "--server"),
+    (["serve", "--in-process", "--draft", "none", "--prompt-lookup", "5"], "--prompt-lookup"),  # ignored before
+    (["serve", "--hint-vocab", "auto"], "--hint-vocab"),  # without --hint-layer, as --hint-lens is refused
+    (["demo", "--rebuild", "--k", "7"], "--k"),  # the side-by-side run's: ignored by a rebuild before
+    (["demo", "--rebuild", "--prompt", "hi"], "--prompt"),
     (["generate", "hi", "--timeout", "0"], "--timeout"),
     (["generate", "hi", "--timeout", "nan"], "--timeout"),
     (["serve", "--k", "-1"], "--k"),
@@ -588,3 +592,13 @@ def test_serve_windows_on_target_reaches_the_front_door_on_ray_and_in_process(mo
         cli._serve_in_process(cli.parse_command_line(
             ["serve", "--in-process", "--windows-on-target", "--draft", "ngram", "--threads", "1"]))
     assert started["windows_on_target"] is True
+
+
+def test_in_process_takes_one_of_each_replica_as_typed(monkeypatch):
+    """--tp 1, --drafters 1 and --targets 1 say what --in-process runs: a script that switches
+    between Ray and in-process by one flag keeps them (they are refused at any other value)."""
+    import mirrorspec.cli as cli
+
+    monkeypatch.setattr(cli, "_serve_in_process", lambda args: 0)
+    assert main(["serve", "--in-process", "--tp", "1", "--drafters", "1", "--targets", "1", "--port", "0",
+                 "--metrics-port", "0"]) == 0

@@ -94,10 +94,18 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
 
 
 def writer_tag() -> str:
-    """This host and process, in the names of the temporaries they write: a later writer can tell
-    one a killed process left behind from one still being written (a cache shared over NFS
-    included: only this host's are judged)."""
-    return f"{re.sub(r'[^A-Za-z0-9]', '_', socket.gethostname())}-{os.getpid()}"
+    """This host, pid namespace and process, in the names of the temporaries they write: a later
+    writer can tell one a killed process left behind from one still being written. Only those of
+    its own host and namespace are judged: a cache shared over NFS, or by a container that has the
+    host's name but pids of its own, holds others that its pids say nothing about."""
+    return f"{re.sub(r'[^A-Za-z0-9]', '_', socket.gethostname())}_{_pid_namespace()}-{os.getpid()}"
+
+
+def _pid_namespace() -> str:
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:  # no /proc (not Linux): the host's name alone
+        return "0"
 
 
 def remove_abandoned(folder: Path, prefix: str) -> None:

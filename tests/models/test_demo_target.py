@@ -108,7 +108,7 @@ def test_a_temporary_left_by_a_killed_writer_is_removed_by_the_next_write(tmp_pa
     (abandoned,) = tmp_path.iterdir()
     host = abandoned.name.split("-")[2]
     still_written = tmp_path / f".shard-00003.pt-{host}-{os.getpid()}-{'0' * 32}.tmp"
-    elsewhere = tmp_path / f".shard-00003.pt-{host}x-{writer.pid}-{'0' * 32}.tmp"
+    elsewhere = tmp_path / f".shard-00003.pt-{host}x-{writer.pid}-{'0' * 32}.tmp"  # another host or pid namespace
     for other in (still_written, elsewhere):
         other.write_bytes(b"")
     write_atomically(path, lambda tmp: tmp.write_bytes(b"whole"))
