@@ -33,7 +33,8 @@ class SpecDecodeMetrics:
         self.requests = Counter("mirrorspec_requests", "Requests that ran, by how they ended (cancelled: the "
                                 "client left; deadline_exceeded: its deadline passed)", ["finish_reason"], registry=r)
         self.refused = Counter("mirrorspec_requests_refused", "Requests refused before they ran, by gRPC status "
-                               "(bad input, a front door that is stopping; a request no replica could take ran, as an error)", ["code"], registry=r)
+                               "(bad input, a front door that is stopping; a request no replica could take ran, "
+                               "as an error)", ["code"], registry=r)
         self.drafter_fallbacks = Counter("mirrorspec_drafter_fallbacks", "Requests that lost their drafter",
                                          registry=r)
         self.mirror_windows = Counter("mirrorspec_mirror_windows", "Windows verified while branches were drafted",

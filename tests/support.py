@@ -213,3 +213,9 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def counts_by_label(counter, label: str) -> dict[str, float]:
+    """A labelled Prometheus counter's totals, by that label's value."""
+    return {sample.labels[label]: sample.value for family in counter.collect() for sample in family.samples
+            if sample.name.endswith("_total")}

@@ -161,5 +161,6 @@ def test_a_runner_up_past_a_sliding_window_is_refused_rather_than_scored_wrong(t
     session = KVSession(support.load(support.save_tiny_llama(tmp_path / "m", seed=0, layers=2, sliding_window=8)))
     assert session.reach == 8
     assert session.logits_with_runner_up([1, 2, 3, 4, 5, 6, 7, 1], 3, 5).shape[0] == 4
-    with pytest.raises(ValueError, match=r"a runner-up in a 9-token sequence is past this model's attention reach \(8\)"):
+    with pytest.raises(ValueError, match=r"a runner-up in a 9-token sequence is past this model's attention "
+                                         r"reach \(8\)"):
         session.logits_with_runner_up([1, 2, 3, 4, 5, 6, 7, 1, 2], 3, 5)

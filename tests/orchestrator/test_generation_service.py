@@ -17,7 +17,8 @@ from mirrorspec.client import AsyncClient, Client
 from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
 from orchestrator.servicer import OrchestratorConfig, _backend_info
 from served_stack import start_stack, targets_held
-from support import MemoSession, chi_square_pvalue, exact_joint, load, load_as_served_draft, record_rpc, wait_until
+from support import (MemoSession, chi_square_pvalue, counts_by_label, exact_joint, load, load_as_served_draft,
+                     record_rpc, wait_until)
 
 
 def target_only(model, prompt, max_tokens, **params):
@@ -362,9 +363,7 @@ def test_a_client_process_killed_mid_stream_frees_the_sessions_and_ends_its_requ
             client.wait()
             time.sleep(0.5)  # the front door sees the connection go while the request still waits
         assert wait_until(lambda: open_sessions(s) == (0, 0))
-        finished = {sample.labels["finish_reason"]: sample.value for family in s.front.servicer.metrics.requests.collect()
-                    for sample in family.samples if sample.name.endswith("_total")}
-        assert finished == {"cancelled": 1.0}
+        assert counts_by_label(s.front.servicer.metrics.requests, "finish_reason") == {"cancelled": 1.0}
     finally:
         s.stop()
 
@@ -1290,8 +1289,7 @@ def test_a_client_whose_own_deadline_runs_out_behind_a_busy_replica_keeps_no_req
             assert after.token_ids == target_only(load(tiny_dir["target16"]), [1, 2, 3, 4, 5], 20)
             assert after.stats.drafted > 0 and not after.stats.drafter_fallback
         assert excluded == []
-        reasons = {sample.labels["finish_reason"]: sample.value for family in metrics.requests.collect()
-                   for sample in family.samples if sample.name.endswith("_total")}
+        reasons = counts_by_label(metrics.requests, "finish_reason")
         assert reasons.get("error", 0) == 0
         if busy == "target":
             assert reasons["deadline_exceeded"] == 3  # not "cancelled": the client did not leave, it timed out

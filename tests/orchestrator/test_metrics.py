@@ -6,6 +6,7 @@ import pytest
 
 from mirrorspec.config import InvalidRequest
 from orchestrator.metrics import SpecDecodeMetrics
+from support import counts_by_label
 
 
 def test_a_metrics_port_in_use_is_refused_naming_the_setting():
@@ -29,8 +30,7 @@ def test_cancelled_requests_are_counted_with_their_finish_reason(tiny_dir):
     metrics = s.front.servicer.metrics
 
     def requests() -> dict[str, float]:
-        return {sample.labels["finish_reason"]: sample.value for family in metrics.requests.collect()
-                for sample in family.samples if sample.name.endswith("_total")}
+        return counts_by_label(metrics.requests, "finish_reason")
 
     try:
         with Client(s.address) as client:
@@ -81,9 +81,7 @@ def test_refused_requests_windows_and_runner_up_wins_reach_the_metrics(tiny_dir,
                 client.generate([0, 5], max_tokens=4)
     finally:
         s.stop()
-    refused = {sample.labels["code"]: sample.value for family in metrics.refused.collect()
-               for sample in family.samples if sample.name.endswith("_total")}
-    assert refused == {"INVALID_ARGUMENT": 1.0, "UNAVAILABLE": 1.0}
+    assert counts_by_label(metrics.refused, "code") == {"INVALID_ARGUMENT": 1.0, "UNAVAILABLE": 1.0}
     assert metrics.num_windows._value.get() == sum(r.stats.windows for r in done)
     assert metrics.num_runner_up_hits._value.get() == sum(r.stats.runner_up_hits for r in done) > 0
     tokens = metrics.generation_tokens._value.get()
