@@ -33,8 +33,10 @@ class SpecDecodeMetrics:
         self.requests = Counter("mirrorspec_requests", "Requests that ran, by how they ended (cancelled: the "
                                 "client left; deadline_exceeded: its deadline passed)", ["finish_reason"], registry=r)
         self.refused = Counter("mirrorspec_requests_refused", "Requests refused before they ran, by gRPC status "
-                               "(bad input, a front door that is stopping; a request no replica could take ran, "
-                               "as an error)", ["code"], registry=r)
+                               "(bad input, a front door that is stopping)", ["code"], registry=r)
+        self.errors = Counter("mirrorspec_request_errors", "Requests that ran and ended in an error (finish_reason "
+                              "error), by the gRPC status they got: RESOURCE_EXHAUSTED is replicas at their "
+                              "session limit, UNAVAILABLE no replica that could take it", ["code"], registry=r)
         self.drafter_fallbacks = Counter("mirrorspec_drafter_fallbacks", "Requests that lost their drafter",
                                          registry=r)
         self.mirror_windows = Counter("mirrorspec_mirror_windows", "Windows verified while branches were drafted",
@@ -76,6 +78,9 @@ class SpecDecodeMetrics:
 
     def refuse(self, code: str) -> None:
         self.refused.labels(code=code).inc()
+
+    def fail(self, code: str) -> None:
+        self.errors.labels(code=code).inc()
 
     def summary(self) -> dict:
         """The headline figures, for ``mirrorspec status``."""

@@ -312,6 +312,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     answer = err
             if outcome.finish_reason == "cancelled" and budget.client_gone():  # for the metrics: no answer goes out
                 outcome.finish_reason = "deadline_exceeded"
+            if outcome.finish_reason == "error":
+                self.metrics.fail(status_for(answer).name)
             self.metrics.observe(outcome)
             if answer is not None:
                 emit(answer)

@@ -87,3 +87,25 @@ def test_refused_requests_windows_and_runner_up_wins_reach_the_metrics(tiny_dir,
     tokens = metrics.generation_tokens._value.get()
     assert tokens / metrics.num_windows._value.get() == pytest.approx(
         sum(len(r.token_ids) for r in done) / sum(r.stats.windows for r in done))
+
+
+def test_a_request_that_ran_into_a_full_target_is_an_error_by_its_status(tiny_dir):
+    """It was an "error" like any other: an operator could not tell overload from a fault."""
+    import grpc
+
+    from mirrorspec.client import Client
+    from mirrorspec.v1 import target_pb2, target_pb2_grpc
+    from served_stack import start_stack
+
+    s = start_stack(tiny_dir["target16"], strategy=None, target_max_sessions=1)
+    try:
+        stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(f"127.0.0.1:{s.target.port}"))
+        stub.OpenSession(target_pb2.OpenTargetSessionRequest(prompt_ids=[0]))  # the only session
+        with Client(s.address) as client, pytest.raises(grpc.RpcError) as err:
+            client.generate([0, 1], max_tokens=2)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        metrics = s.front.servicer.metrics
+        assert counts_by_label(metrics.requests, "finish_reason") == {"error": 1.0}
+        assert counts_by_label(metrics.errors, "code") == {"RESOURCE_EXHAUSTED": 1.0}
+    finally:
+        s.stop()
