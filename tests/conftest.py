@@ -73,26 +73,17 @@ def tiny_draft(tiny_dir):
     return support.load(tiny_dir["draft"])
 
 
-def _noisy_copy(path):
-    draft = support.load(path)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for weight in draft.parameters():
-            weight.add_(torch.randn(weight.shape, generator=generator).to(weight.device) * 0.5 * weight.std())
-    return draft
-
-
 @pytest.fixture(scope="session")
 def near_draft(tiny_dir):
     """The tiny target with seeded noise on every weight: it agrees with the target at about a third
     of greedy positions (the tiny random draft agrees at none, which would test nothing)."""
-    return _noisy_copy(tiny_dir["target"])
+    return support.noisy_copy(support.load(tiny_dir["target"]))
 
 
 @pytest.fixture(scope="session")
 def near_draft16(tiny_dir):
     """``near_draft`` for the 2-layer vocab-16 target, which has a layer to read early-exit hints off."""
-    return _noisy_copy(tiny_dir["target16"])
+    return support.noisy_copy(support.load(tiny_dir["target16"]))
 
 
 @pytest.fixture(scope="session")

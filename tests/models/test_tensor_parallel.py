@@ -18,7 +18,7 @@ from mirrorspec import SamplingParams, generate
 from mirrorspec.drafting import DraftModelDrafter
 from mirrorspec.models import KVSession
 from mirrorspec.models import tensor_parallel as tp
-from support import MemoSession, chi_square_pvalue, exact_joint, free_port, load
+from support import MemoSession, chi_square_pvalue, exact_joint, free_port, load, noisy_copy
 
 PROMPT = [0, 3, 5, 2]
 
@@ -178,7 +178,7 @@ def test_tp2_runner_up_rows_agree_with_tp1_and_keep_the_followers_in_step(sharde
 
 def test_tp2_runner_up_windows_are_token_identical_to_tp1_and_take_runner_ups(sharded):
     whole, driver = sharded
-    draft = load_noisy_copy(whole)
+    draft = noisy_copy(whole)
     params = SamplingParams(max_new_tokens=40)
     hits = 0
     for prompt in ([0, 3, 5], [16, 2, 2, 9, 1], [4]):
@@ -188,18 +188,6 @@ def test_tp2_runner_up_windows_are_token_identical_to_tp1_and_take_runner_ups(sh
         assert spec.token_ids == generate(whole, None, prompt, params).token_ids
         hits += spec.stats.runner_up_hits
     assert hits > 0
-
-
-def load_noisy_copy(model):
-    """``model`` with seeded noise on every weight: a draft that agrees with it only part of the time."""
-    import copy
-
-    noisy = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for weight in noisy.parameters():
-            weight.add_(torch.randn(weight.shape, generator=generator) * 0.5 * weight.std())
-    return noisy
 
 
 def reversed_gather(self, x):
