@@ -237,13 +237,11 @@ class SpeculationConfig:
                 f"got {self.num_speculative_tokens}; use 0 for target-only decoding",
                 field="num_speculative_tokens",
             )
-        for name in ("num_speculative_tokens", "max_speculative_tokens"):  # numpy's and torch's: plain ints
-            object.__setattr__(self, name, operator.index(getattr(self, name)))
         check_proposal_top_k(self.proposal_top_k)
         check_prompt_lookup(self.prompt_lookup)
         check_draft_confidence(self.draft_confidence)
-        for name in ("proposal_top_k", "prompt_lookup"):
-            object.__setattr__(self, name, operator.index(getattr(self, name)))
+        for name in ("num_speculative_tokens", "max_speculative_tokens", "proposal_top_k", "prompt_lookup"):
+            object.__setattr__(self, name, operator.index(getattr(self, name)))  # numpy's and torch's: plain ints
         object.__setattr__(self, "draft_confidence", float(self.draft_confidence))
 
 
