@@ -235,6 +235,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         return info
 
     # ---- request preparation ----------------------------------------------------------------
+    def refused(self, code: grpc.StatusCode) -> None:
+        """A request answered before it reached a handler (one that does not parse) is refused too."""
+        self.metrics.refuse(code.name)
+
     def _admit(self, request) -> PreparedRequest:
         """The request prepared, or refused before it runs and counted so: refusals (bad input, a
         front door that is stopping) reached no metric, and an operator saw none of them."""
@@ -242,7 +246,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             self._refuse_while_draining()
             return self.prepare(request)
         except Exception as err:
-            self.metrics.refuse(status_for(err).name)
+            self.refused(status_for(err))
             raise
 
     def prepare(self, request) -> PreparedRequest:

@@ -74,10 +74,15 @@ class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
     """Wraps every unary and streaming-response handler; unknown errors become INTERNAL, logged.
 
     A method's handler never changes, so each is wrapped once and reused: the interceptor sits
-    on every Draft and Verify, where a per-call rebuild is measurable overhead."""
+    on every Draft and Verify, where a per-call rebuild is measurable overhead.
 
-    def __init__(self) -> None:
+    ``refused``: per full service name, what to tell when one of its requests does not parse.
+    Such a request is answered here, before its servicer sees it, so a servicer that counts the
+    requests it refuses (the front door's metrics) counted none of these."""
+
+    def __init__(self, refused: dict[str, Callable[[grpc.StatusCode], None]] | None = None) -> None:
         self._wrapped: dict[str, object] = {}
+        self._refused = dict(refused or {})
 
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
@@ -86,11 +91,11 @@ class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
             wrapped = self._wrapped[method] = self._wrap(await continuation(handler_call_details), method)
         return wrapped
 
-    @staticmethod
-    def _wrap(handler, method: str):
+    def _wrap(self, handler, method: str):
         if handler is None:
             return None
-        parse = _parsing(handler.request_deserializer, method)
+        service = method.lstrip("/").rpartition("/")[0]  # "/mirrorspec.v1.Generation/Generate"
+        parse = _parsing(handler.request_deserializer, method, self._refused.get(service))
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
                 _wrap_unary(handler.unary_unary, method),
@@ -115,7 +120,8 @@ class _Malformed:
                                     f"with the generated classes in mirrorspec.v1, or call through mirrorspec.Client")
 
 
-def _parsing(deserialize: Callable[[bytes], object] | None, method: str) -> Callable[[bytes], object] | None:
+def _parsing(deserialize: Callable[[bytes], object] | None, method: str,
+             refused: Callable[[grpc.StatusCode], None] | None) -> Callable[[bytes], object] | None:
     if deserialize is None:
         return None
 
@@ -123,6 +129,8 @@ def _parsing(deserialize: Callable[[bytes], object] | None, method: str) -> Call
         try:
             return deserialize(data)
         except DecodeError as err:
+            if refused is not None:
+                refused(grpc.StatusCode.INVALID_ARGUMENT)
             return _Malformed(method, err)
     return parse
 

@@ -151,7 +151,8 @@ async def start_grpc_server(services: list[Service], host: str, port: int,
     """``stall_timeout_s``: the health check answers NOT_SERVING while a servicer's compute lane
     has been on one job that long, or while a servicer's ``unready()`` says why it cannot serve
     (``watch_health``). ``keepalive_s``: ``keepalive_options``."""
-    server = grpc.aio.server(interceptors=[ExceptionToStatusInterceptor()],
+    refused = {s.name: hook for s in services if (hook := getattr(s.servicer, "refused", None)) is not None}
+    server = grpc.aio.server(interceptors=[ExceptionToStatusInterceptor(refused)],
                              options=[*SERVER_OPTIONS, *keepalive_options(keepalive_s)])
     for service in services:
         service.add_to_server(service.servicer, server)

@@ -61,9 +61,10 @@ def test_num_drafts_counts_windows_that_carried_drafts_only():
 
 
 def test_refused_requests_windows_and_runner_up_wins_reach_the_metrics(tiny_dir, near_draft16_dir):
-    """An operator saw no request refused for bad input or by a stopping front door, and without
-    windows or runner-up wins the mean accepted length was not to be had (review 13 of stop 47:
-    1 + accepted / num_drafts gave 1.66 where the requests' own stats said 2.14)."""
+    """An operator saw no request refused for bad input (one that does not parse included) or by a
+    stopping front door, and without windows or runner-up wins the mean accepted length was not to
+    be had (review 13 of stop 47: 1 + accepted / num_drafts gave 1.66 where the requests' own
+    stats said 2.14)."""
     import grpc
 
     from mirrorspec.client import Client
@@ -76,12 +77,15 @@ def test_refused_requests_windows_and_runner_up_wins_reach_the_metrics(tiny_dir,
             done = [client.generate(prompt, max_tokens=30) for prompt in ([0, 5], [3, 1, 4], [9, 2, 6, 5])]
             with pytest.raises(grpc.RpcError):
                 client.generate([99], max_tokens=4)  # outside the vocabulary
+            malformed = grpc.insecure_channel(s.address).unary_unary("/mirrorspec.v1.GenerationService/Generate")
+            with pytest.raises(grpc.RpcError):  # answered before any handler runs
+                malformed(b"\xff\xff\xff\xff", timeout=10)
             s.front.servicer.draining = True
             with pytest.raises(grpc.RpcError):
                 client.generate([0, 5], max_tokens=4)
     finally:
         s.stop()
-    assert counts_by_label(metrics.refused, "code") == {"INVALID_ARGUMENT": 1.0, "UNAVAILABLE": 1.0}
+    assert counts_by_label(metrics.refused, "code") == {"INVALID_ARGUMENT": 2.0, "UNAVAILABLE": 1.0}
     assert metrics.num_windows._value.get() == sum(r.stats.windows for r in done)
     assert metrics.num_runner_up_hits._value.get() == sum(r.stats.runner_up_hits for r in done) > 0
     tokens = metrics.generation_tokens._value.get()
