@@ -299,6 +299,7 @@ class BackgroundServer:
     def __init__(self, factory: Callable[[], Awaitable[RunningServer]], name: str = "grpc"):
         self._factory = factory
         self._loop = asyncio.new_event_loop()
+        self._loop.set_exception_handler(_ignore_grpc_teardown_race)
         self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
         self.running: RunningServer | None = None
 
@@ -338,6 +339,27 @@ class BackgroundServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _ignore_grpc_teardown_race(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """grpc.aio reads its completion queue's events through a socket that one event loop watches.
+    When a process's last gRPC server or channel goes, grpc shuts that queue down from the thread
+    that let it go, and takes the socket off a loop another thread runs: a read already due there
+    then finds the socket closed, and the loop printed an EBADF traceback at one stop of an
+    in-process stack in four (grpc/grpc#36096 silences its BlockingIOError twin). Nothing is
+    lost: the queue is gone with the last server, and the next server makes a new one."""
+    err = context.get("exception")
+    if isinstance(err, OSError) and err.errno == errno.EBADF and _raised_in(err, "_handle_events"):
+        log.debug("grpc.aio's completion queue was shut down under a pending read (%s)", err)
+        return
+    loop.default_exception_handler(context)
+
+
+def _raised_in(err: BaseException, function: str) -> bool:
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_name.endswith(function)
 
 
 def run_until_terminated(factory: Callable[[], Awaitable[RunningServer]], banner: str,

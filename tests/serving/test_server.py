@@ -127,3 +127,36 @@ def test_work_put_on_the_lane_for_later_runs_after_what_is_queued_and_at_once_af
     lane.shutdown()
     lane.later(order.append, "after shutdown")
     assert order[-1] == "after shutdown"
+
+
+def test_grpc_s_completion_queue_shut_down_under_a_pending_read_prints_no_traceback(caplog):
+    """At one stop of an in-process stack in four, the loop printed "Exception in callback ...
+    PollerCompletionQueue._handle_events: OSError: [Errno 9] Bad file descriptor": grpc takes its
+    queue's socket off a loop another thread runs. That one error is dropped; any other still
+    reaches the loop's own handler."""
+    import errno
+    import logging
+
+    def _handle_events():  # named as grpc's reader callback is
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    def raised(fn) -> BaseException:
+        try:
+            fn()
+        except OSError as err:
+            return err
+
+    def elsewhere():
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    server = BackgroundServer(lambda: None)
+    loop = server._loop
+    try:
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            loop.call_exception_handler({"message": "Exception in callback None()",
+                                         "exception": raised(_handle_events)})
+            assert not caplog.records
+            loop.call_exception_handler({"message": "Exception in callback f()", "exception": raised(elsewhere)})
+            assert [r.getMessage() for r in caplog.records] == ["Exception in callback f()"]
+    finally:
+        loop.close()
