@@ -8,12 +8,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
 
-from mirrorspec.config import InvalidRequest, check_address, check_seed, check_text, check_unsigned
+from mirrorspec.config import InvalidRequest, check_address, check_seed, check_text, check_unsigned, is_real
 from mirrorspec.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 CHANNEL_OPTIONS = [
@@ -64,6 +65,17 @@ def check_target(address: str, field: str = "address") -> str:
     return address if address.startswith(GRPC_TARGET_SCHEMES) else check_address(address, field)
 
 
+def check_timeout(timeout_s: float | None) -> float | None:
+    """Each call's deadline in seconds, None (or infinity) for none: gRPC failed every call at once
+    with DEADLINE_EXCEEDED for infinity, 0, a negative or NaN, and with a TypeError for a str."""
+    if timeout_s is None or (is_real(timeout_s) and timeout_s == math.inf):
+        return None
+    if not (is_real(timeout_s) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise InvalidRequest(f"must be a finite number of seconds > 0, or None for no deadline; got {timeout_s!r}",
+                             field="timeout_s")
+    return float(timeout_s)
+
+
 @dataclass
 class Completion:
     text: str
@@ -86,6 +98,15 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *,
     2**64, a top_p of 0, which the wire reads as "off") raise ``InvalidRequest`` naming the
     argument, not protobuf's bare "Value out of range"; the server checks everything else."""
     seed = check_seed(seed)
+    check_prompt(prompt)
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if not is_real(value):
+            raise InvalidRequest(f"{name} must be a number, got {value!r}", field=name)
+    if mirror is not None and not isinstance(mirror, bool):
+        raise InvalidRequest(f"mirror must be True, False or None (the server's default), got {mirror!r}",
+                             field="mirror")
+    stop = () if stop is None else stop  # as OpenAI's API takes it
+    stop_token_ids = () if stop_token_ids is None else stop_token_ids
     stop = [stop] if isinstance(stop, str) else list(stop)  # a str is one stop, not one per letter
     for text in stop:
         if not isinstance(text, str):  # an id belongs in stop_token_ids
@@ -126,14 +147,34 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *,
     return request
 
 
+def check_prompt(prompt) -> None:
+    """A str, a sequence of token ids or of chat messages, or None: anything else met a bare
+    TypeError naming no argument, and bytes went out as token ids, one per byte."""
+    if isinstance(prompt, (bytes, bytearray)):
+        raise InvalidRequest("prompt is bytes; decode it to a str first (prompt.decode('utf-8')), or pass token ids "
+                             "as a list of ints", field="prompt")
+    if isinstance(prompt, dict):
+        raise InvalidRequest("prompt is one chat message; a chat is a list of them: [message]", field="prompt")
+    sized = hasattr(prompt, "__len__") and hasattr(prompt, "__getitem__")  # a numpy array or tensor of ids too
+    if prompt is not None and not isinstance(prompt, str) and not sized:
+        raise InvalidRequest(f"prompt must be a str, a list of token ids or a list of chat messages, got "
+                             f"{type(prompt).__name__}", field="prompt")
+
+
 def _chat_message(index: int, message: dict) -> generation_pb2.ChatMessage:
+    if not isinstance(message, dict):
+        raise InvalidRequest(f"chat message {index} must be a dict with a role and a content, got "
+                             f"{type(message).__name__}", field="prompt")
     unknown = sorted(set(message) - {"role", "content"})
     if unknown:
         raise InvalidRequest(f"chat message {index} has keys {unknown} a request cannot carry; a message has a role "
                              f"and a content only", field="prompt")
     for key, value in message.items():
-        if isinstance(value, str):
-            check_text(value, "prompt")
+        if not isinstance(value, str):
+            parts = " (content parts are not taken: join their text into one str)" if isinstance(value, list) else ""
+            raise InvalidRequest(f"chat message {index}: its {key} must be a str, got {type(value).__name__}{parts}",
+                                 field="prompt")
+        check_text(value, "prompt")
     return generation_pb2.ChatMessage(**message)
 
 
@@ -143,14 +184,14 @@ def _completion(response: generation_pb2.GenerateResponse) -> Completion:
 
 
 class Client:
-    """``timeout_s``: each call's deadline (None: none); ``keepalive_s``: ``keepalive_channel_options``."""
+    """``timeout_s``: each call's deadline (None or infinity: none); ``keepalive_s``: ``keepalive_channel_options``."""
 
     def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float | None = None,
                  keepalive_s: float | None = DEFAULT_KEEPALIVE_S):
+        self.timeout_s = check_timeout(timeout_s)
         self.channel = grpc.insecure_channel(check_target(address),
                                              options=[*CHANNEL_OPTIONS, *keepalive_channel_options(keepalive_s)])
         self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
-        self.timeout_s = timeout_s
 
     def generate(self, prompt=None, **kwargs) -> Completion:
         return _completion(self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s))
@@ -176,17 +217,23 @@ class AsyncClient:
 
     def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float | None = None,
                  keepalive_s: float | None = DEFAULT_KEEPALIVE_S):
+        self.timeout_s = check_timeout(timeout_s)
         self.channel = grpc.aio.insecure_channel(check_target(address),
                                                  options=[*CHANNEL_OPTIONS, *keepalive_channel_options(keepalive_s)])
         self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
-        self.timeout_s = timeout_s
 
     async def generate(self, prompt=None, **kwargs) -> Completion:
         return _completion(await self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s))
 
     async def stream(self, prompt=None, **kwargs) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
-        async for chunk in self.stub.GenerateStream(build_request(prompt, **kwargs), timeout=self.timeout_s):
-            yield chunk
+        """A stream left early (``break``, then ``aclose()`` or the generator dropped) cancels its
+        call, which frees its sessions on the server: it ran on for nobody, to ``max_tokens``."""
+        call = self.stub.GenerateStream(build_request(prompt, **kwargs), timeout=self.timeout_s)
+        try:
+            async for chunk in call:
+                yield chunk
+        finally:
+            call.cancel()
 
     async def model_info(self) -> generation_pb2.ModelInfoResponse:
         return await self.stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=self.timeout_s)

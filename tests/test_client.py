@@ -100,6 +100,55 @@ def test_values_the_wire_would_misread_or_protobuf_refuse_are_named(kwargs, fiel
     assert err.value.field == field
 
 
+@pytest.mark.parametrize("kwargs, field, says", [
+    ({"prompt": b"hello"}, "prompt", "prompt is bytes; decode it"),  # went out as token ids 104, 101, ...
+    ({"prompt": 5}, "prompt", "prompt must be a str, a list of token ids or a list of chat messages, got int"),
+    ({"prompt": iter([1, 2])}, "prompt", "got list_iterator"),
+    ({"prompt": {"role": "user", "content": "hi"}}, "prompt", "prompt is one chat message; a chat is a list"),
+    ({"prompt": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, "prompt",
+     "chat message 0: its content must be a str, got list (content parts are not taken"),
+    ({"prompt": [{"role": "user", "content": "a"}, {"role": 1, "content": "b"}]}, "prompt",
+     "chat message 1: its role must be a str, got int"),
+    ({"prompt": [{"role": "user", "content": "a"}, "b"]}, "prompt", "chat message 1 must be a dict"),
+    ({"temperature": "0.5"}, "temperature", "temperature must be a number, got '0.5'"),
+    ({"top_p": None}, "top_p", "top_p must be a number"),
+    ({"mirror": "no"}, "mirror", "mirror must be True, False or None"),
+])
+def test_arguments_of_the_wrong_type_are_named_not_met_with_a_bare_type_error(kwargs, field, says):
+    """Each of these raised protobuf's or Python's own TypeError ("bad argument type for built-in
+    operation"), naming no argument (review 19)."""
+    from mirrorspec.client import build_request
+
+    with pytest.raises(InvalidRequest, match=re.escape(says)) as err:
+        build_request(**{"prompt": "hi", **kwargs})
+    assert err.value.field == field
+
+
+def test_no_stops_may_be_given_as_none_as_openai_s_api_takes_them():
+    from mirrorspec.client import build_request
+
+    request = build_request("hi", stop=None, stop_token_ids=None)
+    assert list(request.stop) == [] and list(request.params.stop_token_ids) == []
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1, float("nan"), "5"])
+def test_a_timeout_no_call_could_meet_is_refused_naming_it(timeout_s):
+    """gRPC failed every call at once with DEADLINE_EXCEEDED (a str: a TypeError) (review 19)."""
+    from mirrorspec.client import AsyncClient
+
+    for make in (Client, AsyncClient):
+        with pytest.raises(InvalidRequest, match="must be a finite number of seconds > 0, or None") as err:
+            make("127.0.0.1:1", timeout_s=timeout_s)
+        assert err.value.field == "timeout_s"
+
+
+def test_an_infinite_timeout_is_no_deadline():
+    with Client("127.0.0.1:1", timeout_s=float("inf")) as client:
+        assert client.timeout_s is None
+    with Client("127.0.0.1:1", timeout_s=2) as client:
+        assert client.timeout_s == 2.0
+
+
 def test_the_async_client_is_an_async_context_manager():
     import asyncio
 

@@ -344,6 +344,30 @@ def test_cancellation_frees_the_sessions_on_both_services(stack):
     assert wait_until(lambda: open_sessions(stack) == (0, 0))
 
 
+def test_an_async_stream_left_early_cancels_its_request_and_frees_the_sessions(tiny_dir):
+    """``break`` out of ``AsyncClient.stream``, then ``aclose()``: the call was never cancelled,
+    and the request ran on for nobody to max_tokens with both sessions held (review 19)."""
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"])
+
+    async def leave_after_one_chunk() -> None:
+        async with AsyncClient(s.address) as client:
+            stream = client.stream([0, 1, 2], max_tokens=100)
+            async for _ in stream:
+                break
+            with targets_held(s):  # its next window waits: only a cancel can end it now
+                await stream.aclose()
+                await asyncio.sleep(0.5)  # the front door sees the cancel while the request waits
+            # judged while the client is still open (closing its channel cancels every call)
+            assert wait_until(lambda: counts_by_label(s.front.servicer.metrics.requests, "finish_reason"))
+            assert counts_by_label(s.front.servicer.metrics.requests, "finish_reason") == {"cancelled": 1.0}
+            assert wait_until(lambda: open_sessions(s) == (0, 0))
+
+    try:
+        asyncio.run(leave_after_one_chunk())
+    finally:
+        s.stop()
+
+
 def test_a_client_process_killed_mid_stream_frees_the_sessions_and_ends_its_request(tiny_dir):
     """A client that dies (SIGKILL: no cancel sent, its connection just drops) is a client that
     left: the request stops there and both sessions close, rather than running on for nobody."""
