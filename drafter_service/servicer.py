@@ -77,11 +77,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     async def OpenSession(self, request, context):
         params = params_from_proto(request.params, default_max_new_tokens=1)
-        max_context = self.loaded.max_context if self.loaded is not None else 1 << 31
         vocab_size = max(self.vocab_size, request.target_vocab_size)  # a target's wider table: KVSession.input_ids
-        # only the prompt must fit this drafter's window: the target's bounds the answer, and a
-        # draft model with a shorter one drafts up to its end (``DraftModelDrafter.max_context``)
-        prompt = validate_prompt(request.prompt_ids, vocab_size, max_context, replace(params, max_new_tokens=1),
+        # nothing need fit this drafter's window: the target's bounds the answer, a draft model with
+        # a shorter one drafts up to its end (``DraftModelDrafter.max_context``) and no further, and
+        # its prompt lookup drafts past it. A prompt past it was refused, and the request ran
+        # target-only with a "drafter failed" warning every 5 s (review 20 of stop 48).
+        prompt = validate_prompt(request.prompt_ids, vocab_size, 1 << 31, replace(params, max_new_tokens=1),
                                  field="prompt_ids")
         session_id = self.sessions.open(DraftSession(SequenceState(prompt, params, int(request.seed)),
                                                      self._new_drafter(request.caller_looks_up), vocab_size))

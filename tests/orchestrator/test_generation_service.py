@@ -277,7 +277,8 @@ def test_a_draft_with_a_shorter_context_window_drafts_up_to_its_end(tiny_dir, tm
     """Its drafter refused every session whose prompt + max_tokens passed its window, so those
     requests ran target-only from their first token (review 9 of stop 47); in process, it drafted
     on past its window (a model with learned positions would fail there), and a seeded sampled
-    request no longer matched the served one."""
+    request no longer matched the served one. Then a prompt past its window was still refused,
+    and prompt lookup, which drafts there, with it (review 20 of stop 48)."""
     import json
 
     from support import save_tiny_llama
@@ -299,6 +300,20 @@ def test_a_draft_with_a_shorter_context_window_drafts_up_to_its_end(tiny_dir, tm
         assert sampled.token_ids == in_process.token_ids and sampled.stats.drafted == in_process.stats.drafted
     finally:
         s.stop()
+    # a prompt past the draft's window: its prompt lookup still drafts, on the replica or at the front door
+    prompt = [1, 2, 3, 4, 5, 6, 7] * 6  # 42 tokens
+    in_process = generate(load(tiny_dir["target"]), load_as_served_draft(short), prompt, SamplingParams(max_new_tokens=20),
+                          num_speculative_tokens=3, proposal_top_k=4, prompt_lookup=2)
+    assert in_process.stats.drafted > 0
+    for front_door_lookup in (True, False):
+        s = start_stack(tiny_dir["target"], short, k=3, prompt_lookup=2, front_door_lookup=front_door_lookup)
+        try:
+            with Client(s.address) as client:
+                served = client.generate(prompt, max_tokens=20)
+            assert served.token_ids == in_process.token_ids and not served.stats.drafter_fallback
+            assert (served.stats.drafted, served.stats.accepted) == (in_process.stats.drafted, in_process.stats.accepted)
+        finally:
+            s.stop()
 
 
 def test_served_runner_up_windows_on_a_sliding_window_target_stay_identical_to_target_only(tmp_path):
