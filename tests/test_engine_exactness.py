@@ -387,3 +387,34 @@ def test_exactness_of_a_draft_with_a_narrower_table(padded_pair, planted):
     else:
         pvalue = chi_square_pvalue(sample_first_tokens(target, drafter, case), expected)
         assert pvalue > PASS_ABOVE, f"chi-square p={pvalue:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("planted", [False, True], ids=["exact", "runner-up-scored-past-the-window-bug"])
+def test_runner_ups_on_a_sliding_window_target_keep_its_distribution_past_the_window(tmp_path, planted,
+                                                                                   monkeypatch):
+    """A runner-up shares its window's verify pass under a 4D mask, which a model takes as it is,
+    sliding-window layers too: past the window the whole pass would see further back than the
+    target does. So it is scored only while the sequence fits the target's reach (stop 47), and
+    greedy tests cover that rule. Here sampled output keeps the target's distribution on both
+    sides of the window's edge: the first window (4 tokens, window 4) offers the runner-up and it
+    wins (in about a third of samples, on this prompt, found by scanning), the later ones go
+    without. The planted bug scores runner-ups past the reach too (review 16's); the enumerated
+    joint differs from a full-attention twin's by 0.44 in total variation here, so it has room to
+    show."""
+    import support
+    from mirrorspec.models import session as session_module
+
+    model = support.load(support.save_tiny_llama(tmp_path / "mistral", seed=0, vocab=16, layers=2,
+                                                 sliding_window=4))
+    case = Case("t1.5-k1-runner-up-window4", 1.5, 1, runner_up=True, prompt=(1, 7, 2))
+    expected = exact_joint(MemoSession(model), case.prompt, DEPTH, case.temperature)
+    drafter = DraftModelDrafter(support.noisy_copy(model))
+    if planted:
+        for module in (engine_module, session_module):
+            monkeypatch.setattr(module, "scores_runner_up", lambda session, length: True)
+        caught, pvalue, drawn = planted_bug_caught(case, KVSession(model), drafter, expected)
+        assert caught, f"a runner-up scored past the window went unnoticed (p={pvalue:.2e} after {drawn} samples)"
+    else:
+        pvalue = chi_square_pvalue(sample_first_tokens(KVSession(model), drafter, case), expected)
+        assert pvalue > PASS_ABOVE, f"chi-square p={pvalue:.2e}"
