@@ -12,11 +12,15 @@ target-only (``benchmarks``, mode ``mirrorspec-ngram-full-weak-windows`` beside 
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 from mirrorspec.config import InvalidRequest, SamplingParams
 from mirrorspec.drafting.base import Drafter, Proposal
 from mirrorspec.sampling import ProposalRows
+
+
+TOKEN_BYTES = array("q").itemsize  # 8: a token id as a signed 64-bit int
 
 
 class NgramDrafter(Drafter):
@@ -41,13 +45,22 @@ class NgramDrafter(Drafter):
         return Proposal(tokens=tuple(tokens), q=ProposalRows.one_hot(tokens))
 
     def lookup(self, context: Sequence[int], k: int) -> list[int]:
-        """The best match's continuation (longest n, then latest; none where nothing matches)."""
-        window = list(context[-self.lookback:])
-        for n in range(min(self.max_ngram, len(window) - 1), self.min_ngram - 1, -1):
-            suffix = window[-n:]
+        """The best match's continuation (longest n, then latest; none where nothing matches).
+
+        The window is searched as bytes, 8 a token (``bytes.rfind``, in C), and a hit that does not
+        start on a token's first byte is passed over. A Python scan, slice by slice, cost 0.06 ms a
+        window at 300 tokens of context and 0.9 ms at 3,000 where nothing matched (review 20 of
+        stop 48): next to a GPU's few-ms verify, that is speed lost. This costs a tenth of it."""
+        window = context[-self.lookback:]
+        size = len(window)
+        raw = array("q", window).tobytes()
+        for n in range(min(self.max_ngram, size - 1), self.min_ngram - 1, -1):
+            suffix = raw[(size - n) * TOKEN_BYTES:]
             limit = k if n > 1 else min(k, self.weak_match_tokens)
-            # scan right to left for the latest earlier match that has a continuation
-            for start in range(len(window) - n - 1, -1, -1):
-                if window[start:start + n] == suffix:
-                    return window[start + n:start + n + limit]
+            end = (size - 1) * TOKEN_BYTES  # the latest earlier match that has a continuation
+            while (at := raw.rfind(suffix, 0, end)) >= 0:
+                if at % TOKEN_BYTES == 0:
+                    start = at // TOKEN_BYTES + n
+                    return list(window[start:start + limit])
+                end = at + len(suffix) - 1  # inside a token: look further left
         return []

@@ -37,3 +37,33 @@ def test_weak_match_tokens_must_be_positive():
     with pytest.raises(InvalidRequest, match="weak_match_tokens"):
         NgramDrafter(weak_match_tokens=0)
 
+
+
+def scanned(drafter: NgramDrafter, context, k: int) -> list[int]:
+    """The lookup as its definition reads, slice by slice: what the byte search must equal."""
+    window = list(context[-drafter.lookback:])
+    for n in range(min(drafter.max_ngram, len(window) - 1), drafter.min_ngram - 1, -1):
+        limit = k if n > 1 else min(k, drafter.weak_match_tokens)
+        for start in range(len(window) - n - 1, -1, -1):
+            if window[start:start + n] == window[-n:]:
+                return window[start + n:start + n + limit]
+    return []
+
+
+# ids whose 8 bytes are zeros but one, at different places: runs of zeros that span two ids
+SHIFTED_ONES = [0] + [1 << (8 * byte) for byte in range(6)]
+
+
+@pytest.mark.parametrize("alphabet", [range(3), range(49152), SHIFTED_ONES], ids=["3", "49152", "shifted-ones"])
+def test_the_byte_search_finds_what_a_slice_by_slice_scan_finds(alphabet):
+    """The lookup searches the context's bytes: a hit that does not start on an id's first byte
+    (zeros of one id and the next) must be passed over, not read as a match."""
+    import random
+
+    rng = random.Random(len(alphabet))
+    for drafter in (NgramDrafter(), NgramDrafter(max_ngram=5, min_ngram=2, lookback=40, weak_match_tokens=1)):
+        for _ in range(1500):
+            context = [rng.choice(alphabet) for _ in range(rng.randint(0, 120))]
+            k = rng.randint(1, 8)
+            assert drafter.lookup(context, k) == scanned(drafter, context, k), (context, k)
+            assert drafter.lookup(tuple(context), k) == scanned(drafter, context, k)
