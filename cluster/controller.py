@@ -30,7 +30,7 @@ from ray.util.placement_group import get_placement_group, placement_group, place
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from cluster.replicas import DrafterReplica, FrontDoor, TargetFollower, TargetReplica
-from cluster.spec import CONTROLLER_NAMESPACE, POOLS, PoolResources, StackSpec, check_pool
+from cluster.spec import CONTROLLER_NAMESPACE, POOLS, PoolResources, StackSpec, check_pool, check_replicas
 from mirrorspec.config import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -159,10 +159,7 @@ class Controller:
     def scale(self, pool: str, replicas: int, wait_s: float = 0.0) -> list[dict]:
         """Grow or shrink one pool. Returns once shrinking replicas are drained and stopped, and
         after up to ``wait_s`` for new ones to serve (pending ones wait for the autoscaler)."""
-        check_pool(pool)
-        if replicas < (1 if pool == "target" else 0):
-            raise InvalidRequest(f"the {pool} pool cannot go below {1 if pool == 'target' else 0} replicas, "
-                                 f"got {replicas}", field="replicas")
+        check_replicas(check_pool(pool), replicas, "replicas")
         with self._changed:
             self._wanted[pool] = replicas
             self._save()
@@ -247,7 +244,7 @@ class Controller:
     # ---- surviving a restart of this actor -------------------------------------------------------
     @property
     def _checkpoint_key(self) -> str:
-        return f"{self.spec.name}/controller"
+        return checkpoint_key(self.spec.name)
 
     @property
     def _front_name(self) -> str:
@@ -303,31 +300,15 @@ class Controller:
         """Stop this deployment's replica actors and placement groups that no record holds: the
         ones a dead incarnation launched after its last checkpoint, or left starting. Returns the
         highest replica number seen, held or not."""
-        highest = 0
-        replica = rf"{re.escape(self.spec.name)}-(?:{'|'.join(POOLS)})-(\d+)"  # a placement group's name
-        rank = re.compile(replica + r"-rank\d+")
-        for actor in ray.util.list_named_actors(all_namespaces=True):
-            if actor["namespace"] == CONTROLLER_NAMESPACE and (match := rank.fullmatch(actor["name"])):
-                highest = max(highest, int(match.group(1)))
-                if actor["name"] not in keep and (handle := self._named_actor(actor["name"])) is not None:
-                    ray.kill(handle, no_restart=True)
-        kept_groups = {self._group_name(r.replica_id) for r in self._replicas.values()}
-        for info in placement_group_table().values():
-            if (match := re.fullmatch(replica, info["name"])) and info["state"] != "REMOVED":
-                highest = max(highest, int(match.group(1)))
-                if info["name"] not in kept_groups:
-                    remove_placement_group(get_placement_group(info["name"]))
-        return highest
+        return stop_replicas_by_name(self.spec.name, keep, {self._group_name(r.replica_id)
+                                                            for r in self._replicas.values()})
 
     def _group_name(self, replica_id: str) -> str:
         return f"{self.spec.name}-{replica_id}"
 
     @staticmethod
     def _named_actor(name: str):
-        try:
-            return ray.get_actor(name, namespace=CONTROLLER_NAMESPACE)
-        except ValueError:
-            return None
+        return named_actor(name)
 
     # ---- supervision -----------------------------------------------------------------------------
     def _supervise(self) -> None:
@@ -378,12 +359,15 @@ class Controller:
         with self._changed:
             if self._stopping:  # a supervision pass racing ``shutdown`` would leave detached replicas behind
                 return
+            launched = False
             for pool in POOLS:
                 active = [r for r in self._replicas.values() if r.pool == pool and r.state != "draining"]
                 for _ in range(self._wanted[pool] - len(active)):
                     record = self._launch(pool)
                     self._replicas[record.replica_id] = record
-                    self._save()
+                    launched = True
+            if launched:  # once: a checkpoint per replica made a big scale-up quadratic, all under the lock
+                self._save()
 
     def _launch(self, pool: str) -> ReplicaRecord:
         """Every replica is a placement group (1 bundle for a drafter, tp for a target), so the
@@ -492,6 +476,39 @@ class Controller:
             return ray.get(record.actor.sessions.remote(), timeout=5)
         except Exception:  # noqa: BLE001 - unreachable: unknown
             return None
+
+
+def checkpoint_key(deployment: str) -> str:
+    """Where the controller of ``deployment`` keeps its state in Ray's internal KV."""
+    return f"{deployment}/controller"
+
+
+def named_actor(name: str):
+    try:
+        return ray.get_actor(name, namespace=CONTROLLER_NAMESPACE)
+    except ValueError:
+        return None
+
+
+def stop_replicas_by_name(deployment: str, keep_actors: set[str] = frozenset(),
+                          keep_groups: set[str] = frozenset()) -> int:
+    """Kill deployment ``deployment``'s replica actors and remove its placement groups, found by
+    their names, but those kept; returns the highest replica number seen. What a controller that
+    cannot be asked (dead, or wedged) leaves is found this way too."""
+    highest = 0
+    replica = rf"{re.escape(deployment)}-(?:{'|'.join(POOLS)})-(\d+)"  # a placement group's name
+    rank = re.compile(replica + r"-rank\d+")
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] == CONTROLLER_NAMESPACE and (match := rank.fullmatch(actor["name"])):
+            highest = max(highest, int(match.group(1)))
+            if actor["name"] not in keep_actors and (handle := named_actor(actor["name"])) is not None:
+                ray.kill(handle, no_restart=True)
+    for info in placement_group_table().values():
+        if (match := re.fullmatch(replica, info["name"])) and info["state"] != "REMOVED":
+            highest = max(highest, int(match.group(1)))
+            if info["name"] not in keep_groups:
+                remove_placement_group(get_placement_group(info["name"]))
+    return highest
 
 
 def _describe(resources: dict) -> str:

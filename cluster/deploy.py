@@ -9,7 +9,9 @@ from collections.abc import Callable
 
 import ray
 
-from cluster.controller import Controller, own_error
+from ray.experimental import internal_kv
+
+from cluster.controller import Controller, checkpoint_key, named_actor, own_error, stop_replicas_by_name
 from cluster.spec import CONTROLLER_NAMESPACE, POOLS, StackSpec
 from mirrorspec.config import InvalidRequest
 
@@ -66,7 +68,7 @@ def deploy(spec: StackSpec, timeout_s: float = 600.0):
     try:
         address = ray.get(controller.start.remote(node, timeout_s))
     except BaseException as err:
-        teardown(controller)
+        teardown(controller, spec.name)
         cause = own_error(err)  # e.g. the front door's port in use, without Ray's tracebacks around it
         if isinstance(cause, (InvalidRequest, TimeoutError)):
             raise cause from None
@@ -101,15 +103,27 @@ def drain_front_door(name: str, grace_s: float) -> None:
         return
 
 
-def teardown(controller) -> None:
+def teardown(controller, name: str, timeout_s: float = 60.0) -> None:
     """Stop every replica, then the controller. Two at once (a `mirrorspec stop` while `serve`
-    gets its own signal) both end well: the one whose controller the other killed finds it done."""
+    gets its own signal) both end well: the one whose controller the other killed finds it done.
+    A controller that does not answer within ``timeout_s`` is killed, and what it ran is stopped by
+    name (it was killed with its replicas left running, detached, and `stop` ended in a traceback)."""
+    wedged = False
     try:
-        ray.get(controller.shutdown.remote(), timeout=60)
+        ray.get(controller.shutdown.remote(), timeout=timeout_s)
     except ray.exceptions.RayActorError:
         pass  # killed by the other teardown, after its shutdown
+    except ray.exceptions.GetTimeoutError:
+        wedged = True
     finally:
         ray.kill(controller, no_restart=True)
+    if wedged:
+        logging.getLogger(__name__).warning("deployment %r's controller did not stop within %g s; its replicas "
+                                            "are stopped by name", name, timeout_s)
+        if (front := named_actor(f"{name}-front-door")) is not None:
+            ray.kill(front, no_restart=True)
+        stop_replicas_by_name(name)
+        internal_kv._internal_kv_del(checkpoint_key(name), namespace=CONTROLLER_NAMESPACE)
 
 
 def ask_controller(name: str, call: Callable):

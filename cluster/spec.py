@@ -20,6 +20,17 @@ from mirrorspec.config import (
 
 POOLS = ("drafter", "target")
 CONTROLLER_NAMESPACE = "mirrorspec"
+# per pool: each replica is a placement group and actors the controller launches and checkpoints
+# one by one; a million (a typo) wedged it for good, and with it `status`, `scale` and `stop`
+MAX_REPLICAS = 256
+
+
+def check_replicas(pool: str, replicas: int, field: str) -> int:
+    """A pool's replica count: at least one target, no fewer than 0 drafters, at most ``MAX_REPLICAS``."""
+    least = 1 if pool == "target" else 0
+    if not least <= replicas <= MAX_REPLICAS:
+        raise InvalidRequest(f"the {pool} pool takes {least} to {MAX_REPLICAS} replicas, got {replicas}", field=field)
+    return replicas
 
 
 @dataclass(frozen=True)
@@ -66,11 +77,8 @@ class StackSpec:
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK  # targets prefill long prompts this many tokens per lane job
 
     def __post_init__(self) -> None:
-        for pool, count in (("drafters", self.drafters), ("targets", self.targets)):
-            if count < 0:
-                raise InvalidRequest(f"{pool} must be >= 0, got {count}", field=pool)
-        if self.targets < 1:
-            raise InvalidRequest("a deployment needs at least one target replica", field="targets")
+        check_replicas("drafter", self.drafters, "drafters")
+        check_replicas("target", self.targets, "targets")
         if self.tp < 1:
             raise InvalidRequest(f"tp must be >= 1, got {self.tp}", field="tp")
         if self.hint_layer is not None and self.tp > 1:

@@ -696,7 +696,7 @@ def _drain_and_tear_down(name: str, controller, grace_s: float) -> None:
     from cluster.deploy import drain_front_door, teardown
 
     _finish_in_flight(lambda: drain_front_door(name, grace_s), grace_s)
-    teardown(controller)
+    teardown(controller, name)
 
 
 def _stack_spec(args: argparse.Namespace, target_gpus: float):
@@ -884,33 +884,53 @@ def _serve_in_process(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_scale(args: argparse.Namespace) -> int:
-    from cluster.local_ray import use_announced_ray
+def join_deployment_ray(args: argparse.Namespace) -> bool:
+    """Joins the Ray that deployment ``--name`` runs on, for `scale`, `status` and `stop`; returns
+    whether it is the local Ray a running `serve` announced. Where none was announced and no Ray
+    runs here, the deployment is named: a second `stop` blamed an --address nobody gave."""
+    from cluster.local_ray import local_ray_file, use_announced_ray
 
     address = use_announced_ray(args.address, args.name)  # before Ray is imported
-    from cluster.deploy import ask_controller, connect
+    local = address == "auto" and local_ray_file(args.name).exists()
+    from cluster.deploy import connect
 
-    if args.replicas < (1 if args.pool == "target" else 0):
-        raise InvalidRequest(f"the {args.pool} pool cannot go below {1 if args.pool == 'target' else 0} replicas, "
-                             f"got {args.replicas}", field="replicas")
+    try:
+        connect(address)
+    except InvalidRequest:
+        if address != "auto" or _is_set(args, "address"):
+            raise
+        raise InvalidRequest(f"no deployment named {args.name!r} runs on this machine (stopped already?), and no Ray "
+                             f"cluster runs here to look for it on; pass --address of the cluster it runs on",
+                             field="name") from None
+    return local
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    from cluster.spec import check_replicas
+
+    check_replicas(args.pool, args.replicas, "replicas")
     check_finite_amount(args.wait, "wait")
-    connect(address)
+    local = join_deployment_ray(args)
+    from cluster.deploy import ask_controller
+
     rows = ask_controller(args.name, lambda controller: controller.scale.remote(args.pool, args.replicas, args.wait))
     print(format_status(rows))
-    serving = sum(r["pool"] == args.pool and r["state"] == "serving" for r in rows)
+    mine = [r for r in rows if r["pool"] == args.pool]
+    serving, pending = (sum(r["state"] == state for r in mine) for state in ("serving", "pending"))
     if serving != args.replicas:
+        why = "the rest wait for resources (see `ray status`)"
+        if local and pending:  # no autoscaler will ever add the node they wait for
+            why = (f"{pending} cannot be placed: a local Ray has no autoscaler, and its CPUs are taken; scale "
+                   f"down again, or serve with more --num-cpus or less --replica-cpus")
         print(f"mirrorspec scale: {serving} of {args.replicas} {args.pool} replicas serve after {args.wait:g} s; "
-              f"the rest wait for resources (see `ray status`)", file=sys.stderr)
+              f"{why}", file=sys.stderr)
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from cluster.local_ray import use_announced_ray
+    join_deployment_ray(args)
+    from cluster.deploy import ask_controller
 
-    address = use_announced_ray(args.address, args.name)  # before Ray is imported
-    from cluster.deploy import ask_controller, connect
-
-    connect(address)
     rows = ask_controller(args.name, lambda controller: controller.status.remote())
     print(json.dumps(rows, indent=2) if args.json else format_status(rows))
     return 0
@@ -933,12 +953,9 @@ def cmd_stop(args: argparse.Namespace) -> int:
     ``--shutdown-grace`` to finish, then the controller stops every replica and itself. A `serve`
     still waiting on the deployment sees it gone and exits."""
     check_finite_amount(args.shutdown_grace, "shutdown_grace")
-    from cluster.local_ray import use_announced_ray
+    join_deployment_ray(args)
+    from cluster.deploy import find_controller
 
-    address = use_announced_ray(args.address, args.name)  # before Ray is imported
-    from cluster.deploy import connect, find_controller
-
-    connect(address)
     _drain_and_tear_down(args.name, find_controller(args.name), args.shutdown_grace)
     print(f"mirrorspec: deployment {args.name!r} stopped", flush=True)
     return 0

@@ -53,6 +53,14 @@ from support import save_tiny_llama
     (["serve", "--detach"], "--detach"),
     (["serve", "--address", "127.0.0.1:1"], "--address"),
     (["scale", "target", "0"], "REPLICAS"),
+    # each replica a placement group the controller launches under its lock: a million wedged it,
+    # and `status`, `scale` and `stop` with it (review 17 of stop 48)
+    (["scale", "drafter", "1000000"], "REPLICAS"),
+    (["serve", "--drafters", "100000"], "--drafters"),
+    (["serve", "--targets", "257"], "--targets"),
+    # no deployment and no Ray here (a second `stop`): it blamed an --address nobody gave
+    (["stop", "--name", "gone"], "--name"),
+    (["status", "--name", "gone"], "--name"),
     (["stop", "--shutdown-grace", "nan"], "--shutdown-grace"),
     (["stop", "--address", "127.0.0.1:1"], "--address"),
     (["serve", "--target-gpus", "-1"], "--target-gpus"),

@@ -88,4 +88,4 @@ def test_scaling_a_pool_adds_nodes_of_its_type_only(fake_cluster, tiny_dir):
         ray.get(controller.scale.remote("drafter", 1))
         assert settles_at({"drafter": 1, "target": 2}), nodes_of_type()
     finally:
-        teardown(controller)
+        teardown(controller, spec.name)

@@ -66,7 +66,7 @@ def test_two_teardowns_at_once_and_a_call_a_stop_overtakes_end_without_traceback
 
         def tear():
             try:
-                teardown(controller)
+                teardown(controller, "t")
             except Exception as err:  # noqa: BLE001
                 errors.append(err)
 
@@ -83,5 +83,44 @@ def test_two_teardowns_at_once_and_a_call_a_stop_overtakes_end_without_traceback
         [overtaken] = errors  # neither teardown raised
         assert "deployment 't' was stopped meanwhile" in str(overtaken.value)
         drain_front_door("t", 1.0)  # nothing left to drain: returns
+    finally:
+        ray.shutdown()
+
+
+def test_a_controller_that_does_not_stop_is_killed_and_its_replicas_are_stopped_by_name(monkeypatch):
+    """A controller wedged on a huge scale-up answered `stop` with a GetTimeoutError traceback,
+    after a kill that left its detached replicas and placement groups running (review 17 of stop 48)."""
+    import time
+
+    from ray.util.placement_group import placement_group, placement_group_table
+
+    from cluster.deploy import teardown
+    from cluster.spec import CONTROLLER_NAMESPACE
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+    @ray.remote(num_cpus=0)
+    class Wedged:
+        def shutdown(self):
+            time.sleep(60.0)
+
+        def ping(self):
+            return True
+
+    connect(num_cpus=1)
+    try:
+        controller = Wedged.options(name="w-controller", namespace=CONTROLLER_NAMESPACE).remote()
+        group = placement_group([{"CPU": 0.01}], name="w-drafter-1", lifetime="detached")
+        replica = Wedged.options(name="w-drafter-1-rank0", namespace=CONTROLLER_NAMESPACE,
+                                 lifetime="detached").remote()
+        other = Wedged.options(name="x-drafter-1-rank0", namespace=CONTROLLER_NAMESPACE).remote()  # another's
+        assert ray.get([replica.ping.remote(), other.ping.remote()]) == [True, True]
+        ray.get(group.ready(), timeout=30)
+        teardown(controller, "w", timeout_s=1.0)
+        names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+        assert "w-drafter-1-rank0" not in names and "w-controller" not in names
+        assert ray.get(other.ping.remote())  # only the deployment's own replicas go
+        states = {info["name"]: info["state"] for info in placement_group_table().values()}
+        assert states["w-drafter-1"] == "REMOVED"
     finally:
         ray.shutdown()

@@ -40,7 +40,7 @@ def small_spec(tiny_dir, **overrides) -> StackSpec:
 def deployment(cluster_ray, tiny_dir):
     controller, address = deploy(small_spec(tiny_dir))
     yield controller, address
-    teardown(controller)
+    teardown(controller, "mirrorspec")
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +179,7 @@ def test_a_target_whose_compute_lane_is_wedged_is_replaced_and_its_request_moves
         assert wait_until(lambda: [r["state"] for r in rows(controller, "target")] == ["serving"]
                           and victim not in {r["replica"] for r in rows(controller, "target")}, timeout=120, every=0.25)
     finally:
-        teardown(controller)
+        teardown(controller, "stall")
 
 
 def test_a_front_door_whose_process_dies_is_restarted_and_serves_again_at_its_address(cluster_ray, tiny_dir,
@@ -204,7 +204,7 @@ def test_a_front_door_whose_process_dies_is_restarted_and_serves_again_at_its_ad
         assert wait_until(serves, timeout=120, every=0.5)
         assert [(r["state"], r["address"]) for r in rows(controller, "orchestrator")] == [("serving", address)]
     finally:
-        teardown(controller)
+        teardown(controller, "front")
 
 
 def test_a_tp2_target_replica_on_ray_is_identical_to_tp1(cluster_ray, tiny_dir, reference):
@@ -216,7 +216,7 @@ def test_a_tp2_target_replica_on_ray_is_identical_to_tp1(cluster_ray, tiny_dir, 
             for prompt in ([0, 7, 3], [9, 9, 2, 4]):
                 assert client.generate(prompt, max_tokens=30).token_ids == reference(prompt, 30)
     finally:
-        teardown(controller)
+        teardown(controller, "tp")
 
 
 @pytest.mark.parametrize("pool, flag_field", [("target", "target"), ("drafter", "draft")])
@@ -271,7 +271,7 @@ def test_a_controller_whose_process_dies_comes_back_and_adopts_its_replicas_with
             assert [r["state"] for r in rows(controller, "drafter")] == ["serving"]
             assert client.generate([0, 7, 3], max_tokens=30).token_ids == reference([0, 7, 3], 30)
     finally:
-        teardown(controller)
+        teardown(controller, "ctl")
     assert named_actors("ctl-") == set()  # torn down: nothing detached is left behind
 
 
@@ -293,16 +293,16 @@ def test_calls_a_dying_controller_was_running_are_retried_to_the_same_effect(clu
             after = [r["replica"] for r in ray.get(drained, timeout=180)]
             worker.join()
         assert busy not in after and len([r for r in after if r.startswith("target")]) == 2
-        stopping = threading.Thread(target=teardown, args=(controller,))
+        stopping = threading.Thread(target=teardown, args=(controller, "retry"))
         stopping.start()
         time.sleep(0.05)
         ray.kill(controller, no_restart=False)
         stopping.join()
     finally:
         if named_actors("retry-controller"):
-            teardown(controller)
+            teardown(controller, "retry")
     assert named_actors("retry-") == set()
     assert not [g for g in ray.util.placement_group_table().values()
                 if g["name"].startswith("retry-") and g["state"] != "REMOVED"]
     controller, _ = deploy(small_spec(tiny_dir, name="retry", drafters=1))  # the name is free again
-    teardown(controller)
+    teardown(controller, "retry")
