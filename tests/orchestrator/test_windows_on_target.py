@@ -242,6 +242,28 @@ def test_a_target_dying_mid_run_moves_the_session_and_the_request_goes_on(tiny_d
     assert stats.windows_on_target > 0
 
 
+def test_a_drained_target_s_session_moves_at_its_next_window_not_at_the_request_s_end(tiny_dir):
+    """A run on the target read window after window off one stream, and never asked whether its
+    replica was still in the pool: a drained one (scale-down) kept the session to the request's
+    end, and its drain waited for it (review 22 of stop 48). Seeded sampled output is unchanged."""
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, windows_on_target=True, target_replicas=2)
+    pool = s.front.servicer.targets
+    request = dict(max_tokens=100, temperature=1.0, seed=1)
+    try:
+        with Client(s.address) as client:
+            unmoved = client.generate([0, 7, 3], **request)
+            stream = client.stream([0, 7, 3], **request)
+            tokens = list(next(stream).token_ids)
+            with targets_held(s):
+                holder = next(t for t in s.targets if sessions(t, target_pb2_grpc.TargetServiceStub) == 1)
+                pool.set_members([a for a in pool.addresses if not a.endswith(f":{holder.port}")])
+            rest = list(stream)
+    finally:
+        s.stop()
+    assert tokens + [t for chunk in rest for t in chunk.token_ids] == unmoved.token_ids
+    assert rest[-1].stats.target_moves == 1 and rest[-1].stats.windows_on_target > 0
+
+
 def with_the_holder_stopped(s, after_tokens: int, **request):
     """Streams 60 tokens after [0, 7, 3], stopping the target replica that holds the session once
     ``after_tokens`` have come; then (every token, the last chunk). Stops the stack."""
