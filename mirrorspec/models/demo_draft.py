@@ -53,7 +53,7 @@ def ensure_demo_draft(weights: Path = SHIPPED_WEIGHTS) -> Path:
         (tmp / "ASSEMBLED_OK").write_text(f"weights={weights}\nsha256={digest}\n")
 
     out = build_once(cache_root() / f"demo-draft-{digest[:12]}", "ASSEMBLED_OK", assemble,
-                     "assembling the demo draft from the target and its shipped weights")
+                     "assembling the demo draft from the target and its shipped weights", field="draft")
     share_tokenizer(ensure_demo_target(), out)
     return out
 

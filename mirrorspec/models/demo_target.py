@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from mirrorspec.config import InvalidRequest
 
@@ -31,8 +32,9 @@ _PROBE_IDS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 2, 198, 1, 4093, 198]
 
 
 def cache_root() -> Path:
-    """Where mirrorspec keeps converted and trained models (``MIRRORSPEC_CACHE`` overrides)."""
-    return Path(os.environ.get("MIRRORSPEC_CACHE", Path.home() / ".cache" / "mirrorspec"))
+    """Where mirrorspec keeps converted and trained models (``MIRRORSPEC_CACHE`` overrides; an empty
+    one is unset, not the working folder, and ``~`` is the home folder, even quoted)."""
+    return Path(os.environ.get("MIRRORSPEC_CACHE") or Path.home() / ".cache" / "mirrorspec").expanduser()
 
 
 def locate_demo_gguf() -> Path:
@@ -49,28 +51,69 @@ def locate_demo_gguf() -> Path:
     return path
 
 
-def build_once(out: Path, marker: str, build: Callable[[Path], None], message: str) -> Path:
+def build_once(out: Path, marker: str, build: Callable[[Path], None], message: str, field: str) -> Path:
     """``out``, built by ``build(tmp_dir)`` the first time and moved into place atomically.
 
-    ``build`` writes ``marker`` last, so a directory holding it is complete; a concurrent builder
-    that won the race leaves ``out`` in place and this one's work is dropped.
+    ``build`` writes ``marker`` last, so a directory holding it (and a config) is complete; a
+    concurrent builder that won the race leaves ``out`` in place and this one's work is dropped.
+    An ``out`` that is not complete was damaged by hand (a file deleted in it): it is set aside and
+    rebuilt. It blocked the move for good before, so every run rebuilt it, then failed. A cache
+    that cannot be written is refused naming ``field``'s setting and ``MIRRORSPEC_CACHE``.
     """
-    if (out / "config.json").is_file() and (out / marker).is_file():
+    remove_abandoned(out.parent, f".{out.name}-")  # a dead writer's temporary, whatever it was building
+    if _complete(out, marker):
         return out
     print(f"mirrorspec: {message} once, into {out} ...", flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_abandoned(out.parent, f".{out.name}-")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-{writer_tag()}-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _set_aside(out)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-{writer_tag()}-", dir=out.parent))
+    except OSError as err:
+        raise _unwritable(out, err, field) from None
     try:
         build(tmp)
         try:
             os.replace(tmp, out)
         except OSError:
-            if not (out / marker).is_file():
+            if not _complete(out, marker):
                 raise
+    except (OSError, SafetensorError) as err:  # save_file on a full disk: SafetensorError, "No space left"
+        raise _unwritable(out, err, field) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _complete(out: Path, marker: str) -> bool:
+    return (out / "config.json").is_file() and (out / marker).is_file()
+
+
+def _set_aside(out: Path) -> None:
+    """Removes a damaged ``out`` (renamed first, as a temporary of this process, so that a kill
+    midway leaves one that ``remove_abandoned`` takes; two processes racing: one renames it)."""
+    if not out.exists():
+        return
+    aside = out.parent / f".{out.name}-{writer_tag()}-damaged-{uuid.uuid4().hex}"
+    try:
+        os.replace(out, aside)
+    except FileNotFoundError:  # another process set it aside first
+        return
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _unwritable(out: Path, err: BaseException, field: str) -> InvalidRequest:
+    try:
+        free = f"; {shutil.disk_usage(_existing_parent(out)).free / 1e6:,.0f} MB free on its disk"
+    except OSError:
+        free = ""
+    return InvalidRequest(f"cannot build {out.name} into the cache at {out.parent} ({err}){free}: point "
+                          f"MIRRORSPEC_CACHE at a writable folder with room for it", field=field)
+
+
+def _existing_parent(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
@@ -150,7 +193,7 @@ def ensure_demo_target() -> Path:
     """Path of the cached plain checkpoint, converting from GGUF the first time."""
     return build_once(cache_root() / CHECKPOINT_NAME, "CONVERTED_OK",
                       lambda tmp: convert_gguf_checkpoint(locate_demo_gguf(), tmp),
-                      "converting the demo target from GGUF")
+                      "converting the demo target from GGUF", field="target")
 
 
 def convert_gguf_checkpoint(gguf_path: Path, out_dir: Path) -> None:

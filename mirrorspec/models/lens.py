@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from mirrorspec.config import InvalidRequest
 from mirrorspec.models.demo_target import cache_root, save_tensors_atomically
@@ -72,6 +73,21 @@ class TunedLens:
 def _features(hidden: torch.Tensor) -> torch.Tensor:
     """RMS-normalised, without a learnt scale: the lens learns its own."""
     return hidden * torch.rsqrt(hidden.float().pow(2).mean(-1, keepdim=True) + RMS_EPS).to(hidden.dtype)
+
+
+def _cached_lens(path: Path, layer: int, hidden: int, log: Callable[[str], None]) -> TunedLens | None:
+    """The lens cached at ``path``, or None where it is damaged (cut short, overwritten) or of
+    another shape, and must be fitted again: it failed every request with a safetensors traceback,
+    or a shape mismatch deep inside the first hint (review 23 of stop 48)."""
+    try:
+        lens = TunedLens.load(path, layer)
+    except (OSError, SafetensorError, KeyError) as err:
+        log(f"the cached lens at {path} does not load ({err}); fitting it again")
+        return None
+    if tuple(lens.weight.shape) != (hidden + 1, hidden):
+        log(f"the cached lens at {path} is {list(lens.weight.shape)}, not [{hidden + 1}, {hidden}]; fitting it again")
+        return None
+    return lens
 
 
 def hinted_decoder(model: torch.nn.Module, layer: int) -> tuple[Sequence[torch.nn.Module], torch.nn.Module]:
@@ -169,8 +185,8 @@ def tuned_lens(loaded: LoadedModel, recipe: LensRecipe, log: Callable[[str], Non
     minute for the demo target on 2 CPU cores; once per target and layer)."""
     hinted_decoder(loaded.model, recipe.layer)  # a bad layer fails now, not after generating the text
     path = lens_path(loaded, recipe)
-    if path.exists():
-        return TunedLens.load(path, recipe.layer)
+    if path.exists() and (lens := _cached_lens(path, recipe.layer, loaded.model.config.hidden_size, log)):
+        return lens
     log(f"fitting a tuned lens for hints at layer {recipe.layer} of {loaded.source} (once; cached at {path})")
     lens = fit_tuned_lens(loaded.model, recipe.layer, lens_sequences(loaded, recipe), recipe.ridge)
     lens.save(path, recipe, loaded.source)

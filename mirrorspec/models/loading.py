@@ -165,7 +165,7 @@ def load_causal_lm(source: str, *, dtype: str = "auto", device: str = "auto", to
     stored = stored_dtype(config) if dtype == "auto" and dev.type == "cuda" else None
     # a GGUF file's config is rebuilt from its metadata while its weights load: pass only the file
     kwargs: dict = {"dtype": resolve_dtype(dtype, dev, stored), **(gguf or {"config": config})}
-    with _not_loadable_as_invalid(source):
+    with _not_loadable_as_invalid(source, cached=_cached_copy(source, location, gguf)):
         model = AutoModelForCausalLM.from_pretrained(location, **kwargs).to(dev).eval()
     use_cpu_verify_attention(model)  # bit-identical logits, cheaper multi-token passes (models.attention)
     apply_quantization(model, quantize)  # first: packing a layer int8 then replaces is wasted work
@@ -173,7 +173,8 @@ def load_causal_lm(source: str, *, dtype: str = "auto", device: str = "auto", to
         prepack_linears(model)  # what int8 left as nn.Linear (the tied head, shapes it refused)
     tok = None
     if tokenizer:
-        with _not_loadable_as_invalid(source, "a tokenizer", "a model directory with its tokenizer files"):
+        with _not_loadable_as_invalid(source, "a tokenizer", "a model directory with its tokenizer files",
+                                      cached=_cached_copy(source, location, gguf)):
             tok = AutoTokenizer.from_pretrained(location, **gguf)
     loaded_from = location if not gguf else str(Path(location) / gguf["gguf_file"])
     return LoadedModel(model=model, tokenizer=tok, source=loaded_from)
@@ -202,19 +203,27 @@ def check_models(target: str, draft: str | None) -> None:
 
 
 def _read_config(source: str, location: str, gguf: dict) -> PretrainedConfig:
-    with _not_loadable_as_invalid(source):
+    with _not_loadable_as_invalid(source, cached=_cached_copy(source, location, gguf)):
         return AutoConfig.from_pretrained(location, **gguf)
+
+
+def _cached_copy(source: str, location: str, gguf: dict) -> str | None:
+    """The folder mirrorspec built ``source`` into (the demo target, a demo draft), or None: the
+    source is the user's own."""
+    return location if location != source and not gguf else None
 
 
 @contextmanager
 def _not_loadable_as_invalid(source: str, what: str = "a causal LM",
                              would_load: str = f"a checkpoint directory with a config.json, a .gguf file, a hub id "
-                                               f"already in the local cache, or {DEMO_TARGET}"):
+                                               f"already in the local cache, or {DEMO_TARGET}",
+                             cached: str | None = None):
     """``from_pretrained`` says a source is not a model with OSError (no config or weights, a hub
     id neither cached nor reachable offline), ValueError (no known model_type), SafetensorError or
     UnpicklingError (a weights file cut short or not weights at all): all the caller's input, so
     they become ``InvalidRequest`` and reach users as a named flag or INVALID_ARGUMENT rather than
-    a traceback."""
+    a traceback. Where the source is one mirrorspec built into its cache (``cached``), that copy is
+    what is damaged: the advice to pass demo-target was the user's own input back (review 23)."""
     from pickle import UnpicklingError
 
     from safetensors import SafetensorError
@@ -225,7 +234,9 @@ def _not_loadable_as_invalid(source: str, what: str = "a causal LM",
         raise
     except (OSError, ValueError, SafetensorError, UnpicklingError) as err:
         reason = " ".join(str(err).split()) or type(err).__name__
-        raise InvalidRequest(f"cannot load {what} from {source}: {reason} (pass {would_load})", field="model") from err
+        fix = (f"its copy built into the cache at {cached} is damaged: delete that folder and run again to build it "
+               f"afresh" if cached else f"pass {would_load}")
+        raise InvalidRequest(f"cannot load {what} from {source}: {reason} ({fix})", field="model") from err
 
 
 def same_tokenizer(draft: PreTrainedTokenizerBase | None, target: PreTrainedTokenizerBase | None,

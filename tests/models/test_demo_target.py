@@ -2,6 +2,7 @@
 
 import os
 import stat
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,8 +117,62 @@ def test_a_temporary_left_by_a_killed_writer_is_removed_by_the_next_write(tmp_pa
     assert sorted(tmp_path.iterdir()) == sorted([path, still_written, elsewhere])
     half_built = tmp_path / f".model-{host}-{writer.pid}-abcd1234"  # a conversion killed the same way
     (half_built / "part").mkdir(parents=True)
-    build_once(tmp_path / "model", "OK", lambda tmp: [(tmp / n).write_text("{}") for n in ("config.json", "OK")], "x")
+    build_once(tmp_path / "model", "OK", write_model, "x", field="target")
     assert not half_built.exists() and (tmp_path / "model" / "OK").is_file()
+
+
+def write_model(folder: Path) -> None:
+    for name in ("config.json", "weights", "OK"):  # the marker last
+        (folder / name).write_text(name)
+
+
+@pytest.mark.parametrize("damage", ["marker", "config.json", "weights-and-marker"])
+def test_a_cached_model_damaged_by_hand_is_rebuilt(tmp_path, damage):
+    """A folder with a file deleted from it blocked the atomic move for good ("Directory not empty"):
+    every run rebuilt it (20 s for the demo target), then failed with a traceback; with its config
+    gone and its marker left, every run rebuilt it, then loaded the broken one (review 23 of stop 48)."""
+    out = build_once(tmp_path / "model", "OK", write_model, "x", field="target")
+    for name in {"marker": ["OK"], "config.json": ["config.json"], "weights-and-marker": ["weights", "OK"]}[damage]:
+        (out / name).unlink()
+    built = []
+    assert build_once(out, "OK", lambda tmp: (built.append(1), write_model(tmp)), "x", field="target") == out
+    assert built and sorted(p.name for p in out.iterdir()) == ["OK", "config.json", "weights"]
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # nothing set aside is left
+    build_once(out, "OK", lambda tmp: built.append(2), "x", field="target")
+    assert built == [1]  # complete now: not built again
+
+
+def test_a_cache_that_cannot_be_written_is_named_with_the_setting_to_change(tmp_path):
+    """A MIRRORSPEC_CACHE that is a file, or a full or read-only disk, gave FileExistsError,
+    "Read-only file system" or safetensors' "No space left on device" from deep inside."""
+    from safetensors import SafetensorError
+
+    from mirrorspec.config import InvalidRequest
+
+    a_file = tmp_path / "cache"
+    a_file.write_text("")
+    with pytest.raises(InvalidRequest, match=r"cannot build model into the cache at .*cache \(.*\).*: point "
+                                             r"MIRRORSPEC_CACHE at a writable folder") as err:
+        build_once(a_file / "model", "OK", write_model, "x", field="draft")
+    assert err.value.field == "draft"
+
+    def full_disk(folder: Path) -> None:
+        raise SafetensorError("Error while serializing: IoError(No space left on device)")
+
+    with pytest.raises(InvalidRequest, match="No space left on device.*MB free on its disk") as err:
+        build_once(tmp_path / "model", "OK", full_disk, "x", field="target")
+    assert err.value.field == "target" and list(tmp_path.iterdir()) == [a_file]  # no temporary left
+
+
+@pytest.mark.parametrize("value, expected", [("", Path.home() / ".cache" / "mirrorspec"),
+                                             ("~/x", Path.home() / "x")])
+def test_an_empty_or_quoted_tilde_cache_setting_is_not_the_working_folder(monkeypatch, value, expected):
+    """An empty MIRRORSPEC_CACHE was the working folder (540 MB landed wherever a command ran), and
+    a quoted '~/x' a folder named '~' in it."""
+    from mirrorspec.models.demo_target import cache_root
+
+    monkeypatch.setenv("MIRRORSPEC_CACHE", value)
+    assert cache_root() == expected
 
 
 def test_saved_tensors_keep_the_umask_permissions_and_load_back(tmp_path):

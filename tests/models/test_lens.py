@@ -80,6 +80,26 @@ def test_a_lens_is_fitted_once_per_target_and_layer_then_loaded(tiny_dir, tmp_pa
         tuned_lens(loaded, LensRecipe(layer=2), log=lambda line: None)  # refused before any work
 
 
+@pytest.mark.parametrize("damage", ["cut-short", "garbage", "empty", "another-shape"])
+def test_a_damaged_cached_lens_is_fitted_again(tiny_dir, tmp_path, monkeypatch, damage):
+    """A lens file cut short or overwritten failed every request that read hints with a
+    safetensors traceback; one of another shape loaded, then failed at the first hint with
+    "mat1 and mat2 shapes cannot be multiplied" (review 23 of stop 48)."""
+    monkeypatch.setenv("MIRRORSPEC_CACHE", str(tmp_path))
+    loaded = LoadedModel(model=load(tiny_dir["target16"]), tokenizer=None, source=str(tiny_dir["target16"]))
+    recipe = LensRecipe(layer=1, num_prompts=8, max_new_tokens=8, batch_size=4)
+    fitted = tuned_lens(loaded, recipe, log=lambda line: None)
+    path = lens_path(loaded, recipe)
+    if damage == "another-shape":
+        TunedLens(1, torch.zeros(5, 4)).save(path, recipe, "another")
+    else:
+        path.write_bytes({"cut-short": path.read_bytes()[:100], "garbage": b"\x07" * 500, "empty": b""}[damage])
+    said = []
+    again = tuned_lens(loaded, recipe, log=said.append)
+    assert torch.allclose(again.weight, fitted.weight) and "fitting it again" in said[0]
+    assert torch.allclose(TunedLens.load(path, 1).weight, fitted.weight)  # and cached whole again
+
+
 @pytest.mark.slow
 def test_the_demo_targets_lens_names_its_token_far_more_often_than_the_plain_early_exit(demo_target, tmp_path,
                                                                                       monkeypatch):

@@ -81,6 +81,21 @@ def test_a_source_that_is_not_a_model_is_an_invalid_request_that_says_what_would
             read_config(str(source))
 
 
+@pytest.mark.parametrize("case", ["a config without model_type", "weights cut short"])
+def test_a_damaged_copy_in_the_cache_is_named_with_its_folder_not_the_user_s_input(tmp_path, monkeypatch, case):
+    """The demo target's converted checkpoint with its weights cut short said "cannot load a causal
+    LM from demo-target: ... (pass ..., or demo-target)": the user's own input back, and no folder
+    (review 23 of stop 48)."""
+    import mirrorspec.models.demo_target as demo_target
+
+    damaged, says = _not_models(tmp_path)[case]
+    monkeypatch.setattr(demo_target, "ensure_demo_target", lambda: damaged)
+    with pytest.raises(InvalidRequest, match=says) as err:
+        load_causal_lm("demo-target", device="cpu", tokenizer=False)
+    assert f"its copy built into the cache at {damaged} is damaged: delete that folder and run again" in str(err.value)
+    assert "pass a checkpoint directory" not in str(err.value)
+
+
 def test_a_model_without_a_tokenizer_is_named_when_one_is_asked_for(tmp_path):
     tiny = support.save_tiny_llama(tmp_path / "tiny", seed=0)
     assert load_causal_lm(str(tiny), device="cpu", tokenizer=False).tokenizer is None
