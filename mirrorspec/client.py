@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 
 import grpc
 
@@ -100,8 +101,10 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *,
     seed = check_seed(seed)
     check_prompt(prompt)
     for name, value in (("temperature", temperature), ("top_p", top_p)):
-        if not is_real(value):
+        if not (is_real(value) or isinstance(value, Decimal)):
             raise InvalidRequest(f"{name} must be a number, got {value!r}", field=name)
+    if getattr(mirror, "ndim", None) == 0 and callable(getattr(mirror, "item", None)):
+        mirror = mirror.item()  # numpy's bool, a 0-d tensor
     if mirror is not None and not isinstance(mirror, bool):
         raise InvalidRequest(f"mirror must be True, False or None (the server's default), got {mirror!r}",
                              field="mirror")

@@ -124,6 +124,21 @@ def test_arguments_of_the_wrong_type_are_named_not_met_with_a_bare_type_error(kw
     assert err.value.field == field
 
 
+def test_numbers_and_bools_of_other_kinds_are_taken_as_they_were():
+    """numpy's bool for mirror, and a Decimal temperature, went out before the type checks came."""
+    from decimal import Decimal
+
+    import numpy as np
+    import torch
+
+    from mirrorspec.client import build_request
+
+    for flag in (np.bool_(True), torch.tensor(True)):
+        assert build_request("hi", mirror=flag).mirror is True
+    request = build_request("hi", temperature=Decimal("0.5"), top_p=np.float32(0.25))
+    assert (request.params.temperature, request.params.top_p) == (0.5, 0.25)
+
+
 def test_no_stops_may_be_given_as_none_as_openai_s_api_takes_them():
     from mirrorspec.client import build_request
 
