@@ -224,7 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="by default, draft the next window's likely branches while the target verifies "
                           "(a request's `mirror` field overrides; the output is the same either way)")
     srv.add_argument("--speculation-off-above", type=int, default=None, metavar="N",
-                     help="stop drafting while more than N requests are in flight (saturated targets; like vLLM's speculative_disable_by_batch_size)")
+                     help="stop drafting while more than N requests are in flight (saturated targets; like vLLM's "
+                          "speculative_disable_by_batch_size). Exact and greedy-identical, but a seeded sampled request's "
+                          "tokens then depend on the load: a paused window is a K=0 one")
     srv.add_argument("--hint-layer", type=int, default=None,
                      help="targets early-exit hints read off this decoder layer (1-based) during each verify: mirror requests steer their branches with them")
     srv.add_argument("--hint-vocab", default="auto", metavar="auto|full|DRAFT",

@@ -80,7 +80,8 @@ class OrchestratorConfig:
     mirror: MirrorConfig | None = None
     # draft only while at most this many requests are in flight here (vLLM's
     # speculative_disable_by_batch_size): past it the targets are saturated, and the extra tokens a
-    # verify scores cost more than speculation saves. None = always draft.
+    # verify scores cost more than speculation saves. None = always draft. A paused window is a
+    # K = 0 window: a seeded sampled request's tokens then depend on the load it met.
     speculation_off_above: int | None = None
     # run the drafter replicas' prompt lookup here, on the token log (orchestrator.lookup): a
     # looked-up window then makes no drafter call; an n-gram pool, lookup alone, is never called.

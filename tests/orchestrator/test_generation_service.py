@@ -820,6 +820,18 @@ def test_speculation_pauses_while_the_front_door_is_saturated(tiny_dir, strategy
         assert busy.stats.drafted == 0 and busy.stats.speculation_paused_windows == busy.stats.windows - 1
         assert again.stats.drafted == alone.stats.drafted
         assert s.front.servicer.metrics.paused_windows._value.get() == busy.stats.speculation_paused_windows
+        if strategy == "draft-model":  # documented: a seeded sampled request's paused windows are K = 0 ones
+            sampled = dict(max_tokens=20, temperature=1.0, seed=5)
+            with Client(s.address) as client:
+                alone = client.generate([0, 6, 1], **sampled)
+                s.front.servicer.in_flight += 1
+                try:
+                    busy = client.generate([0, 6, 1], **sampled)
+                finally:
+                    s.front.servicer.in_flight -= 1
+                k0 = client.generate([0, 6, 1], k=0, **sampled)
+                assert client.generate([0, 6, 1], **sampled).token_ids == alone.token_ids
+            assert busy.token_ids == k0.token_ids and busy.stats.drafted == 0
     finally:
         s.stop()
 
