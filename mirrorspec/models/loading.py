@@ -7,6 +7,7 @@ every service and the CLI resolve models the same way.
 from __future__ import annotations
 
 import functools
+import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,8 @@ from mirrorspec.config import InvalidRequest, check_quantization, check_shared_v
 from mirrorspec.models.attention import use_cpu_verify_attention
 from mirrorspec.models.prepack import prepack_linears
 from mirrorspec.models.quantize import apply_quantization
+
+log = logging.getLogger(__name__)
 
 DEMO_TARGET = "demo-target"
 DEMO_DRAFT = "demo-draft"  # the draft mirrorspec distils from the demo target (mirrorspec demo)
@@ -166,7 +169,9 @@ def load_causal_lm(source: str, *, dtype: str = "auto", device: str = "auto", to
     # a GGUF file's config is rebuilt from its metadata while its weights load: pass only the file
     kwargs: dict = {"dtype": resolve_dtype(dtype, dev, stored), **(gguf or {"config": config})}
     with _not_loadable_as_invalid(source, cached=_cached_copy(source, location, gguf)):
-        model = AutoModelForCausalLM.from_pretrained(location, **kwargs).to(dev).eval()
+        model, info = AutoModelForCausalLM.from_pretrained(location, output_loading_info=True, **kwargs)
+    check_loaded_weights(source, info)
+    model = model.to(dev).eval()
     use_cpu_verify_attention(model)  # bit-identical logits, cheaper multi-token passes (models.attention)
     apply_quantization(model, quantize)  # first: packing a layer int8 then replaces is wasted work
     if prepack:
@@ -205,6 +210,20 @@ def check_models(target: str, draft: str | None) -> None:
 def _read_config(source: str, location: str, gguf: dict) -> PretrainedConfig:
     with _not_loadable_as_invalid(source, cached=_cached_copy(source, location, gguf)):
         return AutoConfig.from_pretrained(location, **gguf)
+
+
+def check_loaded_weights(source: str, info: dict) -> None:
+    """Weights the model needs that the checkpoint lacks are random: refused, where transformers
+    only reports them (and the CLI quiets its report), so a config.json copied over another
+    checkpoint's loaded a silently wrong model (review 23 of stop 48). Weights the model does not
+    use are only logged: checkpoints carry extras (old rotary buffers, multi-token heads)."""
+    if missing := sorted(info.get("missing_keys") or ()):
+        raise InvalidRequest(f"{source}'s weights lack {len(missing)} tensors its config.json asks for (e.g. "
+                             f"{', '.join(missing[:3])}): they would be random; is that config the checkpoint's own?",
+                             field="model")
+    if unexpected := sorted(info.get("unexpected_keys") or ()):
+        log.warning("%s holds %d tensors its config.json does not use (e.g. %s); is that config the checkpoint's "
+                    "own?", source, len(unexpected), ", ".join(unexpected[:3]))
 
 
 def _cached_copy(source: str, location: str, gguf: dict) -> str | None:

@@ -96,6 +96,31 @@ def test_a_damaged_copy_in_the_cache_is_named_with_its_folder_not_the_user_s_inp
     assert "pass a checkpoint directory" not in str(err.value)
 
 
+def test_weights_a_config_asks_for_and_the_checkpoint_lacks_are_refused_not_left_random(tmp_path, caplog):
+    """A config.json copied over another checkpoint's loaded silently: layers missing from the
+    weights were random (transformers reports them, and the CLI quiets its report), and layers the
+    config has no room for were dropped (review 23 of stop 48)."""
+    import json
+    import logging
+    import shutil
+
+    small = support.save_tiny_llama(tmp_path / "small", seed=0, layers=1)
+    big = support.save_tiny_llama(tmp_path / "big", seed=0, layers=2)
+    mixed = tmp_path / "mixed"
+    shutil.copytree(small, mixed)
+    (mixed / "config.json").write_text((big / "config.json").read_text())  # 2 layers asked, 1 there
+    with pytest.raises(InvalidRequest, match=r"weights lack \d+ tensors its config.json asks for \(e.g. "
+                                             r"model.layers.1.*they would be random") as err:
+        load_causal_lm(str(mixed), device="cpu", tokenizer=False)
+    assert err.value.field == "model"
+    shutil.copytree(big, tmp_path / "extra")
+    (tmp_path / "extra" / "config.json").write_text(json.dumps(
+        {**json.loads((big / "config.json").read_text()), "num_hidden_layers": 1}))
+    with caplog.at_level(logging.WARNING, logger="mirrorspec.models.loading"):
+        load_causal_lm(str(tmp_path / "extra"), device="cpu", tokenizer=False)  # loads, and says so
+    assert "tensors its config.json does not use (e.g. model.layers.1" in caplog.text
+
+
 def test_a_model_without_a_tokenizer_is_named_when_one_is_asked_for(tmp_path):
     tiny = support.save_tiny_llama(tmp_path / "tiny", seed=0)
     assert load_causal_lm(str(tiny), device="cpu", tokenizer=False).tokenizer is None
