@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from benchmarks.data_plane import start_processes
-from benchmarks.flags import output_dir
+from benchmarks.flags import integer_at_least, output_dir, positive, window_k
 from benchmarks.prompts import checked_datasets, load_prompts
 from benchmarks.report import cpu_busy_before_run
 from mirrorspec.client import Client
@@ -57,7 +57,7 @@ from mirrorspec.config import (
     check_prompt_lookup,
     refuse_setting,
 )
-from mirrorspec.models.loading import check_models, device_flag
+from mirrorspec.models.loading import check_models, device_flag, read_config
 from mirrorspec.serving.server import BackgroundServer
 from orchestrator.servicer import OrchestratorConfig, serve
 
@@ -168,16 +168,18 @@ def plot_timeline(path: Path, timelines: dict[str, list], title: str, window_s: 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="mirrorspec bench mirror", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--datasets", default="humaneval,mtbench")
-    parser.add_argument("--num-prompts", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--hint-layer", type=int, default=None, help="also run mirror+hints, hints off this layer")
+    parser.add_argument("--datasets", default="humaneval,mtbench",
+                        help="comma-separated, from mtbench,humaneval,code-edit (default: humaneval,mtbench)")
+    parser.add_argument("--num-prompts", type=int, default=3, help="first N prompts of each dataset (default 3)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="max new tokens per prompt (default 64)")
+    parser.add_argument("--k", type=window_k, default=4, help="draft tokens per window (default 4)")
+    parser.add_argument("--hint-layer", type=positive, default=None, help="also run mirror+hints, hints off this layer")
     parser.add_argument("--hint-vocab", choices=("draft", "full"), default="draft",
                         help="score hints over the draft's sub-vocabulary (cheap) or the whole vocabulary")
-    parser.add_argument("--target", default="demo-target")
-    parser.add_argument("--draft", default="demo-draft")
-    parser.add_argument("--proposal-top-k", type=int, default=DEFAULT_PROPOSAL_TOP_K)
+    parser.add_argument("--target", default="demo-target", help="the target model (default demo-target)")
+    parser.add_argument("--draft", default="demo-draft", help="the draft model (default demo-draft)")
+    parser.add_argument("--proposal-top-k", type=integer_at_least(0), default=DEFAULT_PROPOSAL_TOP_K,
+                        help=f"q rows the drafter sends: its top-k (0: dense; default {DEFAULT_PROPOSAL_TOP_K})")
     parser.add_argument("--prompt-lookup", type=int, default=DEFAULT_PROMPT_LOOKUP, metavar="N",
                         help="the drafter's prompt lookup before its draft model (0 = the model alone)")
     parser.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE, metavar="P",
@@ -206,7 +208,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per server process (default 1)")
     parser.add_argument("--no-pin", action="store_true",
                         help="let the scheduler place drafter and target (default: one core each, apart)")
-    parser.add_argument("--out", type=output_dir, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--out", type=output_dir, default=Path(__file__).resolve().parent / "results",
+                        help="where the JSON and the timeline PNG go (default benchmarks/results)")
     args = parser.parse_args(argv)
     datasets = checked_datasets(parser, args, positive=("num_prompts", "max_tokens", "k", "threads"))
     try:
@@ -223,6 +226,9 @@ def main(argv=None) -> int:
         check_models(args.target, args.draft)  # here, not as a server process's exit status
     except InvalidRequest as err:
         refuse_setting(parser, err)
+    layers = read_config(args.target).num_hidden_layers
+    if args.hint_layer is not None and args.hint_layer >= layers:  # the target server's own bound (lens.py)
+        parser.error(f"--hint-layer: must be in [1, {layers - 1}] for this {layers}-layer target, got {args.hint_layer}")
 
     target_args = ("--device", args.target_device, "--dtype", args.dtype)
     if args.hint_layer:
@@ -236,12 +242,19 @@ def main(argv=None) -> int:
                                             quantize=args.draft_quantize,
                                             drafter_args=("--device", args.drafter_device, "--dtype", args.dtype))
     runner_up = not args.no_runner_up
-    doors = {"plain": front_door(target, drafter, replace(mirror, use_hints=False), args.k, runner_up)}
-    if args.hint_layer:
-        doors["hinted"] = front_door(target, drafter, mirror, args.k, runner_up)
-    if args.on_target:
-        doors["on-target"] = front_door(target, drafter, replace(mirror, use_hints=False), args.k, runner_up,
-                                        windows_on_target=True)
+    doors = {}
+    try:  # a front door that fails to start leaves no server process behind
+        doors["plain"] = front_door(target, drafter, replace(mirror, use_hints=False), args.k, runner_up)
+        if args.hint_layer:
+            doors["hinted"] = front_door(target, drafter, mirror, args.k, runner_up)
+        if args.on_target:
+            doors["on-target"] = front_door(target, drafter, replace(mirror, use_hints=False), args.k, runner_up,
+                                            windows_on_target=True)
+    except BaseException:
+        for door in doors.values():
+            door.stop()
+        stop()
+        raise
     modes = [m for m in MODES if m != "mirror+hints" or args.hint_layer] + list(ON_TARGET_MODES if args.on_target else ())
     request = {"target-only": ("plain", dict(k=0)), "serial": ("plain", dict(mirror=False)),
                "mirror": ("plain", dict(mirror=True)), "mirror+hints": ("hinted", dict(mirror=True)),

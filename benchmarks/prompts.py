@@ -118,6 +118,8 @@ def checked_datasets(parser: argparse.ArgumentParser, args: argparse.Namespace,
     """``args.datasets`` as a list, after checking it and that each count in ``positive`` is >= 1;
     a bad value is an argparse error naming its flag."""
     datasets = [d for d in args.datasets.split(",") if d]
+    if not datasets:  # "--datasets ," ran nothing, then failed drawing its plot
+        parser.error(f"--datasets: needs at least one of {', '.join(DATASETS)}")
     for d in datasets:
         if d not in DATASETS:
             parser.error(f"--datasets: unknown dataset {d!r}; choose from {', '.join(DATASETS)}")

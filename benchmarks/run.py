@@ -170,7 +170,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks") 
     try:
         with torch_threads(args.threads):
             return _run(args, parser)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # records are written once the run is done
+        print("interrupted: nothing written", file=sys.stderr)
         return 130
 
 
@@ -180,7 +181,8 @@ def reprint(path: Path, parser: argparse.ArgumentParser) -> int:
         payload = json.loads(path.read_text())
         records = [RunRecord(**r) for r in payload["records"]]
     except (OSError, ValueError, KeyError, TypeError) as err:
-        parser.error(f"--reprint: cannot read records from {path}: {err}")
+        parser.error(f"--reprint: cannot read records from {path}: {type(err).__name__} {err} (it takes the JSON a "
+                     f"`mirrorspec bench` run wrote, not a `bench mirror` or `bench acceptance` one)")
     config = payload.get("config", {})
     print(f"# {path.name}: target={config.get('target')} draft={config.get('draft')} "
           f"threads={payload.get('environment', {}).get('torch_threads')}")

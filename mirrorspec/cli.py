@@ -312,11 +312,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:2] == ["bench", "mirror"]:
         from benchmarks.mirror import main as mirror_main
 
-        return mirror_main(argv[2:])
+        return _interruptible(lambda: mirror_main(argv[2:]))
     if argv[:2] == ["bench", "acceptance"]:
         from benchmarks.acceptance import main as acceptance_main
 
-        return acceptance_main(argv[2:], prog="mirrorspec bench acceptance")
+        return _interruptible(lambda: acceptance_main(argv[2:], prog="mirrorspec bench acceptance"))
     if argv[:1] == ["bench"]:
         from benchmarks.run import main as bench_main
 
@@ -332,6 +332,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (e.g. `| head`): not an error of ours
         sys.stdout = open(os.devnull, "w")
         return 0
+
+
+def _interruptible(run: Callable[[], int]) -> int:
+    """Ctrl-C ends a benchmark with 130 and a line, as `bench` and `demo` do, not a traceback
+    from wherever it fell (review 24 of stop 48); what it started stops on its way out."""
+    try:
+        return run()
+    except KeyboardInterrupt:
+        print("interrupted: nothing written", file=sys.stderr)
+        return 130
 
 
 def parse_command_line(argv: Sequence[str]) -> argparse.Namespace:

@@ -1,6 +1,7 @@
 """Flags every benchmark command shares (``benchmarks/flags.py``), checked as they are read."""
 
 import importlib
+import json
 
 import pytest
 
@@ -36,3 +37,31 @@ def test_a_default_out_folder_is_left_alone_until_results_are_written(tmp_path, 
     monkeypatch.setattr(run, "DEFAULT_OUT", tmp_path / "not-yet")
     args = run.build_parser().parse_args(["--reprint", "some.json"])
     assert args.out == tmp_path / "not-yet" and not args.out.exists()
+
+
+def test_a_json_of_another_benchmark_is_named_as_such_by_reprint(tmp_path, capsys):
+    """It said only "cannot read records from ...: 'records'" (review 24 of stop 48)."""
+    from benchmarks.run import main
+
+    other = tmp_path / "mirror.json"
+    other.write_text(json.dumps({"config": {}, "results": {}}))
+    with pytest.raises(SystemExit) as exc:
+        main(["--reprint", str(other)])
+    assert exc.value.code == 2
+    assert "not a `bench mirror` or `bench acceptance` one" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bench", [["bench", "mirror"], ["bench", "acceptance"]])
+def test_ctrl_c_ends_a_benchmark_with_130_and_a_line_not_a_traceback(bench, monkeypatch, capsys):
+    """`bench mirror` and `bench acceptance` printed a KeyboardInterrupt traceback from wherever
+    it fell; `bench` and `demo` already ended with 130 (review 24 of stop 48)."""
+    import benchmarks.acceptance
+    import benchmarks.mirror
+    from mirrorspec.cli import main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(benchmarks.mirror if bench[1] == "mirror" else benchmarks.acceptance, "main", interrupted)
+    assert main(bench) == 130
+    assert capsys.readouterr().err == "interrupted: nothing written\n"

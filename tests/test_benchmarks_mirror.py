@@ -10,7 +10,7 @@ from mirrorspec.cli import main
 
 
 @pytest.mark.parametrize("argv, flag", [
-    (["--k", "0"], "--k"),
+    (["--k", "0"], "argument --k"),
     (["--datasets", "humaneval,nope"], "--datasets"),
     (["--num-prompts", "0"], "--num-prompts"),
     (["--max-tokens", "0"], "--max-tokens"),
@@ -21,6 +21,13 @@ from mirrorspec.cli import main
     (["--drafter-device", "cuda:x"], "argument --drafter-device"),
     (["--dtype", "fp8"], "argument --dtype"),
     (["--max-branches", "17"], "--max-branches"),
+    # these failed after the servers started: a traceback (--k 99 left both server processes running),
+    # a server's exit status, or an IndexError drawing the plot of an empty run (review 24 of stop 48)
+    (["--k", "99"], "argument --k"),
+    (["--proposal-top-k", "-1"], "argument --proposal-top-k"),
+    (["--hint-layer", "0"], "argument --hint-layer"),
+    (["--hint-layer", "30"], "--hint-layer: must be in [1, 29] for this 30-layer target"),
+    (["--datasets", ","], "--datasets: needs at least one"),
 ])
 def test_bad_flags_name_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
