@@ -9,6 +9,7 @@ ordinary checkpoint that later loads in about a second.
 from __future__ import annotations
 
 import copy
+import errno
 import glob
 import importlib.metadata
 import os
@@ -78,6 +79,8 @@ def build_once(out: Path, marker: str, build: Callable[[Path], None], message: s
             if not _complete(out, marker):
                 raise
     except (OSError, SafetensorError) as err:  # save_file on a full disk: SafetensorError, "No space left"
+        if not _cannot_write(err):
+            raise
         raise _unwritable(out, err, field) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -99,6 +102,16 @@ def _set_aside(out: Path) -> None:
     except FileNotFoundError:  # another process set it aside first
         return
     shutil.rmtree(aside, ignore_errors=True)
+
+
+# what a folder that cannot be written, or a full disk, raises: the cache's fault, not the build's
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EEXIST, errno.ENOTDIR}
+
+
+def _cannot_write(err: BaseException) -> bool:
+    if isinstance(err, OSError):
+        return err.errno in _WRITE_ERRNOS
+    return "No space left" in str(err) or "Read-only file system" in str(err)
 
 
 def _unwritable(out: Path, err: BaseException, field: str) -> InvalidRequest:

@@ -163,12 +163,13 @@ def load_causal_lm(source: str, *, dtype: str = "auto", device: str = "auto", to
     draft, whose one-token steps are memory-bound; a no-op on GPU)."""
     check_quantization(quantize)
     location, gguf = locate_model(source)
+    cached = _cached_copy(source, location, gguf)
     config = _read_config(source, location, gguf)
     dev = resolve_device(device)
     stored = stored_dtype(config) if dtype == "auto" and dev.type == "cuda" else None
     # a GGUF file's config is rebuilt from its metadata while its weights load: pass only the file
     kwargs: dict = {"dtype": resolve_dtype(dtype, dev, stored), **(gguf or {"config": config})}
-    with _not_loadable_as_invalid(source, cached=_cached_copy(source, location, gguf)):
+    with _not_loadable_as_invalid(source, cached=cached):
         model, info = AutoModelForCausalLM.from_pretrained(location, output_loading_info=True, **kwargs)
     check_loaded_weights(source, info)
     model = model.to(dev).eval()
@@ -179,7 +180,7 @@ def load_causal_lm(source: str, *, dtype: str = "auto", device: str = "auto", to
     tok = None
     if tokenizer:
         with _not_loadable_as_invalid(source, "a tokenizer", "a model directory with its tokenizer files",
-                                      cached=_cached_copy(source, location, gguf)):
+                                      cached=cached):
             tok = AutoTokenizer.from_pretrained(location, **gguf)
     loaded_from = location if not gguf else str(Path(location) / gguf["gguf_file"])
     return LoadedModel(model=model, tokenizer=tok, source=loaded_from)

@@ -94,7 +94,7 @@ class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
     def _wrap(self, handler, method: str):
         if handler is None:
             return None
-        service = method.lstrip("/").rpartition("/")[0]  # "/mirrorspec.v1.Generation/Generate"
+        service = method.lstrip("/").rpartition("/")[0]  # "/mirrorspec.v1.GenerationService/Generate"
         parse = _parsing(handler.request_deserializer, method, self._refused.get(service))
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
