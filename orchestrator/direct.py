@@ -203,10 +203,9 @@ def _run(remote: RemoteDrafter, verifier: RemoteVerifier, context: list[int], pa
             if finish:
                 return True
             if not verifier.pool.is_member(target):  # drained: a run held its session to the request's end
-                log.info("target replica %s left the pool; moving its session", target.address)
                 call.cancel()
                 drafts.may_hold_more = True  # the target may have asked it for the next window's drafts
-                verifier.move(context)
+                verifier.move_if_drained(context)
                 return False
         raise StreamStatus(grpc.StatusCode.UNAVAILABLE, "the target ended its window run unfinished")
     except grpc.RpcError as err:

@@ -174,9 +174,7 @@ class PooledSession:
         else:
             window_timeout_s = self.window_timeout_s
         for _ in range(self.max_moves_per_call):
-            if not self.pool.is_member(self.replica):
-                log.info("%s replica %s left the pool; moving its session", self.pool.name, self.replica.address)
-                self.move(context)
+            self.move_if_drained(context)
             try:
                 keep = common_prefix_length(self.held, context)
                 commit = list(context[keep:])
@@ -230,6 +228,12 @@ class PooledSession:
         if self._stream is not None:
             self._stream.close()
         self._stream = None
+
+    def move_if_drained(self, context: Sequence[int]) -> None:
+        """Moves the session where its replica left the pool (drained, or scaled away)."""
+        if not self.pool.is_member(self.replica):
+            log.info("%s replica %s left the pool; moving its session", self.pool.name, self.replica.address)
+            self.move(context)
 
     def move(self, context: Sequence[int]) -> None:
         self.let_go()
