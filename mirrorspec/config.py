@@ -346,7 +346,8 @@ def check_shared_vocabulary(draft_vocab: int, target_vocab: int, field: str = "d
     why = (f"is larger than the target's ({target_vocab}): it could propose ids the target does not have"
            if draft_vocab > target_vocab else
            f"differs from the target's ({target_vocab}), and their tokenizers are not known to be one (a draft with "
-           f"a narrower table needs tokenizer files beside both models that map every token to the same id)")
+           f"a narrower table needs tokenizer files beside both models that map every token to the same id, each id "
+           f"inside the draft's {draft_vocab} rows)")
     raise InvalidRequest(f"the draft's vocabulary ({draft_vocab} ids) {why}; a draft model must share the target's "
                          f"tokenizer (the demo target's is demo-draft), "
                          f"or draft with prompt lookup (ngram)", field=field)

@@ -11,19 +11,18 @@ from mirrorspec.config import (DRAFT_MODEL_STEP_COST, INT8_DRAFT_MODEL_STEP_COST
                                check_draft_confidence)
 from mirrorspec.drafting.base import Drafter, Proposal, RankedTokens, fork_points_or_end
 from mirrorspec.models.demo_draft import shipped_vocabulary
-from mirrorspec.models.loading import draft_weights, read_config
+from mirrorspec.models.loading import DRAFT_VOCAB_KEY, check_sub_vocabulary, draft_weights, read_config
 from mirrorspec.models.quantize import is_quantized
 from mirrorspec.models.session import KVSession, LogitSession
 from mirrorspec.sampling import ProposalRows, Stream, proposal_distribution, sample_proposal, uniforms
 
 
-# Key in a draft's config.json listing the vocabulary ids it proposes from (its sub-vocabulary).
-DRAFT_VOCAB_KEY = "mirrorspec_draft_vocab"
-
-
 def _config_vocabulary(config) -> torch.Tensor | None:
     ids = getattr(config, DRAFT_VOCAB_KEY, None)
-    return None if ids is None else torch.tensor(ids, dtype=torch.int64)
+    if ids is None:
+        return None
+    check_sub_vocabulary(config)  # one set on a loaded model's config, as tests and callers may
+    return torch.tensor(ids, dtype=torch.int64)
 
 
 def draft_vocabulary(model: torch.nn.Module) -> torch.Tensor | None:

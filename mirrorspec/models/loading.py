@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 DEMO_TARGET = "demo-target"
 DEMO_DRAFT = "demo-draft"  # the draft mirrorspec distils from the demo target (mirrorspec demo)
+# Key in a draft's config.json listing the vocabulary ids it proposes from (its sub-vocabulary).
+DRAFT_VOCAB_KEY = "mirrorspec_draft_vocab"
 
 
 @dataclass
@@ -210,7 +212,35 @@ def check_models(target: str, draft: str | None) -> None:
 
 def _read_config(source: str, location: str, gguf: dict) -> PretrainedConfig:
     with _not_loadable_as_invalid(source, cached=_cached_copy(source, location, gguf)):
-        return AutoConfig.from_pretrained(location, **gguf)
+        config = AutoConfig.from_pretrained(location, **gguf)
+    check_sub_vocabulary(config, source)
+    return config
+
+
+def check_sub_vocabulary(config: PretrainedConfig, source: str | None = None) -> None:
+    """A hand-edited sub-vocabulary failed deep inside a forward (an id past the head's rows, an
+    empty list), went negative into Python's wrap-around, or was truncated from floats; served, each
+    session's open failed as INTERNAL while requests quietly ran target-only (review 27 of stop 49).
+    Checked wherever a config is read, so a launcher refuses it before anything starts."""
+    ids, vocab_size = getattr(config, DRAFT_VOCAB_KEY, None), getattr(config, "vocab_size", None)
+    if ids is None:
+        return
+
+    def refuse(why: str) -> InvalidRequest:
+        return InvalidRequest(f"{source or config.name_or_path or 'the draft'}'s config.json has a {DRAFT_VOCAB_KEY} "
+                              f"that {why}; it must list the distinct token ids the draft proposes from, each in [0, "
+                              f"{vocab_size or 'vocab_size'}), or be left out (the whole vocabulary)", field="model")
+
+    if not isinstance(ids, (list, tuple)):
+        raise refuse(f"is a {type(ids).__name__}, not a list")
+    if not ids:
+        raise refuse("is empty")
+    if not_ids := [i for i in ids if not isinstance(i, int) or isinstance(i, bool)]:
+        raise refuse(f"holds {not_ids[0]!r}, not a token id")
+    if outside := [i for i in ids if i < 0 or (vocab_size is not None and i >= vocab_size)]:
+        raise refuse(f"holds {outside[0]}, outside the draft's {vocab_size}-token vocabulary")
+    if len(set(ids)) != len(ids):
+        raise refuse(f"lists {next(i for i in ids if ids.count(i) > 1)} twice")
 
 
 def check_loaded_weights(source: str, info: dict) -> None:

@@ -41,3 +41,20 @@ def test_the_other_services_name_a_bad_setting_before_they_start(service, args, 
     out = subprocess.run([sys.executable, "-m", service, *args], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert f"error: {flag}" in out.stderr and needle in out.stderr
+
+
+def test_a_draft_with_a_malformed_sub_vocabulary_is_refused_before_the_server_starts(tmp_path):
+    """It used to serve, and fail every session's open as INTERNAL (review 27 of stop 49)."""
+    import json
+
+    import support
+    from mirrorspec.models.loading import DRAFT_VOCAB_KEY
+
+    draft = support.save_tiny_llama(tmp_path / "draft", seed=1)
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**config, DRAFT_VOCAB_KEY: [1, 3, 20]}))
+    out = subprocess.run([sys.executable, "-m", "drafter_service", "--strategy", "draft-model", "--model", str(draft),
+                          "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert f"error: --model: {draft}'s config.json has a {DRAFT_VOCAB_KEY} that holds 20" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -121,6 +121,40 @@ def test_weights_a_config_asks_for_and_the_checkpoint_lacks_are_refused_not_left
     assert "tensors its config.json does not use (e.g. model.layers.1" in caplog.text
 
 
+@pytest.mark.parametrize("ids, needle", [
+    ([1, 3, 20], "holds 20, outside the draft's 8-token vocabulary"),  # IndexError in a forward before
+    ([-1, 2, 3], "holds -1, outside"),  # proposed id -1: an embedding IndexError
+    ([], "is empty"),  # a oneDNN primitive descriptor error
+    ("abc", "is a str, not a list"),
+    ([1.5, 2], "holds 1.5, not a token id"),  # silently truncated to [1, 2]
+    ([True, 2], "holds True, not a token id"),
+    ([3, 3, 5], "lists 3 twice"),
+])
+def test_a_malformed_sub_vocabulary_is_refused_where_the_config_is_read(tmp_path, ids, needle):
+    """A draft's hand-edited ``mirrorspec_draft_vocab`` crashed inside its first forward, and served,
+    every session's open failed as INTERNAL while requests quietly ran target-only (review 27 of
+    stop 49). It is refused when its config is read: by ``check_models`` before a launcher starts
+    anything (naming --draft), and by every load."""
+    import json
+
+    from mirrorspec.models.loading import DRAFT_VOCAB_KEY, check_models
+
+    target = support.save_tiny_llama(tmp_path / "target", seed=0)
+    draft = support.save_tiny_llama(tmp_path / "draft", seed=1)
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**config, DRAFT_VOCAB_KEY: ids}))
+    with pytest.raises(InvalidRequest, match=f"{draft}'s config.json has a {DRAFT_VOCAB_KEY} that "
+                                             f"{needle}.*each in \\[0, 8\\)") as err:
+        check_models(str(target), str(draft))
+    assert err.value.field == "draft"
+    with pytest.raises(InvalidRequest, match=needle.replace("(", r"\(")) as err:
+        load_causal_lm(str(draft), device="cpu", tokenizer=False)
+    assert err.value.field == "model"
+    (draft / "config.json").write_text(json.dumps({**config, DRAFT_VOCAB_KEY: [1, 3, 7]}))
+    check_models(str(target), str(draft))  # a well-formed one loads
+    assert load_causal_lm(str(draft), device="cpu", tokenizer=False).model.config.mirrorspec_draft_vocab == [1, 3, 7]
+
+
 def test_a_model_without_a_tokenizer_is_named_when_one_is_asked_for(tmp_path):
     tiny = support.save_tiny_llama(tmp_path / "tiny", seed=0)
     assert load_causal_lm(str(tiny), device="cpu", tokenizer=False).tokenizer is None
