@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import ray
 
+from ray.exceptions import ActorAlreadyExistsError
 from ray.experimental import internal_kv
 
 from cluster.controller import Controller, checkpoint_key, named_actor, own_error, stop_replicas_by_name
@@ -52,18 +53,18 @@ def _check_reachable(address: str) -> None:
 
 def deploy(spec: StackSpec, timeout_s: float = 600.0):
     """Start the detached controller and wait for its front door; returns (controller, address)."""
-    try:
-        ray.get_actor(spec.controller_name, namespace=CONTROLLER_NAMESPACE)
-    except ValueError:
-        pass
-    else:
-        raise InvalidRequest(f"a deployment named {spec.name!r} already runs on this cluster; scale it with "
-                             f"`mirrorspec scale`, or pick another --name", field="name")
+    taken = InvalidRequest(f"a deployment named {spec.name!r} already runs on this cluster; scale it with "
+                           f"`mirrorspec scale`, or pick another --name", field="name")
+    if deployed(spec.name):
+        raise taken
     # restarted by Ray if its process dies, with the calls it was running retried (each is safe to
     # repeat); the new one adopts the replicas from its checkpoint (controller.py)
-    controller = ray.remote(Controller).options(
-        name=spec.controller_name, namespace=CONTROLLER_NAMESPACE, lifetime="detached", num_cpus=0,
-        max_concurrency=32, max_restarts=-1, max_task_retries=-1).remote(spec)
+    try:
+        controller = ray.remote(Controller).options(
+            name=spec.controller_name, namespace=CONTROLLER_NAMESPACE, lifetime="detached", num_cpus=0,
+            max_concurrency=32, max_restarts=-1, max_task_retries=-1).remote(spec)
+    except ActorAlreadyExistsError:  # a serve of the same name started between the check and here
+        raise taken from None
     node = ray.get_runtime_context().get_node_id()
     try:
         address = ray.get(controller.start.remote(node, timeout_s))

@@ -21,14 +21,30 @@ def local_ray_file(name: str) -> Path:
 @contextlib.contextmanager
 def announced_local_ray(name: str, gcs_address: str):
     """Announce this process's local Ray under the deployment's name while it runs, with the
-    authentication mode ``ray.init`` chose for it (it sets RAY_AUTH_MODE when it turns tokens on)."""
+    authentication mode ``ray.init`` chose for it (it sets RAY_AUTH_MODE when it turns tokens on).
+    Taken back only while it is still this one's, not another serve's of the same name."""
     path = local_ray_file(name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"address": gcs_address, "auth_mode": os.environ.get("RAY_AUTH_MODE")}))
+    mine = json.dumps({"address": gcs_address, "auth_mode": os.environ.get("RAY_AUTH_MODE")})
+    path.write_text(mine)
     try:
         yield
     finally:
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            if path.read_text() == mine:
+                path.unlink()
+
+
+def check_name_free(name: str) -> None:
+    """A second local-Ray `serve` of a name a running one announced took the announcement over:
+    `stop --name` then reached the second, and once it was gone `status` reached whichever Ray Ray's
+    ``auto`` found, while the first served on unreachable by name (review 28 of stop 49)."""
+    from mirrorspec.config import InvalidRequest
+
+    if (announced := _announced(name)) is not None:
+        raise InvalidRequest(f"a deployment named {name!r} already runs on a local Ray on this machine (its Ray at "
+                             f"{announced['address']}); stop it first (`mirrorspec stop --name {name}`), or pick "
+                             "another --name", field="name")
 
 
 def use_announced_ray(address: str, name: str) -> str:
@@ -36,17 +52,27 @@ def use_announced_ray(address: str, name: str) -> str:
     point Ray's ``auto`` at that one (RAY_ADDRESS) with its authentication mode: Ray takes up the
     machine's token for a cluster it finds itself, but for a given address only where
     RAY_AUTH_MODE says so before Ray is imported."""
-    path = local_ray_file(name)
-    if address != "auto" or not path.exists():
-        return address
-    announced = json.loads(path.read_text())
-    if not _answers(announced["address"]):  # its serve was killed before it could take this back
-        path.unlink(missing_ok=True)
+    if address != "auto" or (announced := _announced(name)) is None:
         return address
     os.environ["RAY_ADDRESS"] = announced["address"]
     if announced["auth_mode"]:
         os.environ.setdefault("RAY_AUTH_MODE", announced["auth_mode"])
     return address
+
+
+def _announced(name: str) -> dict | None:
+    """What a running serve announced under ``name``; None where none did, or where its serve was
+    killed before it could take the announcement back (then removed: its Ray no longer answers)."""
+    path = local_ray_file(name)
+    try:
+        announced = json.loads(path.read_text())
+        address = announced["address"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not _answers(address):
+        path.unlink(missing_ok=True)
+        return None
+    return announced
 
 
 def _answers(address: str) -> bool:

@@ -669,12 +669,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.num_cpus is not None and args.num_cpus < 1:
         raise InvalidRequest(f"must be >= 1 (or left out for this machine's), got {args.num_cpus}", field="num_cpus")
     spec = _stack_spec(args, target_gpus=0.0)  # validates counts before Ray starts
+    from cluster.local_ray import check_name_free
     from mirrorspec.models.loading import parse_device, resolve_device
 
     # a local Ray's replicas see this machine's devices; a cluster's GPU nodes may not be up yet
     (resolve_device if args.address is None else parse_device)(args.device)
     if args.address is None:
         check_local_ray_fits(args, spec)
+        check_name_free(args.name)
     import ray
 
     from cluster.deploy import connect, deploy

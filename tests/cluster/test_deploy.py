@@ -38,6 +38,73 @@ def test_serve_starts_a_local_ray_of_its_own_where_another_is_announced_and_stat
         ray.shutdown()
 
 
+def test_a_second_local_serve_of_a_running_name_is_refused_and_takes_no_announcement_over(monkeypatch, tmp_path):
+    """Two local-Ray serves of one --name both started: the second wrote over the first's
+    announcement, and its exit removed it, so `status` and `stop` reached different Rays while the
+    first served on, unreachable by name (review 28 of stop 49)."""
+    import json
+
+    from cluster.local_ray import check_name_free
+    from mirrorspec.config import InvalidRequest
+
+    monkeypatch.setenv("MIRRORSPEC_CACHE", str(tmp_path))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    connect(num_cpus=1)
+    try:
+        gcs = ray.get_runtime_context().gcs_address
+        check_name_free("mine")
+        with announced_local_ray("mine", gcs):
+            with pytest.raises(InvalidRequest, match=f"a deployment named 'mine' already runs on a local Ray on this "
+                                                     f"machine \\(its Ray at {gcs}\\); stop it first") as err:
+                check_name_free("mine")
+            assert err.value.field == "name"
+            check_name_free("theirs")
+            theirs = json.dumps({"address": "127.0.0.1:9", "auth_mode": None})
+            local_ray_file("mine").write_text(theirs)  # another serve's, written meanwhile
+        assert local_ray_file("mine").read_text() == theirs  # left to the serve that wrote it
+        local_ray_file("mine").write_text("{not json")  # damaged: nothing announced
+        check_name_free("mine")
+        local_ray_file("mine").write_text(json.dumps({"address": gcs, "auth_mode": None}))
+    finally:
+        ray.shutdown()
+    check_name_free("mine")  # its Ray gone (a serve killed before it took it back): free again
+    assert not local_ray_file("mine").exists()
+
+
+def test_a_serve_of_the_same_name_that_wins_the_race_leaves_the_other_a_name_error(monkeypatch):
+    """Two `serve --address auto --name same` started together: both found no controller, and the
+    loser's creation raised Ray's ActorAlreadyExistsError traceback (review 28 of stop 49)."""
+    from cluster.deploy import deploy
+    from cluster.spec import CONTROLLER_NAMESPACE, StackSpec
+    from mirrorspec.config import InvalidRequest
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+    @ray.remote(num_cpus=0)
+    class Winner:
+        pass
+
+    connect(num_cpus=1)
+    try:
+        winner = Winner.options(name="same-controller", namespace=CONTROLLER_NAMESPACE).remote()  # held: it lives
+        real_get_actor, looks = ray.get_actor, []
+
+        def not_there_at_first_look(*args, **kwargs):  # deploy's own look; Ray's, at creation, sees it
+            looks.append(args)
+            if len(looks) == 1:
+                raise ValueError("not yet")
+            return real_get_actor(*args, **kwargs)
+
+        monkeypatch.setattr(ray, "get_actor", not_there_at_first_look)
+        with pytest.raises(InvalidRequest, match="a deployment named 'same' already runs on this cluster") as err:
+            deploy(StackSpec(name="same"), timeout_s=30)
+        assert err.value.field == "name" and len(looks) == 2
+        monkeypatch.setattr(ray, "get_actor", real_get_actor)
+        assert ray.get_actor("same-controller", namespace=CONTROLLER_NAMESPACE)._actor_id == winner._actor_id
+    finally:
+        ray.shutdown()
+
+
 def test_two_teardowns_at_once_and_a_call_a_stop_overtakes_end_without_tracebacks(monkeypatch):
     """`mirrorspec stop` while `serve` got its own signal ran two teardowns at once, and the one
     whose controller the other killed raised ActorDiedError (serve exited 1); a `scale` that a stop
