@@ -1,4 +1,4 @@
-"""python -m drafter_service --strategy draft-model --model PATH --port 50062"""
+"""python -m drafter_service --model PATH --port 50062 (a draft model; without --model, n-gram prompt lookup)"""
 
 import argparse
 
@@ -11,8 +11,9 @@ from mirrorspec.serving.placement import add_placement_args, apply_placement
 from mirrorspec.serving.server import run_until_terminated
 
 parser = argparse.ArgumentParser(prog="python -m drafter_service")
-parser.add_argument("--strategy", default="ngram", choices=["ngram", "draft-model"])
-parser.add_argument("--model", default=None, help="draft model path or hub id (strategy draft-model)")
+parser.add_argument("--strategy", default=None, choices=["ngram", "draft-model"],
+                    help="default: draft-model where --model names one, else ngram")
+parser.add_argument("--model", default=None, help="draft model path or hub id (strategy draft-model), e.g. demo-draft")
 parser.add_argument("--host", default="127.0.0.1")
 parser.add_argument("--port", type=int, default=0)
 parser.add_argument("--dtype", default="auto")
@@ -33,6 +34,10 @@ parser.add_argument("--quantize", default=DEFAULT_DRAFT_QUANTIZE, choices=QUANTI
 add_placement_args(parser)
 args = parser.parse_args()
 apply_placement(parser, args)
+if args.strategy == "ngram" and args.model:  # it served n-gram drafts, the model silently unused (review 26)
+    parser.error(f"--model: strategy ngram drafts by prompt lookup and uses no model; drop --model {args.model}, "
+                 "or leave out --strategy (a --model implies draft-model)")
+args.strategy = args.strategy or ("draft-model" if args.model else "ngram")
 try:
     config = DrafterConfig(strategy=args.strategy, model=args.model, host=args.host, port=args.port, dtype=args.dtype,
                            device=args.device, max_sessions=args.max_sessions, proposal_top_k=args.proposal_top_k,

@@ -15,6 +15,9 @@ import pytest
     (["--strategy", "draft-model", "--model", "x", "--proposal-top-k", "-1"], "--proposal-top-k", ">= 0"),
     (["--max-sessions", "0"], "--max-sessions", ">= 1"),  # a replica that refused every session before
     (["--port", "70000"], "--port", "[0, 65535]"),  # it hung before
+    # it served n-gram drafts, the model silently unused (review 26 of stop 49)
+    (["--strategy", "ngram", "--model", "demo-draft"], "--model", "strategy ngram drafts by prompt lookup and uses "
+                                                                  "no model"),
 ])
 def test_bad_settings_name_their_flag(args, flag, needle):
     out = subprocess.run([sys.executable, "-m", "drafter_service", *args], capture_output=True, text=True, timeout=120)
@@ -22,7 +25,9 @@ def test_bad_settings_name_their_flag(args, flag, needle):
     assert f"error: {flag}" in out.stderr and needle in out.stderr
 
 
-@pytest.mark.parametrize("service, args", [("drafter_service", ["--strategy", "draft-model"]), ("target_service", [])])
+@pytest.mark.parametrize("service, args", [("drafter_service", ["--strategy", "draft-model"]),
+                                           ("drafter_service", []),  # a --model implies the draft-model strategy
+                                           ("target_service", [])])
 def test_a_model_that_does_not_load_names_model_and_exits_2(service, args, tmp_path):
     out = subprocess.run([sys.executable, "-m", service, *args, "--model", str(tmp_path)], capture_output=True,
                          text=True, timeout=120)
