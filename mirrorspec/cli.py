@@ -13,6 +13,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -927,18 +928,43 @@ def cmd_scale(args: argparse.Namespace) -> int:
     local = join_deployment_ray(args)
     from cluster.deploy import ask_controller
 
-    rows = ask_controller(args.name, lambda controller: controller.scale.remote(args.pool, args.replicas, args.wait))
+    if local:
+        rows = _scaled_on_local_ray(args.name, args.pool, args.replicas, args.wait)
+    else:
+        rows = ask_controller(args.name, lambda controller: controller.scale.remote(args.pool, args.replicas,
+                                                                                    args.wait))
     print(format_status(rows))
     mine = [r for r in rows if r["pool"] == args.pool]
     serving, pending = (sum(r["state"] == state for r in mine) for state in ("serving", "pending"))
     if serving != args.replicas:
-        why = "the rest wait for resources (see `ray status`)"
+        when, why = f" after {args.wait:g} s", "the rest wait for resources (see `ray status`)"
         if local and pending:  # no autoscaler will ever add the node they wait for
-            why = (f"{pending} cannot be placed: a local Ray has no autoscaler, and its CPUs are taken; scale "
-                   f"down again, or serve with more --num-cpus or less --replica-cpus")
-        print(f"mirrorspec scale: {serving} of {args.replicas} {args.pool} replicas serve after {args.wait:g} s; "
-              f"{why}", file=sys.stderr)
+            when, why = "", (f"{pending} cannot be placed: a local Ray has no autoscaler, and its CPUs are taken; "
+                             f"scale down again, or serve with more --num-cpus or less --replica-cpus")
+        print(f"mirrorspec scale: {serving} of {args.replicas} {args.pool} replicas serve{when}; {why}",
+              file=sys.stderr)
     return 0
+
+
+def _scaled_on_local_ray(name: str, pool: str, replicas: int, wait_s: float, settle_s: float = 3.0) -> list[dict]:
+    """A local Ray has no autoscaler: once a pool's only replicas not serving are ones Ray could not
+    place (for ``settle_s``, as a new one is placed in a moment), no wait makes them serve. `scale`
+    stood silent for all of --wait (300 s) before saying so (review 26 of stop 49)."""
+    from cluster.deploy import ask_controller
+
+    rows = ask_controller(name, lambda controller: controller.scale.remote(pool, replicas, 0))
+    deadline, unplaced_since = time.monotonic() + wait_s, None
+    while time.monotonic() < deadline:
+        states = [r["state"] for r in rows if r["pool"] == pool]
+        if states.count("serving") >= replicas:
+            break
+        unplaced = "pending" in states and "starting" not in states
+        unplaced_since = (unplaced_since or time.monotonic()) if unplaced else None
+        if unplaced_since is not None and time.monotonic() - unplaced_since >= settle_s:
+            break
+        time.sleep(min(1.0, max(deadline - time.monotonic(), 0)))
+        rows = ask_controller(name, lambda controller: controller.status.remote())
+    return rows
 
 
 def cmd_status(args: argparse.Namespace) -> int:

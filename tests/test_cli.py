@@ -401,7 +401,14 @@ def test_serve_on_local_ray_then_generate_scale_and_status():
         assert sorted(r["pool"] for r in rows if r["state"] == "serving") == ["drafter", "drafter", "orchestrator",
                                                                              "target"]
         assert next(r for r in rows if r["pool"] == "orchestrator")["requests"] == 2
-        assert run_cli("scale", "drafter", "1").stdout.count("drafter-") == 1
+        # past the local Ray's CPUs (this machine's, 0.5 a replica): no autoscaler will place the
+        # rest, and scale says so and how to get out, rather than "wait for resources" forever
+        beyond = str(2 * len(os.sched_getaffinity(0)) + 2)
+        over = run_cli("scale", "drafter", beyond, timeout=150)  # not after all of --wait's 300 s
+        assert over.returncode == 0, over.stderr
+        assert "cannot be placed: a local Ray has no autoscaler" in over.stderr
+        assert "--num-cpus" in over.stderr and "--replica-cpus" in over.stderr
+        assert run_cli("scale", "drafter", "1").stdout.count("drafter-") == 1  # the unplaced ones go too
         again = json.loads(run_cli("generate", prompt, "--server", "127.0.0.1:50593", "--max-tokens", "24",
                                    "--json", "--mirror").stdout)  # mirror, steered by the target's hints
         assert again["token_ids"] == local["token_ids"] and again["stats"]["mirror_windows"] > 0
