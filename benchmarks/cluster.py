@@ -95,13 +95,15 @@ def scale_event_cost(controller, address: str, prompts: list[str], max_tokens: i
     runner.start()
     time.sleep(15)  # steady state before, between and after the events
     events = []
-    for replicas in (2, 1):
-        started = time.perf_counter()
-        ray.get(controller.scale.remote(pool, replicas, 300))
-        events.append((started, time.perf_counter()))
-        time.sleep(15)
-    stop.set()
-    runner.join()
+    try:
+        for replicas in (2, 1):
+            started = time.perf_counter()
+            scaled_to(controller, pool, replicas, 300)
+            events.append((started, time.perf_counter()))
+            time.sleep(15)
+    finally:
+        stop.set()
+        runner.join()
     records = [r for r in box["r"] if r["error"] is None]
     overlapped = [r for r in records if any(r["start"] < end and r["end"] > start for start, end in events)]
     steady = [r for r in records if r not in overlapped]
@@ -110,6 +112,15 @@ def scale_event_cost(controller, address: str, prompts: list[str], max_tokens: i
             "requests": len(box["r"]), "errors": len(box["r"]) - len(records),
             "overlapping_p50_s": latency(overlapped), "steady_p50_s": latency(steady),
             "overlapping_requests": len(overlapped)}
+
+
+def scaled_to(controller, pool: str, replicas: int, wait_s: float) -> None:
+    """Scale, and fail where the pool did not get there: a replica that never came up was timed as
+    the scale event's cost (review 26 of stop 49)."""
+    rows = ray.get(controller.scale.remote(pool, replicas, wait_s))
+    serving = sum(r["pool"] == pool and r["state"] == "serving" for r in rows)
+    if serving != replicas:
+        raise RuntimeError(f"the {pool} pool has {serving} of {replicas} replicas serving after {wait_s:g} s")
 
 
 def _seconds(value: float | None) -> str:
@@ -130,7 +141,7 @@ def main(argv=None) -> int:
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
     prompts = [p.text for pair in zip(load_prompts("mtbench", 8), load_prompts("humaneval", 8)) for p in pair]
 
-    most = max(d + t for d, t in shapes)
+    most = max(3, *(d + t for d, t in shapes))  # 3: the scale events grow 1x1 by one replica
     connect(num_cpus=most)
     spec = StackSpec(target=args.target, draft=args.draft, drafters=shapes[0][0], targets=shapes[0][1], port=0,
                      num_speculative_tokens=args.k)
@@ -139,8 +150,8 @@ def main(argv=None) -> int:
     try:
         run_streams(address, prompts, 1, 1, 8)  # warm-up
         for drafters, targets in shapes:
-            ray.get(controller.scale.remote("drafter", drafters, 600))
-            ray.get(controller.scale.remote("target", targets, 600))
+            scaled_to(controller, "drafter", drafters, 600)
+            scaled_to(controller, "target", targets, 600)
             for streams in args.streams:
                 per_stream = max(1, args.requests // streams)
                 result = summarize(f"{drafters}x{targets}", streams,
@@ -149,8 +160,8 @@ def main(argv=None) -> int:
                 print(f"{result.shape} streams={streams:2d}: {result.tokens_per_s:6.1f} tok/s, "
                       f"p50 {result.latency_p50_s:5.2f} s, p99 {result.latency_p99_s:5.2f} s, "
                       f"acceptance {result.acceptance_rate:.2f}, errors {result.errors}", flush=True)
-        ray.get(controller.scale.remote("drafter", 1, 600))
-        ray.get(controller.scale.remote("target", 1, 600))
+        scaled_to(controller, "drafter", 1, 600)
+        scaled_to(controller, "target", 1, 600)
         for pool in ("drafter", "target"):
             cost = scale_event_cost(controller, address, prompts, args.max_tokens, pool)
             scale_costs.append(cost)
@@ -159,7 +170,7 @@ def main(argv=None) -> int:
                   f"({cost['overlapping_requests']} requests) vs {_seconds(cost['steady_p50_s'])} steady; "
                   f"errors {cost['errors']} of {cost['requests']}", flush=True)
     finally:
-        teardown(controller)
+        teardown(controller, spec.name)
     base = {r.streams: r.tokens_per_s for r in results if r.shape == f"{shapes[0][0]}x{shapes[0][1]}"}
     print("\nshape   streams  tok/s  vs first shape")
     for r in results:
