@@ -232,3 +232,27 @@ def noisy_copy(model: torch.nn.Module) -> torch.nn.Module:
         for weight in draft.parameters():
             weight.add_(torch.randn(weight.shape, generator=generator).to(weight.device) * 0.5 * weight.std())
     return draft
+
+
+def start_follower(source: str, init: str, **kwargs):
+    """Rank 1 of a tp=2 group in a spawned process, started once its imports are done: a spawned
+    interpreter takes ~6 s to import torch and transformers on the 2-core VM, past a 4 s group
+    timeout's rendezvous, so the group failed to form before the test began (stop 49)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    follower = context.Process(target=_follow_once_imported, args=(ready, source, 1, 2, init), kwargs=kwargs,
+                               daemon=True)
+    follower.start()
+    if not ready.wait(300):
+        follower.kill()
+        raise RuntimeError("the follower process did not start within 300 s")
+    return follower
+
+
+def _follow_once_imported(ready, *args, **kwargs) -> None:
+    from mirrorspec.models import tensor_parallel
+
+    ready.set()
+    tensor_parallel.run_follower(*args, **kwargs)

@@ -5,7 +5,6 @@ would. The model splits unevenly on purpose (3 KV groups, 17 vocabulary rows, 51
 2 ranks), like SmolLM2-135M's 9 query heads in 3 groups.
 """
 
-import multiprocessing
 import time
 
 import grpc
@@ -18,7 +17,7 @@ from mirrorspec import SamplingParams, generate
 from mirrorspec.drafting import DraftModelDrafter
 from mirrorspec.models import KVSession
 from mirrorspec.models import tensor_parallel as tp
-from support import MemoSession, chi_square_pvalue, exact_joint, free_port, load, noisy_copy
+from support import MemoSession, chi_square_pvalue, exact_joint, free_port, load, noisy_copy, start_follower
 
 PROMPT = [0, 3, 5, 2]
 
@@ -99,9 +98,7 @@ def test_an_idle_replica_keeps_its_followers_past_the_group_s_timeout(tmp_path):
     (Runs before the module's shared group starts: a process joins one group at a time.)"""
     source = str(save_uneven_llama(tmp_path / "target"))
     init = f"tcp://127.0.0.1:{free_port()}"
-    follower = multiprocessing.get_context("spawn").Process(target=tp.run_follower, args=(source, 1, 2, init),
-                                                             kwargs={"group_timeout_s": 4.0}, daemon=True)
-    follower.start()
+    follower = start_follower(source, init, group_timeout_s=4.0)
     try:
         driver = tp.ShardDriver(tp.load_shard(source, 0, 2, init, group_timeout_s=4.0).model, keepalive_s=0.25)
         time.sleep(8)
@@ -122,9 +119,7 @@ def sharded(tmp_path_factory):
     """(whole model, rank 0's ShardDriver) with rank 1 following in another process."""
     source = str(save_uneven_llama(tmp_path_factory.mktemp("tp") / "target"))
     init = f"tcp://127.0.0.1:{free_port()}"
-    follower = multiprocessing.get_context("spawn").Process(target=tp.run_follower, args=(source, 1, 2, init),
-                                                             daemon=True)
-    follower.start()
+    follower = start_follower(source, init)
     loaded = tp.load_shard(source, 0, 2, init)
     driver = tp.ShardDriver(loaded.model)
     yield load(source), driver
