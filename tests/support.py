@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import itertools
 import os
+import pickle
+import select
+import signal
 import socket
 import time
+import warnings
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -256,3 +260,68 @@ def _follow_once_imported(ready, *args, **kwargs) -> None:
 
     ready.set()
     tensor_parallel.run_follower(*args, **kwargs)
+
+
+def run_halves_in_two_processes(run: Callable[[int, int], list], first: int, count: int) -> list:
+    """``run(first, count)``, the per-index results of indices first .. first + count - 1, with the
+    second half computed by a forked child while this process computes the first.
+
+    The statistical tests draw each sample from its own seed, so a sample does not depend on which
+    process drew it, and the list is the one a single process would build. They are most of the
+    suite's time and single-threaded (one torch thread per process), so on CI's 2 cores this halves
+    them. The child inherits everything: models, memoised logits, monkeypatched planted bugs.
+
+    Forking a process that has run gRPC or Ray threads is safe only as long as the child touches
+    neither, and no lock a dead thread held: so the child exits with ``os._exit`` (no finalisers),
+    and if it fails, dies or outlasts a generous deadline, its half is computed here instead: a
+    result is never lost or changed, only slower."""
+    half = count // 2
+    if half == 0 or not hasattr(os, "fork"):
+        return run(first, count)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: compute the second half, send it, exit without cleanup
+        os.close(read_end)
+        code = 1
+        try:
+            torch.set_num_threads(1)
+            payload = pickle.dumps(run(first + half, count - half))
+            with os.fdopen(write_end, "wb") as pipe:
+                pipe.write(payload)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    started = time.monotonic()
+    try:
+        mine = run(first, half)
+        theirs = _read_child(read_end, pid, deadline=time.monotonic() + 60 + 4 * (time.monotonic() - started))
+    finally:
+        os.close(read_end)
+        _reap(pid)
+    if theirs is None:
+        warnings.warn(f"the forked half of samples {first + half}..{first + count - 1} came back empty: "
+                      "drawn here instead", RuntimeWarning)
+        theirs = run(first + half, count - half)
+    return mine + theirs
+
+
+def _read_child(read_end: int, pid: int, deadline: float) -> list | None:
+    """The child's pickled results, or None if it exits without them or the deadline passes."""
+    chunks = []
+    while (left := deadline - time.monotonic()) > 0:
+        if not select.select([read_end], [], [], left)[0]:
+            break
+        chunk = os.read(read_end, 1 << 20)
+        if not chunk:  # the child closed its end: whole payload, or nothing if it failed
+            return pickle.loads(b"".join(chunks)) if chunks else None
+        chunks.append(chunk)
+    return None
+
+
+def _reap(pid: int) -> None:
+    """Wait for the child, killing it first if it is still running (a deadline passed)."""
+    finished, _ = os.waitpid(pid, os.WNOHANG)
+    if not finished:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)

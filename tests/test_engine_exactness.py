@@ -9,6 +9,10 @@ Every configuration is also run with a planted bug, and the same test must rejec
 shows the test has the power to catch that class of error. A planted bug's samples are tested as
 they grow (2,500, 5,000, 10,000, 20,000), each look at a Bonferroni share of the threshold, so a
 bug that shows early is caught early.
+
+These tests are most of the suite's time, so each one's samples are drawn by two processes (the
+second half by a forked child, ``support.run_halves_in_two_processes``): the same samples, since
+each has its own seed, in half the time on CI's two cores.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import mirrorspec.drafting.hybrid as hybrid_module
 from mirrorspec.drafting import DraftModelDrafter, Drafter, HybridDrafter, NgramDrafter, Proposal
 from mirrorspec.models import KVSession
 from mirrorspec.sampling import ProposalRows
-from support import MemoSession, chi_square_pvalue, exact_joint
+from support import MemoSession, chi_square_pvalue, exact_joint, run_halves_in_two_processes
 
 SAMPLES = 20_000
 DEPTH = 3
@@ -196,12 +200,16 @@ def sample_first_tokens(target, drafter: Drafter, case: Case, samples: int = SAM
     # max_new_tokens = K + 1 lets the first window draft a full K (the loop caps K at remaining - 1)
     params = SamplingParams(temperature=case.temperature, top_k=case.top_k, top_p=case.top_p,
                             max_new_tokens=max(case.k + 1, DEPTH))
-    out, runner_up_hits = [], 0
-    for seed in range(first_seed, first_seed + samples):
-        result = generate(target, drafter, case.prompt, params, num_speculative_tokens=case.k, seed=seed,
-                          adaptive=case.adaptive, mirror=case.mirror, runner_up=case.runner_up)
-        out.append(tuple(result.token_ids[:DEPTH]))
-        runner_up_hits += result.stats.runner_up_hits
+
+    def draw(first: int, count: int) -> list[tuple[tuple[int, ...], int]]:
+        """(first DEPTH tokens, runner-up wins) of the generations seeded first .. first + count - 1"""
+        results = (generate(target, drafter, case.prompt, params, num_speculative_tokens=case.k, seed=seed,
+                            adaptive=case.adaptive, mirror=case.mirror, runner_up=case.runner_up)
+                   for seed in range(first, first + count))
+        return [(tuple(r.token_ids[:DEPTH]), r.stats.runner_up_hits) for r in results]
+
+    drawn = run_halves_in_two_processes(draw, first_seed, samples)
+    out, runner_up_hits = [tokens for tokens, _ in drawn], sum(hits for _, hits in drawn)
     if check_wins:
         assert runner_up_hits > samples // 100 if case.runner_up else runner_up_hits == 0  # runner-ups really won
     return out
