@@ -939,7 +939,7 @@ def test_sampled_output_through_the_network_follows_the_exact_distribution(tiny_
     60 ms a request on CI: 3,000 made these three 10 of the suite's minutes). What it is here for,
     a q or a coin mangled on the way, shows far sooner: on this case in process, 1,500 samples
     reject a q that is not the one drafted from at p = 0 and a residual of p at p = 1e-40. The
-    fine-grained proofs are the in-process ones (test_engine_exactness.py, 20,000 samples)."""
+    fine-grained proofs are the in-process ones (test_engine_exactness.py, 10,000 samples)."""
     s = start_stack(tiny_dir["target"], tiny_dir["draft"], proposal_top_k=3, k=3, windows_on_target=windows_on_target,
                     mirror=MirrorConfig() if mirror else None)
     try:
