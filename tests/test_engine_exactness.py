@@ -12,7 +12,7 @@ bug that shows early is caught early.
 
 These tests are most of the suite's time, so each one's samples are drawn by two processes (the
 second half by a forked child, ``support.run_halves_in_two_processes``): the same samples, since
-each has its own seed, in half the time on CI's two cores.
+each has its own seed, in little more than half the time on CI's two cores.
 """
 
 from __future__ import annotations
