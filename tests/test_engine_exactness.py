@@ -211,7 +211,9 @@ def sample_first_tokens(target, drafter: Drafter, case: Case, samples: int = SAM
     drawn = run_halves_in_two_processes(draw, first_seed, samples)
     out, runner_up_hits = [tokens for tokens, _ in drawn], sum(hits for _, hits in drawn)
     if check_wins:
-        assert runner_up_hits > samples // 100 if case.runner_up else runner_up_hits == 0  # runner-ups really won
+        # runner-ups really won: in 0.5% of samples at least (the near-draft16 case's win in ~1%: 94 of its
+        # first 10,000, which a 1% floor failed when the samples went from 20,000 to 10,000)
+        assert runner_up_hits > samples // 200 if case.runner_up else runner_up_hits == 0
     return out
 
 
