@@ -268,9 +268,9 @@ def run_halves_in_two_processes(run: Callable[[int, int], list], first: int, cou
 
     The statistical tests draw each sample from its own seed, so a sample does not depend on which
     process drew it, and the list is the one a single process would build. They were the largest
-    part of the suite's time, and are single-threaded (one torch thread per process), so on CI's 2 cores this nearly
-    halves them (1.85x over the planted-bug tests; less where each process computes many of the same
-    memo misses). The child inherits everything: models, memoised logits, monkeypatched planted bugs.
+    part of the suite's time, and are single-threaded (one torch thread per process), so on CI's 2
+    cores this nearly halves them (1.85x over the planted-bug tests; less where each process
+    computes many of the same memo misses). The child inherits everything: models, memoised logits, monkeypatched planted bugs.
 
     Forking a process that has run gRPC or Ray threads is safe only as long as the child touches
     neither, and no lock a dead thread held: so the child exits with ``os._exit`` (no finalisers),
@@ -296,7 +296,7 @@ def run_halves_in_two_processes(run: Callable[[int, int], list], first: int, cou
     started = time.monotonic()
     try:
         mine = run(first, half)
-        theirs = _read_child(read_end, pid, deadline=time.monotonic() + 60 + 4 * (time.monotonic() - started))
+        theirs = _read_child(read_end, deadline=time.monotonic() + 60 + 4 * (time.monotonic() - started))
     finally:
         os.close(read_end)
         _reap(pid)
@@ -307,7 +307,7 @@ def run_halves_in_two_processes(run: Callable[[int, int], list], first: int, cou
     return mine + theirs
 
 
-def _read_child(read_end: int, pid: int, deadline: float) -> list | None:
+def _read_child(read_end: int, deadline: float) -> list | None:
     """The child's pickled results, or None if it exits without them or the deadline passes."""
     chunks = []
     while (left := deadline - time.monotonic()) > 0:
