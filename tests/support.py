@@ -270,7 +270,8 @@ def run_halves_in_two_processes(run: Callable[[int, int], list], first: int, cou
     process drew it, and the list is the one a single process would build. They were the largest
     part of the suite's time, and are single-threaded (one torch thread per process), so on CI's 2
     cores this nearly halves them (1.85x over the planted-bug tests; less where each process
-    computes many of the same memo misses). The child inherits everything: models, memoised logits, monkeypatched planted bugs.
+    computes many of the same memo misses). The child inherits everything: models, memoised logits,
+    monkeypatched planted bugs.
 
     Forking a process that has run gRPC or Ray threads is safe only as long as the child touches
     neither, and no lock a dead thread held: so the child exits with ``os._exit`` (no finalisers),

@@ -10,9 +10,9 @@ shows the test has the power to catch that class of error. A planted bug's sampl
 they grow (2,500, 5,000, 10,000), each look at a Bonferroni share of the threshold, so a
 bug that shows early is caught early.
 
-These tests are most of the suite's time, so each one's samples are drawn by two processes (the
-second half by a forked child, ``support.run_halves_in_two_processes``): the same samples, since
-each has its own seed, in little more than half the time on CI's two cores.
+These tests were the largest part of the suite's time, so each one's samples are drawn by two
+processes (the second half by a forked child, ``support.run_halves_in_two_processes``): the same
+samples, since each has its own seed, in little more than half the time on CI's two cores.
 """
 
 from __future__ import annotations
