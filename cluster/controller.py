@@ -113,6 +113,7 @@ class Controller:
         self._next_id = 1
         self._start_failures = {pool: StartFailures() for pool in POOLS}
         self._version = 0
+        self._front_routes = -1  # the membership version the front door routes by, as its last poll said
         self._front = None
         self._front_address: str | None = None
         self._stopped = threading.Event()
@@ -158,7 +159,8 @@ class Controller:
 
     def scale(self, pool: str, replicas: int, wait_s: float = 0.0) -> list[dict]:
         """Grow or shrink one pool. Returns once shrinking replicas are drained and stopped, and
-        after up to ``wait_s`` for new ones to serve (pending ones wait for the autoscaler)."""
+        after up to ``wait_s`` for new ones to serve and the front door to route to them (pending
+        ones wait for the autoscaler)."""
         check_replicas(check_pool(pool), replicas, "replicas")
         with self._changed:
             self._wanted[pool] = replicas
@@ -175,8 +177,10 @@ class Controller:
         self._reconcile()
         for victim in victims:
             self._drain_and_stop(victim)
+        deadline = time.monotonic() + wait_s
         with self._changed:
             self._changed.wait_for(lambda: self._count(pool, "serving") >= replicas, timeout=wait_s)
+            self._changed.wait_for(self._front_is_current, timeout=max(deadline - time.monotonic(), 0.0))
         return self.status()
 
     def drain(self, replica_id: str) -> list[dict]:
@@ -198,10 +202,21 @@ class Controller:
         return self.status()
 
     def membership(self, since_version: int = -1, wait_s: float = 0.0) -> tuple[int, dict[str, list[str]]]:
-        """The serving replicas' addresses; waits up to ``wait_s`` for a version newer than ``since_version``."""
+        """The serving replicas' addresses; waits up to ``wait_s`` for a version newer than
+        ``since_version``, the version the front door routes by: it polls again only once it has
+        applied the last answer, so each poll tells the controller how current its routing is."""
         with self._changed:
+            if since_version >= 0:
+                self._front_routes = since_version
+                self._changed.notify_all()
             self._changed.wait_for(lambda: self._version != since_version, timeout=wait_s)
             return self._version, self._members()
+
+    def _front_is_current(self) -> bool:
+        """Whether the front door routes by the current membership. A replica the controller calls
+        serving gets no request until it does: after a replacement or a scale-up that is a
+        long-poll round trip, which a request sent at once could beat (and go without drafts)."""
+        return self._front is None or self._front_routes == self._version
 
     def status(self) -> list[dict]:
         with self._changed:
@@ -220,7 +235,8 @@ class Controller:
             rows.append({"replica": "front-door", "pool": "orchestrator", "state": "serving" if front else "unreachable",
                          "address": self._front_address, "node": "-", "resources": "CPU 0",
                          "sessions": sum(front.get("load", {}).get("target", {}).values()) if front else None,
-                         "requests": front.get("requests"), "acceptance_rate": front.get("acceptance_rate")})
+                         "requests": front.get("requests"), "acceptance_rate": front.get("acceptance_rate"),
+                         "membership": "current" if front and self._front_is_current() else "updating"})
         return rows
 
     def shutdown(self) -> None:

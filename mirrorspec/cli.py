@@ -956,7 +956,7 @@ def _scaled_on_local_ray(name: str, pool: str, replicas: int, wait_s: float, set
     deadline, unplaced_since = time.monotonic() + wait_s, None
     while time.monotonic() < deadline:
         states = [r["state"] for r in rows if r["pool"] == pool]
-        if states.count("serving") >= replicas:
+        if states.count("serving") >= replicas and _front_door_routes_current_membership(rows):
             break
         unplaced = "pending" in states and "starting" not in states
         unplaced_since = (unplaced_since or time.monotonic()) if unplaced else None
@@ -965,6 +965,11 @@ def _scaled_on_local_ray(name: str, pool: str, replicas: int, wait_s: float, set
         time.sleep(min(1.0, max(deadline - time.monotonic(), 0)))
         rows = ask_controller(name, lambda controller: controller.status.remote())
     return rows
+
+
+def _front_door_routes_current_membership(rows: list[dict]) -> bool:
+    """Whether new replicas already get requests (a controller from before stop 51 does not say)."""
+    return all(r.get("membership", "current") == "current" for r in rows if r["pool"] == "orchestrator")
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from mirrorspec.cli import main
+from mirrorspec.cli import _front_door_routes_current_membership, main
 from mirrorspec.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_K, DEFAULT_K_CONFIDENT, default_k
 from mirrorspec.serving.server import health_status
 from support import save_tiny_llama
@@ -617,3 +617,10 @@ def test_in_process_takes_one_of_each_replica_as_typed(monkeypatch):
     monkeypatch.setattr(cli, "_serve_in_process", lambda args: 0)
     assert main(["serve", "--in-process", "--tp", "1", "--drafters", "1", "--targets", "1", "--port", "0",
                  "--metrics-port", "0"]) == 0
+
+
+def test_scale_on_a_local_ray_waits_for_the_front_door_to_route_to_the_new_replicas():
+    serving = [{"pool": "drafter", "state": "serving"}, {"pool": "target", "state": "serving"}]
+    assert not _front_door_routes_current_membership([*serving, {"pool": "orchestrator", "membership": "updating"}])
+    assert _front_door_routes_current_membership([*serving, {"pool": "orchestrator", "membership": "current"}])
+    assert _front_door_routes_current_membership([*serving, {"pool": "orchestrator"}])  # a controller before stop 51

@@ -53,6 +53,11 @@ def rows(controller, pool=None):
     return [r for r in ray.get(controller.status.remote()) if pool is None or r["pool"] == pool]
 
 
+def front_door_routes_current_membership(controller) -> bool:
+    (front,) = rows(controller, "orchestrator")
+    return front["membership"] == "current"
+
+
 def test_greedy_output_through_ray_actors_is_identical_to_target_only(deployment, reference):
     _, address = deployment
     with Client(address) as client:
@@ -71,6 +76,32 @@ def test_replicas_are_placed_on_their_pool_resource(deployment):
                       == ["pending"] + ["serving"] * DRAFTER_SLOTS, timeout=120, every=0.25)
     ray.get(controller.scale.remote("drafter", 1), timeout=300)
     assert [r["state"] for r in rows(controller, "drafter")] == ["serving"]
+
+
+def test_scaling_up_returns_once_the_front_door_routes_to_the_new_replica(deployment):
+    """``scale`` waited for the replica to serve, not for the front door's long poll to bring it
+    into routing: here that poll is held back 2 s, so a scale that returned early is seen."""
+    def hold_back_membership_updates(door) -> None:  # nested: pickled by value into the actor
+        pool = door.server.servicer.drafters
+        apply = pool.set_members
+
+        def late(addresses):
+            time.sleep(2.0)
+            apply(addresses)
+        pool.set_members = late
+
+    controller, _ = deployment
+    front = ray.get_actor("mirrorspec-front-door", namespace=CONTROLLER_NAMESPACE)
+    ray.get(front.__ray_call__.remote(hold_back_membership_updates), timeout=30)
+    try:
+        after = ray.get(controller.scale.remote("drafter", 2, 120), timeout=300)
+        serving = {r["address"] for r in after if r["pool"] == "drafter" and r["state"] == "serving"}
+        assert len(serving) == 2
+        assert [r["membership"] for r in after if r["pool"] == "orchestrator"] == ["current"]
+        assert set(ray.get(front.stats.remote(), timeout=30)["load"]["drafter"]) == serving
+    finally:
+        ray.get(front.__ray_call__.remote(lambda door: delattr(door.server.servicer.drafters, "set_members")))
+        ray.get(controller.scale.remote("drafter", 1), timeout=300)
 
 
 class Load:
@@ -154,6 +185,9 @@ def test_a_replica_whose_server_stopped_while_its_actor_lives_is_replaced(deploy
     ray.get(ray.get_actor(f"mirrorspec-{victim}-rank0", namespace=CONTROLLER_NAMESPACE).stop.remote(), timeout=30)
     assert wait_until(lambda: [r["state"] for r in rows(controller, "drafter")] == ["serving"]
                       and victim not in {r["replica"] for r in rows(controller, "drafter")}, timeout=120, every=0.25)
+    # the controller calls the replacement serving a long-poll round trip before the front door
+    # routes to it: a request sent in between went without drafts (CI of stop 50)
+    assert wait_until(lambda: front_door_routes_current_membership(controller), timeout=30, every=0.05)
     with Client(address) as client:
         completion = client.generate([3, 1, 4, 1, 5], max_tokens=40)
     assert completion.token_ids == reference([3, 1, 4, 1, 5], 40)
