@@ -26,10 +26,13 @@ name.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+if TYPE_CHECKING:  # transformers' modeling and masking code take seconds to import: only where a model loads
+    from transformers import PreTrainedModel
 
 IMPLEMENTATION = "mirrorspec_sdpa"
 
@@ -53,6 +56,8 @@ def masked_gqa_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 def additive_sdpa_mask(*args, dtype: torch.dtype = torch.float32, **kwargs) -> torch.Tensor | None:
     """``sdpa``'s mask (None wherever ``sdpa`` would go without one), made additive once per
     forward with the values SDPA itself gives a boolean mask: 0 where attended, -inf elsewhere."""
+    from transformers.masking_utils import sdpa_mask
+
     mask = sdpa_mask(*args, **kwargs)
     if mask is None or mask.dtype != torch.bool:
         return mask
@@ -73,6 +78,9 @@ def use_cpu_verify_attention(model: PreTrainedModel) -> bool:
     if (model.device.type != "cpu" or model.config._attn_implementation != "sdpa"
             or model.config.model_type not in SWITCHED_MODEL_TYPES):
         return False
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
     AttentionInterface.register(IMPLEMENTATION, masked_gqa_sdpa)  # idempotent: the same function each time
     AttentionMaskInterface.register(IMPLEMENTATION, additive_sdpa_mask)
     model.set_attn_implementation(IMPLEMENTATION)

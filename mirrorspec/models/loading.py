@@ -12,9 +12,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
-                          PreTrainedTokenizerBase)
+
+if TYPE_CHECKING:  # transformers' modeling code takes seconds to import: processes that load no
+    # model (the front door, the CLI's client commands) never do
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from mirrorspec.config import InvalidRequest, check_quantization, check_shared_vocabulary, check_text, field_named
 from mirrorspec.models.attention import use_cpu_verify_attention
@@ -171,6 +175,8 @@ def load_causal_lm(source: str, *, dtype: str = "auto", device: str = "auto", to
     stored = stored_dtype(config) if dtype == "auto" and dev.type == "cuda" else None
     # a GGUF file's config is rebuilt from its metadata while its weights load: pass only the file
     kwargs: dict = {"dtype": resolve_dtype(dtype, dev, stored), **(gguf or {"config": config})}
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     with _not_loadable_as_invalid(source, cached=cached):
         model, info = AutoModelForCausalLM.from_pretrained(location, output_loading_info=True, **kwargs)
     check_loaded_weights(source, info)
@@ -211,6 +217,8 @@ def check_models(target: str, draft: str | None) -> None:
 
 
 def _read_config(source: str, location: str, gguf: dict) -> PretrainedConfig:
+    from transformers import AutoConfig
+
     with _not_loadable_as_invalid(source, cached=_cached_copy(source, location, gguf)):
         config = AutoConfig.from_pretrained(location, **gguf)
     check_sub_vocabulary(config, source)
@@ -311,6 +319,8 @@ def try_load_tokenizer(source: str | None) -> PreTrainedTokenizerBase | None:
     """The tokenizer of a model source, if it has one (tiny test models have none)."""
     if not source:
         return None
+    from transformers import AutoTokenizer
+
     try:
         location, gguf = locate_model(source)
         return AutoTokenizer.from_pretrained(location, **gguf)

@@ -1,6 +1,9 @@
 """Which dtype a model computes in (``resolve_dtype``, ``stored_dtype``), and what a source that is
 not a model gets: ``InvalidRequest`` naming it, never a transformers traceback."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers import LlamaForCausalLM
@@ -208,3 +211,14 @@ def test_a_checkpoints_config_file_is_refused_naming_its_directory(tmp_path):
         with pytest.raises(InvalidRequest, match="is a file; pass the checkpoint directory") as err:
             call(str(config))
         assert err.value.field == "model"
+
+
+def test_processes_that_load_no_model_never_import_transformers_modeling_code():
+    """transformers' modeling code takes seconds to import (3.3 s on the CI VM): imported where a
+    model loads, not by every process that imports the package (the CLI's client commands, the
+    front door, the controller)."""
+    probe = ("import sys, mirrorspec.cli, mirrorspec.client, orchestrator.servicer, cluster.controller; "
+             "print(sorted(m for m in sys.modules if m in ('transformers.modeling_utils', 'transformers.masking_utils')))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
