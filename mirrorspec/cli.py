@@ -486,7 +486,7 @@ def speculation_summary(stats) -> str:
 def _generate_remote(args: argparse.Namespace) -> int:
     import grpc
 
-    from mirrorspec.client import Client, check_target
+    from mirrorspec.client import Client, NotAFrontDoor, check_target
 
     check_target(args.server, "server")
     options = dict(raw=args.raw, max_tokens=args.max_tokens or 0, temperature=args.temperature, top_k=args.top_k,
@@ -509,6 +509,8 @@ def _generate_remote(args: argparse.Namespace) -> int:
                 if chunk.finish_reason:
                     s = chunk.stats
                     print(f"\n[{chunk.finish_reason}; {speculation_summary(s)}, seed {chunk.seed}]", file=sys.stderr)
+    except NotAFrontDoor as err:  # the client names its own argument, ``address``
+        raise InvalidRequest(str(err), field="server") from None
     except grpc.RpcError as err:
         if err.code() == grpc.StatusCode.UNAVAILABLE:
             raise InvalidRequest(f"no mirrorspec server answers at {args.server}; start one with "
@@ -517,9 +519,6 @@ def _generate_remote(args: argparse.Namespace) -> int:
             raise InvalidRequest(f"{args.server} did not finish the request within {args.timeout:g} s (any output "
                                  f"above is its start) and it was cancelled, which frees its sessions on the server. "
                                  f"Raise --timeout, or lower --max-tokens", field="timeout") from None
-        if err.code() == grpc.StatusCode.UNIMPLEMENTED:
-            raise InvalidRequest(f"{args.server} answers gRPC but is not a mirrorspec front door (a drafter or "
-                                 f"target server?); pass the address `mirrorspec serve` printed", field="server") from None
         from mirrorspec.serving.errors import FIELD_METADATA
 
         field = dict(err.trailing_metadata() or ()).get(FIELD_METADATA)  # which setting, as the server names it

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from decimal import Decimal
 
@@ -186,24 +187,66 @@ def _completion(response: generation_pb2.GenerateResponse) -> Completion:
                       response.stats, response.prompt_tokens)
 
 
+class NotAFrontDoor(InvalidRequest):
+    """The server at the client's address answers gRPC, but not GenerationService: a drafter's or
+    a target's address given for the front door's. gRPC says only "Method not found!"."""
+
+    def __init__(self, address: str, details: str | None):
+        super().__init__(f"{address} answers gRPC but not as a mirrorspec front door ({details}): a drafter's or "
+                         f"target's address, or a front door too old for this call? Pass the address `mirrorspec "
+                         f"serve` printed", field="address")
+
+
+@contextmanager
+def _front_door_answers(address: str):
+    try:
+        yield
+    except grpc.RpcError as err:  # a sync call's error is a grpc.Call, an asyncio one's an AioRpcError: both have code()
+        if callable(getattr(err, "code", None)) and err.code() == grpc.StatusCode.UNIMPLEMENTED:
+            raise NotAFrontDoor(address, err.details()) from err
+        raise
+
+
+class _Stream:
+    """A GenerateStream call whose UNIMPLEMENTED answer is raised as ``NotAFrontDoor``; the rest
+    (``cancel()``, ``code()``, ...) is the call's own."""
+
+    def __init__(self, call, address: str):
+        self._call, self._address = call, address
+
+    def __iter__(self) -> _Stream:
+        return self
+
+    def __next__(self) -> generation_pb2.GenerateStreamResponse:
+        with _front_door_answers(self._address):
+            return next(self._call)
+
+    def __getattr__(self, name: str):
+        return getattr(self._call, name)
+
+
 class Client:
     """``timeout_s``: each call's deadline (None or infinity: none); ``keepalive_s``: ``keepalive_channel_options``."""
 
     def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float | None = None,
                  keepalive_s: float | None = DEFAULT_KEEPALIVE_S):
         self.timeout_s = check_timeout(timeout_s)
-        self.channel = grpc.insecure_channel(check_target(address),
+        self.address = check_target(address)
+        self.channel = grpc.insecure_channel(self.address,
                                              options=[*CHANNEL_OPTIONS, *keepalive_channel_options(keepalive_s)])
         self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
 
     def generate(self, prompt=None, **kwargs) -> Completion:
-        return _completion(self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s))
+        request = build_request(prompt, **kwargs)
+        with _front_door_answers(self.address):
+            return _completion(self.stub.Generate(request, timeout=self.timeout_s))
 
     def stream(self, prompt=None, **kwargs) -> Iterator[generation_pb2.GenerateStreamResponse]:
-        return self.stub.GenerateStream(build_request(prompt, **kwargs), timeout=self.timeout_s)
+        return _Stream(self.stub.GenerateStream(build_request(prompt, **kwargs), timeout=self.timeout_s), self.address)
 
     def model_info(self) -> generation_pb2.ModelInfoResponse:
-        return self.stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=self.timeout_s)
+        with _front_door_answers(self.address):
+            return self.stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=self.timeout_s)
 
     def close(self) -> None:
         self.channel.close()
@@ -221,25 +264,30 @@ class AsyncClient:
     def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float | None = None,
                  keepalive_s: float | None = DEFAULT_KEEPALIVE_S):
         self.timeout_s = check_timeout(timeout_s)
-        self.channel = grpc.aio.insecure_channel(check_target(address),
+        self.address = check_target(address)
+        self.channel = grpc.aio.insecure_channel(self.address,
                                                  options=[*CHANNEL_OPTIONS, *keepalive_channel_options(keepalive_s)])
         self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
 
     async def generate(self, prompt=None, **kwargs) -> Completion:
-        return _completion(await self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout_s))
+        request = build_request(prompt, **kwargs)
+        with _front_door_answers(self.address):
+            return _completion(await self.stub.Generate(request, timeout=self.timeout_s))
 
     async def stream(self, prompt=None, **kwargs) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
         """A stream left early (``break``, then ``aclose()`` or the generator dropped) cancels its
         call, which frees its sessions on the server: it ran on for nobody, to ``max_tokens``."""
         call = self.stub.GenerateStream(build_request(prompt, **kwargs), timeout=self.timeout_s)
         try:
-            async for chunk in call:
-                yield chunk
+            with _front_door_answers(self.address):
+                async for chunk in call:
+                    yield chunk
         finally:
             call.cancel()
 
     async def model_info(self) -> generation_pb2.ModelInfoResponse:
-        return await self.stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=self.timeout_s)
+        with _front_door_answers(self.address):
+            return await self.stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=self.timeout_s)
 
     async def close(self) -> None:
         await self.channel.close()

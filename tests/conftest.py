@@ -102,6 +102,23 @@ def demo_target():
     return load_causal_lm("demo-target")
 
 
+@pytest.fixture
+def not_a_front_door():
+    """A real gRPC server on loopback that serves the health service only, as a drafter or target
+    server would answer a client pointed at it by mistake."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    server = grpc.server(ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(grace=None)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
     """pytest's own faulthandler stops at unconfigure; keep one on through interpreter shutdown, so a

@@ -624,3 +624,11 @@ def test_scale_on_a_local_ray_waits_for_the_front_door_to_route_to_the_new_repli
     assert not _front_door_routes_current_membership([*serving, {"pool": "orchestrator", "membership": "updating"}])
     assert _front_door_routes_current_membership([*serving, {"pool": "orchestrator", "membership": "current"}])
     assert _front_door_routes_current_membership([*serving, {"pool": "orchestrator"}])  # a controller before stop 51
+
+
+def test_generate_names_the_server_flag_for_an_address_that_is_not_a_front_door(not_a_front_door, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "hi", "--server", not_a_front_door, "--timeout", "30"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"error: --server: {not_a_front_door} answers gRPC but not as a mirrorspec " \
+        "front door" in err

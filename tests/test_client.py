@@ -236,3 +236,35 @@ def test_a_keepalive_shorter_than_servers_take_is_refused(keepalive_s):
     with pytest.raises(InvalidRequest, match="must be at least 1 s") as err:
         Client("127.0.0.1:1", keepalive_s=keepalive_s)
     assert err.value.field == "keepalive_s"
+
+
+def test_a_server_that_is_not_a_front_door_is_named_not_met_with_method_not_found(not_a_front_door):
+    """gRPC's own answer was UNIMPLEMENTED "Method not found!", naming neither the address nor
+    what to pass instead."""
+    from mirrorspec.client import NotAFrontDoor
+
+    with Client(not_a_front_door, timeout_s=30) as client:
+        for call in (lambda: client.generate([1, 2]), lambda: list(client.stream([1, 2])), client.model_info):
+            with pytest.raises(NotAFrontDoor, match=re.escape(not_a_front_door)) as err:
+                call()
+            assert err.value.field == "address" and "not as a mirrorspec front door" in str(err.value)
+            assert err.value.__cause__.code() == grpc.StatusCode.UNIMPLEMENTED
+        stream = client.stream([1, 2])
+        stream.cancel()  # the call's own methods, as before
+        assert stream.code() == grpc.StatusCode.CANCELLED
+
+
+def test_the_async_client_names_a_server_that_is_not_a_front_door(not_a_front_door):
+    import asyncio
+
+    from mirrorspec.client import AsyncClient, NotAFrontDoor
+
+    async def refusals() -> list[BaseException]:
+        async with AsyncClient(not_a_front_door, timeout_s=30) as client:
+            async def stream():
+                return [chunk async for chunk in client.stream([1, 2])]
+            return await asyncio.gather(client.generate([1, 2]), stream(), client.model_info(),
+                                        return_exceptions=True)
+
+    for refusal in asyncio.run(refusals()):
+        assert isinstance(refusal, NotAFrontDoor) and not_a_front_door in str(refusal)
