@@ -967,8 +967,9 @@ def _scaled_on_local_ray(name: str, pool: str, replicas: int, wait_s: float, set
 
 
 def _front_door_routes_current_membership(rows: list[dict]) -> bool:
-    """Whether new replicas already get requests (a controller from before stop 51 does not say)."""
-    return all(r.get("membership", "current") == "current" for r in rows if r["pool"] == "orchestrator")
+    """Whether new replicas already get requests. Not known (None) for a front door that does not
+    answer, nor from a controller from before stop 51: no wait for what may never come."""
+    return all(r.get("membership") != "updating" for r in rows if r["pool"] == "orchestrator")
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -624,6 +624,7 @@ def test_scale_on_a_local_ray_waits_for_the_front_door_to_route_to_the_new_repli
     assert not _front_door_routes_current_membership([*serving, {"pool": "orchestrator", "membership": "updating"}])
     assert _front_door_routes_current_membership([*serving, {"pool": "orchestrator", "membership": "current"}])
     assert _front_door_routes_current_membership([*serving, {"pool": "orchestrator"}])  # a controller before stop 51
+    assert _front_door_routes_current_membership([*serving, {"pool": "orchestrator", "membership": None}])  # down
 
 
 def test_generate_names_the_server_flag_for_an_address_that_is_not_a_front_door(not_a_front_door, capsys):

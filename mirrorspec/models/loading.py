@@ -11,19 +11,18 @@ import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:  # transformers' modeling code takes seconds to import: processes that load no
-    # model (the front door, the CLI's client commands) never do
-    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from mirrorspec.config import InvalidRequest, check_quantization, check_shared_vocabulary, check_text, field_named
 from mirrorspec.models.attention import use_cpu_verify_attention
 from mirrorspec.models.prepack import prepack_linears
 from mirrorspec.models.quantize import apply_quantization
+
+if TYPE_CHECKING:  # transformers' modeling code takes seconds to import: processes that load no
+    # model (the front door, the CLI's client commands) never do
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
