@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -190,6 +191,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def busy(self) -> bool:
         return self.in_flight > 0
 
+    @contextmanager
+    def _counted(self):
+        """A request is in flight until its handler has handed gRPC its last message: counted only
+        while its windows ran, a drain that ended as they did stopped the server before the
+        answer went out, and the client got UNAVAILABLE "Cancelling all calls" for a finished
+        request (CI of stop 51)."""
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
     def _refuse_while_draining(self) -> None:
         if self.draining:
             raise NoReplicaAvailable("this front door is stopping (its requests in flight are finishing); send the "
@@ -208,23 +221,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def Generate(self, request, context):
         prepared = self._admit(request)
         outcome = RequestOutcome()
-        async for _ in self._run(prepared, outcome, context):
-            pass
-        return generation_pb2.GenerateResponse(
-            text=self._text(outcome.tokens), token_ids=outcome.tokens,
-            finish_reason=outcome.finish_reason, seed=prepared.seed, stats=self._stats(outcome),
-            prompt_tokens=len(prepared.prompt))
+        with self._counted():
+            async for _ in self._run(prepared, outcome, context):
+                pass
+            return generation_pb2.GenerateResponse(
+                text=self._text(outcome.tokens), token_ids=outcome.tokens,
+                finish_reason=outcome.finish_reason, seed=prepared.seed, stats=self._stats(outcome),
+                prompt_tokens=len(prepared.prompt))
 
     async def GenerateStream(self, request, context):
         prepared = self._admit(request)
         outcome = RequestOutcome()
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
-        async for tokens in self._run(prepared, outcome, context):
-            yield generation_pb2.GenerateStreamResponse(token_ids=tokens, text=detok.push(tokens) if detok else "",
-                                                        seed=prepared.seed)
-        yield generation_pb2.GenerateStreamResponse(
-            text=detok.flush() if detok else "", finish_reason=outcome.finish_reason,
-            stats=self._stats(outcome), seed=prepared.seed)
+        with self._counted():
+            async for tokens in self._run(prepared, outcome, context):
+                yield generation_pb2.GenerateStreamResponse(token_ids=tokens, text=detok.push(tokens) if detok else "",
+                                                            seed=prepared.seed)
+            yield generation_pb2.GenerateStreamResponse(
+                text=detok.flush() if detok else "", finish_reason=outcome.finish_reason,
+                stats=self._stats(outcome), seed=prepared.seed)
 
     async def ModelInfo(self, request, context):
         info = generation_pb2.ModelInfoResponse(
@@ -323,7 +338,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if answer is not None:
                 emit(answer)
 
-        self.in_flight += 1
         try:
             loop.run_in_executor(self._workers, work)
             while True:
@@ -334,7 +348,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     raise item
                 yield item
         finally:
-            self.in_flight -= 1
             cancelled.set()  # client went away, deadline passed, or done: the worker stops and closes sessions
 
     def _drive(self, prepared: PreparedRequest, outcome: RequestOutcome, budget: RequestBudget,

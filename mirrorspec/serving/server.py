@@ -43,6 +43,9 @@ BACKEND_CONNECT_TIMEOUT_S = 2.0
 BACKEND_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.min_reconnect_backoff_ms", int(BACKEND_CONNECT_TIMEOUT_S * 1000))]
 
 
+FLUSH_S = 1.0  # a drained server's wait for the last answers to go out (``RunningServer._drain``)
+
+
 @dataclass
 class RunningServer:
     server: grpc.aio.Server
@@ -53,7 +56,9 @@ class RunningServer:
     names: tuple[str, ...] = ()  # the services it serves
 
     async def _drain(self, grace: float | None) -> float | None:
-        """The grace left for gRPC's own stop: none once the draining servicers are idle."""
+        """The grace left for gRPC's own stop. Once the draining servicers are idle, a moment
+        (``FLUSH_S`` at most) for the answers their handlers just returned to go out: gRPC's stop
+        with none cancels every call whose status has not been sent yet."""
         draining = [s for s in self.servicers if hasattr(s, "start_draining")]
         if not draining or not grace:
             return grace
@@ -65,7 +70,7 @@ class RunningServer:
         deadline = loop.time() + grace
         while any(s.busy() for s in draining) and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        return None
+        return min(max(deadline - loop.time(), 0.0), FLUSH_S)
 
     async def stop(self, grace: float | None = None) -> None:
         """Stops the server, then lets each servicer that has a ``close`` free what it holds (compute

@@ -1468,6 +1468,41 @@ def test_a_front_door_process_stopped_mid_request_finishes_it_and_refuses_new_on
     assert "orchestrator stopping: new calls are refused, those in flight have 20 s to finish" in err
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["generate", "stream"])
+def test_a_drain_that_ends_as_a_request_finishes_still_sends_its_answer(stack, tiny_dir, streamed):
+    """A request counted as in flight only while its windows ran. A drain that saw it end stopped
+    the server before the handler's answer (the stream's last chunk, with its finish reason) went
+    out, and the client got UNAVAILABLE "Cancelling all calls" for a finished request (CI of stop
+    51, on a SIGINT'ed front door process). Here the handler takes 1 s after its windows."""
+    from mirrorspec.serving.server import BackgroundServer
+    from orchestrator.servicer import serve
+
+    door = BackgroundServer(lambda: serve(OrchestratorConfig(target=f"127.0.0.1:{stack.targets[0].port}",
+                                                             drafter=None, port=0))).start()
+    windows = door.servicer._run
+
+    async def windows_then_a_pause(*args):
+        async for tokens in windows(*args):
+            yield tokens
+        await asyncio.sleep(1.0)
+    door.servicer._run = windows_then_a_pause
+    results = {}
+    with Client(f"127.0.0.1:{door.port}", timeout_s=60) as client:
+        def send():
+            try:
+                results["tokens"] = ([t for c in client.stream([0, 7, 3], max_tokens=8) for t in c.token_ids]
+                                     if streamed else list(client.generate([0, 7, 3], max_tokens=8).token_ids))
+            except grpc.RpcError as err:
+                results["error"] = f"{err.code()}: {err.details()}"
+        worker = threading.Thread(target=send)
+        worker.start()
+        assert wait_until(lambda: door.servicer.in_flight == 1, timeout=30, every=0.01)
+        door.stop(grace=20)
+        worker.join(timeout=60)
+    assert "error" not in results, results["error"]
+    assert results["tokens"] == target_only(load(tiny_dir["target16"]), [0, 7, 3], 8)
+
+
 def test_a_client_pinging_every_second_keeps_a_call_that_sends_nothing_for_seconds(stack, tiny_dir):
     """Servers take a client's pings as often as every second (``MIN_KEEPALIVE_S``): gRPC's default
     takes one per five minutes without data, and answered a client that pinged more often, during
