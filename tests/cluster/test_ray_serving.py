@@ -186,8 +186,16 @@ def test_a_replica_whose_server_stopped_while_its_actor_lives_is_replaced(deploy
     assert wait_until(lambda: [r["state"] for r in rows(controller, "drafter")] == ["serving"]
                       and victim not in {r["replica"] for r in rows(controller, "drafter")}, timeout=120, every=0.25)
     # the controller calls the replacement serving a long-poll round trip before the front door
-    # routes to it: a request sent in between went without drafts (CI of stop 50)
+    # routes to it: a request sent in between went without drafts (CI of stop 50). Once in stop 51
+    # the request still found the front door's drafter pool empty after the controller said it
+    # was current (cause not found): so the front door's own pool is waited for too
     assert wait_until(lambda: front_door_routes_current_membership(controller), timeout=30, every=0.05)
+    front = ray.get_actor("mirrorspec-front-door", namespace=CONTROLLER_NAMESPACE)
+    serving = {r["address"] for r in rows(controller, "drafter")}
+
+    def routed() -> set[str]:
+        return set(ray.get(front.stats.remote(), timeout=30)["load"]["drafter"])
+    assert wait_until(lambda: routed() == serving, timeout=30, every=0.05), (routed(), serving, rows(controller))
     with Client(address) as client:
         completion = client.generate([3, 1, 4, 1, 5], max_tokens=40)
     assert completion.token_ids == reference([3, 1, 4, 1, 5], 40)
