@@ -58,6 +58,11 @@ def front_door_routes_current_membership(controller) -> bool:
     return front["membership"] == "current"
 
 
+def front_door_drafters(front) -> set[str]:
+    """The drafter addresses the front door actor's own pool routes to."""
+    return set(ray.get(front.stats.remote(), timeout=30)["load"]["drafter"])
+
+
 def test_greedy_output_through_ray_actors_is_identical_to_target_only(deployment, reference):
     _, address = deployment
     with Client(address) as client:
@@ -98,7 +103,7 @@ def test_scaling_up_returns_once_the_front_door_routes_to_the_new_replica(deploy
         serving = {r["address"] for r in after if r["pool"] == "drafter" and r["state"] == "serving"}
         assert len(serving) == 2
         assert [r["membership"] for r in after if r["pool"] == "orchestrator"] == ["current"]
-        assert set(ray.get(front.stats.remote(), timeout=30)["load"]["drafter"]) == serving
+        assert front_door_drafters(front) == serving
     finally:
         ray.get(front.__ray_call__.remote(lambda door: delattr(door.server.servicer.drafters, "set_members")))
         ray.get(controller.scale.remote("drafter", 1), timeout=300)
@@ -192,10 +197,8 @@ def test_a_replica_whose_server_stopped_while_its_actor_lives_is_replaced(deploy
     assert wait_until(lambda: front_door_routes_current_membership(controller), timeout=30, every=0.05)
     front = ray.get_actor("mirrorspec-front-door", namespace=CONTROLLER_NAMESPACE)
     serving = {r["address"] for r in rows(controller, "drafter")}
-
-    def routed() -> set[str]:
-        return set(ray.get(front.stats.remote(), timeout=30)["load"]["drafter"])
-    assert wait_until(lambda: routed() == serving, timeout=30, every=0.05), (routed(), serving, rows(controller))
+    assert wait_until(lambda: front_door_drafters(front) == serving, timeout=30, every=0.05), \
+        (front_door_drafters(front), serving, rows(controller))
     with Client(address) as client:
         completion = client.generate([3, 1, 4, 1, 5], max_tokens=40)
     assert completion.token_ids == reference([3, 1, 4, 1, 5], 40)

@@ -1477,17 +1477,17 @@ def test_a_drain_that_ends_as_a_request_finishes_still_sends_its_answer(stack, t
     from mirrorspec.serving.server import BackgroundServer
     from orchestrator.servicer import serve
 
-    door = BackgroundServer(lambda: serve(OrchestratorConfig(target=f"127.0.0.1:{stack.targets[0].port}",
-                                                             drafter=None, port=0))).start()
-    windows = door.servicer._run
-
-    async def windows_then_a_pause(*args):
-        async for tokens in windows(*args):
-            yield tokens
-        await asyncio.sleep(1.0)
-    door.servicer._run = windows_then_a_pause
+    front = OrchestratorConfig(target=f"127.0.0.1:{stack.targets[0].port}", drafter=None, port=0)
     results = {}
-    with Client(f"127.0.0.1:{door.port}", timeout_s=60) as client:
+    with BackgroundServer(lambda: serve(front)) as door, Client(f"127.0.0.1:{door.port}", timeout_s=60) as client:
+        windows = door.servicer._run
+
+        async def windows_then_a_pause(*args):
+            async for tokens in windows(*args):
+                yield tokens
+            await asyncio.sleep(1.0)
+        door.servicer._run = windows_then_a_pause
+
         def send():
             try:
                 results["tokens"] = ([t for c in client.stream([0, 7, 3], max_tokens=8) for t in c.token_ids]
