@@ -38,17 +38,47 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> None:
              namespace=CONTROLLER_NAMESPACE, log_to_driver=False, logging_level=logging.ERROR)
 
 
+class AutoFindsASilentRay(InvalidRequest):
+    """``--address auto`` took a Ray that does not answer: the fix is there (RAY_ADDRESS, a stale
+    Ray), even where the user gave no --address."""
+
+
 def _check_reachable(address: str) -> None:
-    """ray.init retries an address that does not answer for minutes; say so in seconds instead."""
-    if address == "auto" or address.startswith("ray://"):
-        return
-    host, _, port = address.rpartition(":")
+    """ray.init retries an address that does not answer for minutes; say so in seconds instead.
+    ``auto`` is probed where Ray would take it: RAY_ADDRESS, the last `ray start`'s record, or a
+    ``gcs_server`` process on this machine, one in another network namespace included. A stale one
+    of those hung `status` and `stop` for minutes behind Ray's own retry logs."""
+    found = _where_auto_points() if address == "auto" else address
+    if found is None or found.startswith("ray://"):
+        return  # none found: ray.init says so at once, and connect() names the flag
+    host, _, port = found.rpartition(":")
     try:
         socket.create_connection((host, int(port)), timeout=5).close()
     except (OSError, ValueError) as err:
+        if found != address:
+            raise AutoFindsASilentRay(f"nothing answers at {found}, where 'auto' finds a Ray ({_auto_source()}); "
+                                      f"{err}", field="address") from None
         raise InvalidRequest(f"nothing answers at {address!r} ({err}); pass the head's host:port "
                              f"(`ray start --head` prints it), 'auto' on a cluster node, or leave out --address "
                              f"to run a local Ray", field="address") from None
+
+
+def _where_auto_points() -> str | None:
+    """The host:port Ray's ``auto`` would join, or None where it finds none (or where Ray's private
+    helper moved: then ray.init is left to find it, as before)."""
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+
+        return canonicalize_bootstrap_address("auto")
+    except Exception:  # noqa: BLE001 - ConnectionError where no Ray runs; anything else is Ray's to say
+        return None
+
+
+def _auto_source() -> str:
+    if os.environ.get("RAY_ADDRESS"):
+        return "RAY_ADDRESS is set to it; unset it or point it at a running head"
+    return ("a Ray process on this machine, perhaps one in another network namespace, or the last "
+            "`ray start`'s record; stop that Ray, or pass --address host:port")
 
 
 def deploy(spec: StackSpec, timeout_s: float = 600.0):

@@ -906,12 +906,12 @@ def join_deployment_ray(args: argparse.Namespace) -> bool:
 
     address = use_announced_ray(args.address, args.name)  # before Ray is imported
     local = address == "auto" and local_ray_file(args.name).exists()
-    from cluster.deploy import connect
+    from cluster.deploy import AutoFindsASilentRay, connect
 
     try:
         connect(address)
-    except InvalidRequest:
-        if address != "auto" or _is_set(args, "address"):
+    except InvalidRequest as err:
+        if address != "auto" or _is_set(args, "address") or isinstance(err, AutoFindsASilentRay):
             raise
         raise InvalidRequest(f"no deployment named {args.name!r} runs on this machine (stopped already?), and no Ray "
                              f"cluster runs here to look for it on; pass --address of the cluster it runs on",

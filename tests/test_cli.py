@@ -142,6 +142,34 @@ def test_bad_flags_are_named(argv, flag, capsys):
     assert f"error: {flag}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["status"], ["stop"], ["scale", "drafter", "2"], ["serve", "--address", "auto"]])
+def test_an_auto_address_that_finds_a_silent_ray_is_an_address_error_in_seconds(argv, monkeypatch, capsys):
+    """Ray's ``auto`` takes RAY_ADDRESS, the last `ray start`'s record or any gcs_server process
+    on the machine (one in another network namespace too). A stale one hung `status` for minutes
+    behind Ray's retry logs; an address nobody gave is named, with where it came from."""
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # nothing listens on port 1 in the test namespace
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: --address: nothing answers at 127.0.0.1:1, where 'auto' finds a Ray (RAY_ADDRESS is set" in err
+
+
+def test_an_auto_address_that_finds_another_namespaces_ray_says_so(monkeypatch, capsys):
+    """A gcs_server process of a Ray in another network namespace: Ray's ``auto`` finds it by its
+    command line (as it does on this machine, where tests run in namespaces of their own)."""
+    import ray._private.services as services
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(services, "find_gcs_addresses", lambda: frozenset({"127.0.0.1:1"}))
+    monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: None)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["status"])
+    assert exit_info.value.code == 2
+    assert ("error: --address: nothing answers at 127.0.0.1:1, where 'auto' finds a Ray (a Ray process on this "
+            "machine, perhaps one in another network namespace") in capsys.readouterr().err
+
+
 def test_a_rebuild_out_that_is_a_folder_is_refused_before_the_work(tmp_path, capsys):
     """A folder named like weights passed the suffix check and failed at the very end (review 5)."""
     folder = tmp_path / "draft.safetensors"
