@@ -14,7 +14,7 @@ import threading
 import ray
 import torch
 
-from cluster.spec import CONTROLLER_NAMESPACE, StackSpec
+from cluster.spec import CONTROLLER_NAMESPACE, POOLS, StackSpec
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +206,10 @@ class FrontDoor:
             if version != self._version:
                 servicer.targets.set_members(members["target"])
                 servicer.drafters.set_members(members["drafter"])
+                if empty := [pool for pool in POOLS if not members[pool]]:
+                    # requests now wait for a target or go without drafts: worth a line in the log
+                    log.warning("membership %d has no serving %s replica (was %d)", version,
+                                " or ".join(empty), self._version)
                 self._version = version
 
     def drain(self, grace_s: float) -> None:
