@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import ray
 
-from ray.exceptions import ActorAlreadyExistsError
+from ray.exceptions import ActorAlreadyExistsError, AuthenticationError
 from ray.experimental import internal_kv
 
 from cluster.controller import Controller, checkpoint_key, named_actor, own_error, stop_replicas_by_name
@@ -26,6 +26,9 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> None:
         _check_reachable(address)
         try:
             ray.init(address=address, namespace=CONTROLLER_NAMESPACE, log_to_driver=False, logging_level=logging.ERROR)
+        except AuthenticationError as err:  # it runs, and wants a token: Ray's message says where to put it
+            raise InvalidRequest(f"the Ray cluster at {address!r} refused this machine's credentials: {err}",
+                                 field="address") from None
         except (ConnectionError, RuntimeError, ValueError) as err:
             raise InvalidRequest(f"cannot join the Ray cluster at {address!r} ({err}); is one running? "
                                  f"`mirrorspec serve` starts a local one, `ray start --head` or "

@@ -170,6 +170,31 @@ def test_an_auto_address_that_finds_another_namespaces_ray_says_so(monkeypatch, 
             "machine, perhaps one in another network namespace") in capsys.readouterr().err
 
 
+def test_a_ray_that_refuses_this_machines_token_is_an_address_error_that_says_so(monkeypatch, capsys):
+    """A token-auth Ray (``~/.ray/auth_token`` missing or another cluster's): Ray's own
+    AuthenticationError, which says where the token goes, came out as a traceback."""
+    import ray
+    import ray._private.services as services
+    from ray.exceptions import AuthenticationError
+
+    import cluster.deploy
+
+    def refuse(**_):
+        raise AuthenticationError("the token does not match")
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(services, "find_gcs_addresses", lambda: frozenset())
+    monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: None)
+    monkeypatch.setattr(cluster.deploy.ray, "init", refuse)
+    assert not ray.is_initialized()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["status", "--address", "auto"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: --address: the Ray cluster at 'auto' refused this machine's credentials: the token does not match" in err
+    assert "Traceback" not in err
+
+
 def test_a_rebuild_out_that_is_a_folder_is_refused_before_the_work(tmp_path, capsys):
     """A folder named like weights passed the suffix check and failed at the very end (review 5)."""
     folder = tmp_path / "draft.safetensors"
