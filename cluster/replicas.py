@@ -178,7 +178,7 @@ class FrontDoor:
             runner_up=spec.runner_up, windows_on_target=spec.windows_on_target)
         self.server = None
         self.host = spec.host
-        self._version = version
+        self._version, self._members = version, members
         if restarted:
             log.warning("front door restarted after its process died; serving again on %s:%s", spec.host, spec.port)
             self.start()
@@ -206,11 +206,11 @@ class FrontDoor:
             if version != self._version:
                 servicer.targets.set_members(members["target"])
                 servicer.drafters.set_members(members["drafter"])
-                if empty := [pool for pool in POOLS if not members[pool]]:
+                if emptied := [pool for pool in POOLS if self._members[pool] and not members[pool]]:
                     # requests now wait for a target or go without drafts: worth a line in the log
-                    log.warning("membership %d has no serving %s replica (was %d)", version,
-                                " or ".join(empty), self._version)
-                self._version = version
+                    log.warning("membership %d leaves the %s pool empty (was %d)", version, " and ".join(emptied),
+                                self._version)
+                self._version, self._members = version, members
 
     def drain(self, grace_s: float) -> None:
         """Stop serving: new requests are refused, those in flight get ``grace_s`` to finish."""

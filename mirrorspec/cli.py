@@ -62,9 +62,8 @@ DRAFT_CONFIDENCE_HELP = ("with a draft model: a window ends after the first toke
 DRAFT_QUANTIZE_HELP = ("with a draft model: int8 runs its linear layers on int8 weights, ~1.7x faster per "
                        "drafted token on CPU (exact either way; a no-op on GPU or for a bf16/fp16 model)")
 
-K_HELP = (f"speculative tokens per window (default {DEFAULT_K_CONFIDENT}, whose windows end early on their own: "
-          f"prompt lookup's where its match does, a draft model's at its first unsure token; {DEFAULT_K} with "
-          f"--draft-confidence 0)")
+K_HELP = (f"speculative tokens per window (default {DEFAULT_K_CONFIDENT}: windows end early on their own, prompt "
+          f"lookup's with its match, a draft model's at its first unsure token; {DEFAULT_K} with --draft-confidence 0)")
 
 DRAFT_HELP = ("draft: 'auto' (the demo draft for the demo target, else 'ngram'), 'demo-draft', 'ngram' "
               "(prompt lookup), a model path / hub id sharing the target's tokenizer, or 'none'")
