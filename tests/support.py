@@ -13,9 +13,11 @@ import select
 import signal
 import socket
 import time
+import traceback
 import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -282,17 +284,19 @@ def run_halves_in_two_processes(run: Callable[[int, int], list], first: int, cou
         return run(first, count)
     read_end, write_end = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: compute the second half, send it, exit without cleanup
+    if pid == 0:  # the child: compute the second half, send it (or why not), exit without cleanup
         os.close(read_end)
-        code = 1
         try:
             torch.set_num_threads(1)
             payload = pickle.dumps(run(first + half, count - half))
-            with os.fdopen(write_end, "wb") as pipe:
-                pipe.write(payload)
-            code = 0
+        except BaseException:  # noqa: BLE001 - its traceback would die with it: the parent's warning says it
+            payload = pickle.dumps(ChildFailed(traceback.format_exc(limit=-4)))
         finally:
-            os._exit(code)
+            try:
+                with os.fdopen(write_end, "wb") as pipe:
+                    pipe.write(payload)
+            finally:
+                os._exit(0)
     os.close(write_end)
     started = time.monotonic()
     try:
@@ -301,15 +305,24 @@ def run_halves_in_two_processes(run: Callable[[int, int], list], first: int, cou
     finally:
         os.close(read_end)
         _reap(pid)
-    if theirs is None:
-        warnings.warn(f"the forked half of samples {first + half}..{first + count - 1} came back empty: "
-                      "drawn here instead", RuntimeWarning)
+    if theirs is None or isinstance(theirs, ChildFailed):
+        why = f": {theirs.traceback}" if theirs is not None else " (it died or outlasted its deadline)"
+        warnings.warn(f"the forked half of samples {first + half}..{first + count - 1} came back empty, "
+                      f"drawn here instead{why}", RuntimeWarning)
         theirs = run(first + half, count - half)
     return mine + theirs
 
 
-def _read_child(read_end: int, deadline: float) -> list | None:
-    """The child's pickled results, or None if it exits without them or the deadline passes."""
+@dataclass(frozen=True)
+class ChildFailed:
+    """What a forked half sends instead of its samples: the CI log then says why it failed."""
+
+    traceback: str
+
+
+def _read_child(read_end: int, deadline: float) -> list | ChildFailed | None:
+    """The child's pickled results (or failure), or None if it exits without them or the deadline
+    passes."""
     chunks = []
     while (left := deadline - time.monotonic()) > 0:
         if not select.select([read_end], [], [], left)[0]:

@@ -18,8 +18,9 @@ def test_the_halves_come_back_in_order_and_whole(first, count):
 
 
 def test_a_forked_half_that_fails_is_drawn_in_the_parent_and_said_so():
-    """A child that raises (or dies) sends nothing back: its half is drawn here instead, with a
-    warning, rather than lost or left out of the list."""
+    """A child that raises sends its traceback, not its half: the half is drawn here instead, with a
+    warning that says why, rather than lost or left out of the list (CI's log once said only
+    "came back empty")."""
     parent = os.getpid()
 
     def fails_in_the_child(first: int, count: int) -> list[int]:
@@ -27,5 +28,19 @@ def test_a_forked_half_that_fails_is_drawn_in_the_parent_and_said_so():
             raise RuntimeError("a child that cannot draw")
         return squares(first, count)
 
-    with pytest.warns(RuntimeWarning, match="the forked half of samples 50..99 came back empty"):
+    with pytest.warns(RuntimeWarning, match="the forked half of samples 50..99 came back empty, drawn here "
+                                             "instead: Traceback(.|\n)*RuntimeError: a child that cannot draw"):
         assert run_halves_in_two_processes(fails_in_the_child, 0, 100) == squares(0, 100)
+
+
+def test_a_forked_half_that_dies_is_drawn_in_the_parent_and_said_so():
+    """A child that dies sends not even its traceback: the warning says it died."""
+    parent = os.getpid()
+
+    def dies_in_the_child(first: int, count: int) -> list[int]:
+        if os.getpid() != parent:
+            os._exit(3)
+        return squares(first, count)
+
+    with pytest.warns(RuntimeWarning, match=r"50\.\.99 came back empty, drawn here instead \(it died or outlasted"):
+        assert run_halves_in_two_processes(dies_in_the_child, 0, 100) == squares(0, 100)
