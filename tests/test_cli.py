@@ -155,14 +155,20 @@ def test_an_auto_address_that_finds_a_silent_ray_is_an_address_error_in_seconds(
     assert "error: --address: nothing answers at 127.0.0.1:1, where 'auto' finds a Ray (RAY_ADDRESS is set" in err
 
 
-def test_an_auto_address_that_finds_another_namespaces_ray_says_so(monkeypatch, capsys):
-    """A gcs_server process of a Ray in another network namespace: Ray's ``auto`` finds it by its
-    command line (as it does on this machine, where tests run in namespaces of their own)."""
+def ray_auto_finds(monkeypatch, *gcs_addresses: str) -> None:
+    """Ray's ``auto`` sees exactly these running Rays (its process scan), no RAY_ADDRESS and no
+    `ray start` record."""
     import ray._private.services as services
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setattr(services, "find_gcs_addresses", lambda: frozenset({"127.0.0.1:1"}))
+    monkeypatch.setattr(services, "find_gcs_addresses", lambda: frozenset(gcs_addresses))
     monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: None)
+
+
+def test_an_auto_address_that_finds_another_namespaces_ray_says_so(monkeypatch, capsys):
+    """A gcs_server process of a Ray in another network namespace: Ray's ``auto`` finds it by its
+    command line (as it does on this machine, where tests run in namespaces of their own)."""
+    ray_auto_finds(monkeypatch, "127.0.0.1:1")
     with pytest.raises(SystemExit) as exit_info:
         main(["status"])
     assert exit_info.value.code == 2
@@ -174,7 +180,6 @@ def test_a_ray_that_refuses_this_machines_token_is_an_address_error_that_says_so
     """A token-auth Ray (``~/.ray/auth_token`` missing or another cluster's): Ray's own
     AuthenticationError, which says where the token goes, came out as a traceback."""
     import ray
-    import ray._private.services as services
     from ray.exceptions import AuthenticationError
 
     import cluster.deploy
@@ -182,9 +187,7 @@ def test_a_ray_that_refuses_this_machines_token_is_an_address_error_that_says_so
     def refuse(**_):
         raise AuthenticationError("the token does not match")
 
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setattr(services, "find_gcs_addresses", lambda: frozenset())
-    monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: None)
+    ray_auto_finds(monkeypatch)  # no Ray to probe: ray.init is the one to refuse
     monkeypatch.setattr(cluster.deploy.ray, "init", refuse)
     assert not ray.is_initialized()
     with pytest.raises(SystemExit) as exit_info:
