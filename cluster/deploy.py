@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from collections.abc import Callable
 
 import ray
@@ -13,6 +12,7 @@ from ray.exceptions import ActorAlreadyExistsError, AuthenticationError
 from ray.experimental import internal_kv
 
 from cluster.controller import Controller, checkpoint_key, named_actor, own_error, stop_replicas_by_name
+from cluster.local_ray import why_silent
 from cluster.spec import CONTROLLER_NAMESPACE, POOLS, StackSpec
 from mirrorspec.config import InvalidRequest
 
@@ -54,16 +54,15 @@ def _check_reachable(address: str) -> None:
     found = _where_auto_points() if address == "auto" else address
     if found is None or found.startswith("ray://"):
         return  # none found: ray.init says so at once, and connect() names the flag
-    host, _, port = found.rpartition(":")
-    try:
-        socket.create_connection((host, int(port)), timeout=5).close()
-    except (OSError, ValueError) as err:
-        if found != address:
-            raise AutoFindsASilentRay(f"nothing answers at {found}, where 'auto' finds a Ray ({_auto_source()}); "
-                                      f"{err}", field="address") from None
-        raise InvalidRequest(f"nothing answers at {address!r} ({err}); pass the head's host:port "
-                             f"(`ray start --head` prints it), 'auto' on a cluster node, or leave out --address "
-                             f"to run a local Ray", field="address") from None
+    err = why_silent(found, timeout_s=5)
+    if err is None:
+        return
+    if found != address:
+        raise AutoFindsASilentRay(f"nothing answers at {found}, where 'auto' finds a Ray ({_auto_source()}); "
+                                  f"{err}", field="address")
+    raise InvalidRequest(f"nothing answers at {address!r} ({err}); pass the head's host:port "
+                         f"(`ray start --head` prints it), 'auto' on a cluster node, or leave out --address "
+                         f"to run a local Ray", field="address")
 
 
 def _where_auto_points() -> str | None:

@@ -69,16 +69,18 @@ def _announced(name: str) -> dict | None:
         address = announced["address"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if not _answers(address):
+    if why_silent(address, timeout_s=2) is not None:
         path.unlink(missing_ok=True)
         return None
     return announced
 
 
-def _answers(address: str) -> bool:
+def why_silent(address: str, timeout_s: float) -> OSError | ValueError | None:
+    """Why nothing answers a TCP connect at host:port (None: something does). A Ray address is
+    probed so before ray.init, which retries a silent one for minutes."""
     host, _, port = address.rpartition(":")
     try:
-        socket.create_connection((host, int(port)), timeout=2).close()
-    except (OSError, ValueError):
-        return False
-    return True
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as err:
+        return err
+    return None
