@@ -3,8 +3,7 @@ import random
 import pytest
 import torch
 
-from mirrorspec.sampling import randomness
-from mirrorspec.sampling import Stream, sample_categorical, uniform, uniforms
+from mirrorspec.sampling import Stream, randomness, sample_categorical, uniform, uniforms
 from mirrorspec.sampling.randomness import race_noise
 
 
@@ -54,7 +53,8 @@ def test_small_draws_on_python_ints_give_the_bits_of_the_array_path(count, monke
     rng = random.Random(count)
     coordinates = [(rng.getrandbits(70) - 2**69, [rng.getrandbits(66) - 2**65 for _ in range(count)],
                     rng.choice(list(Stream)), rng.choice([0, 1, -1, rng.getrandbits(70)])) for _ in range(20)]
-    keys = torch.tensor([rng.random() for _ in range(count)] + [0.0, 1 - 2**-53, 0.053782515553622456],
+    # the edge keys first, so every slice below holds some: 0, the largest uniform, review 3's all-ones column
+    keys = torch.tensor([0.053782515553622456, 1 - 2**-53, 0.0] + [rng.random() for _ in range(count)],
                         dtype=torch.float64)
 
     def draws():
