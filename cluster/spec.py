@@ -53,7 +53,7 @@ class StackSpec:
     threads: int = 1  # torch threads per replica process
     dtype: str = "auto"
     device: str = "auto"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int | None = None  # None: the front door's default for the drafters it finds
     adaptive: AdaptiveKConfig | None = None
     mirror: MirrorConfig | None = None  # the front door's default for requests that do not say
     runner_up: bool = False  # windows offer the draft's runner-up too (OrchestratorConfig.runner_up)

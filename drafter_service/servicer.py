@@ -185,7 +185,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                                        max_sessions=self.config.max_sessions,
                                        proposal_top_k=self.config.proposal_top_k,
                                        prompt_lookup=self.config.prompt_lookup if self.loaded else 0,
-                                       step_cost=self.step_cost)
+                                       step_cost=self.step_cost,
+                                       draft_confidence=self.config.draft_confidence if self.loaded else 0.0)
         if self.loaded is not None:
             info.model.CopyFrom(describe_model(self.loaded))
         return info

@@ -12,7 +12,9 @@ parser.add_argument("--target", required=True, help="host:port of a TargetServic
 parser.add_argument("--drafter", default=None, help="host:port of a DrafterService (omit: target-only)")
 parser.add_argument("--host", default="127.0.0.1")
 parser.add_argument("--port", type=int, default=50051)
-parser.add_argument("--k", type=int, default=4, help="default speculative tokens per window")
+parser.add_argument("--k", type=int, default=None,
+                    help="requests' default speculative tokens per window (default: as mirrorspec serve picks for "
+                         "the drafters found: 8 for n-gram or a draft model with a confidence cut, else 4)")
 parser.add_argument("--adaptive", action="store_true", help="choose K per window in [0, K] from acceptance")
 parser.add_argument("--mirror", action="store_true",
                     help="by default, draft the next window while the target verifies (requests may override)")

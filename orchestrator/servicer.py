@@ -20,8 +20,8 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from mirrorspec.config import (AdaptiveKConfig, InvalidRequest, MirrorConfig, OutOfRange, SamplingParams,
-                               SpeculationConfig, check_address, check_port, check_shared_vocabulary)
+from mirrorspec.config import (DEFAULT_K, AdaptiveKConfig, InvalidRequest, MirrorConfig, OutOfRange, SamplingParams,
+                               SpeculationConfig, check_address, check_port, check_shared_vocabulary, default_k)
 from mirrorspec.drafting import Drafter, Proposal
 from mirrorspec.engine import GenerationStats, decode_windows, first_window_k, validate_prompt
 from mirrorspec.mirror import MirrorPipeline
@@ -55,7 +55,9 @@ class OrchestratorConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     tokenizer: str | None = None  # default: the target's own model source, if it has a tokenizer
-    num_speculative_tokens: int = 4
+    # requests' default K; None = what `mirrorspec serve` picks for the drafter pool it finds
+    # (config.default_k: 8 for an n-gram pool or a draft model with a confidence cut, else 4)
+    num_speculative_tokens: int | None = None
     max_speculative_tokens: int = 16
     default_max_new_tokens: int = 128
     max_concurrent_requests: int = 64
@@ -101,7 +103,7 @@ class OrchestratorConfig:
     def __post_init__(self) -> None:
         check_port(self.port)
         check_port(self.metrics_port, "metrics_port")
-        if not 0 <= self.num_speculative_tokens <= self.max_speculative_tokens:
+        if self.num_speculative_tokens is not None and not 0 <= self.num_speculative_tokens <= self.max_speculative_tokens:
             raise OutOfRange(f"num_speculative_tokens (K) must be in [0, {self.max_speculative_tokens}], got "
                              f"{self.num_speculative_tokens}", field="num_speculative_tokens")
         if self.speculation_off_above is not None and self.speculation_off_above < 0:
@@ -597,6 +599,18 @@ def check_drafter_vocabulary(drafter_info, target_vocab: int, tokenizer) -> None
         try_load_tokenizer(drafter_info.model.source), tokenizer, vocab))
 
 
+def with_drafters_default_k(config: OrchestratorConfig, drafter_info) -> OrchestratorConfig:
+    """``config`` with its default K settled: where it names none, the K `mirrorspec serve` gives
+    the same drafters, so a front door started on its own (``python -m orchestrator``, a Ray
+    stack) drafts as long a window as the CLI's would: an n-gram pool drafts 8, not 4."""
+    if config.num_speculative_tokens is not None:
+        return config
+    if drafter_info is None:
+        return replace(config, num_speculative_tokens=DEFAULT_K)
+    k = default_k(drafter_info.strategy == "draft-model", drafter_info.draft_confidence)
+    return replace(config, num_speculative_tokens=min(k, config.max_speculative_tokens))
+
+
 def drafter_vocabulary(drafter_info, target_vocab: int) -> int:
     """The ids a drafter pool's q rows span: its model's table, or the target's (n-gram)."""
     return int(drafter_info.model.vocab_size) if drafter_info.HasField("model") else target_vocab
@@ -616,6 +630,7 @@ async def serve(config: OrchestratorConfig):
     tokenizer = await asyncio.to_thread(try_load_tokenizer, config.tokenizer or target_info.model.source)
     if drafter_info is not None:
         await asyncio.to_thread(check_drafter_vocabulary, drafter_info, int(target_info.model.vocab_size), tokenizer)
+    config = with_drafters_default_k(config, drafter_info)
     metrics = SpecDecodeMetrics()
     if config.metrics_port is not None:
         metrics.serve(config.host, config.metrics_port)

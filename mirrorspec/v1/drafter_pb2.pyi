@@ -80,7 +80,7 @@ class DraftBranchesResponse(_message.Message):
     def __init__(self, drafts: _Optional[_Iterable[_Union[DraftResponse, _Mapping]]] = ..., draft_time_s: _Optional[float] = ..., forked: _Optional[bool] = ..., own_token: _Optional[int] = ...) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("strategy", "model", "open_sessions", "max_sessions", "proposal_top_k", "prompt_lookup", "step_cost")
+    __slots__ = ("strategy", "model", "open_sessions", "max_sessions", "proposal_top_k", "prompt_lookup", "step_cost", "draft_confidence")
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class DrafterInfo(_message.Message):
     PROPOSAL_TOP_K_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOOKUP_FIELD_NUMBER: _ClassVar[int]
     STEP_COST_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     strategy: str
     model: _common_pb2.ModelDescription
     open_sessions: int
@@ -95,4 +96,5 @@ class DrafterInfo(_message.Message):
     proposal_top_k: int
     prompt_lookup: int
     step_cost: float
-    def __init__(self, strategy: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelDescription, _Mapping]] = ..., open_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., proposal_top_k: _Optional[int] = ..., prompt_lookup: _Optional[int] = ..., step_cost: _Optional[float] = ...) -> None: ...
+    draft_confidence: float
+    def __init__(self, strategy: _Optional[str] = ..., model: _Optional[_Union[_common_pb2.ModelDescription, _Mapping]] = ..., open_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., proposal_top_k: _Optional[int] = ..., prompt_lookup: _Optional[int] = ..., step_cost: _Optional[float] = ..., draft_confidence: _Optional[float] = ...) -> None: ...

@@ -1027,6 +1027,42 @@ def test_a_front_door_address_that_is_not_host_port_is_refused_at_once(field, va
     assert err.value.field == field
 
 
+@pytest.mark.parametrize("drafter, k", [(dict(strategy="ngram"), 8), (dict(strategy="draft-model"), 4),
+                                         (dict(strategy="draft-model", draft_confidence=0.5), 8), (None, 4)],
+                         ids=["ngram", "draft-model", "draft-model-confident", "no-drafter"])
+def test_a_front_door_not_told_its_k_drafts_the_window_the_cli_would(tiny_dir, drafter, k):
+    """``python -m orchestrator`` and a Ray stack start a front door with no K of their own: it
+    takes the one ``mirrorspec serve`` picks (config.default_k) for the drafters it finds, which
+    now tell their confidence cut. Before, such a front door drafted 4 for an n-gram pool."""
+    from drafter_service.servicer import DrafterConfig
+    from mirrorspec.cli import start_local_stack
+    from mirrorspec.config import default_k
+    from target_service.servicer import TargetConfig
+
+    config = None if drafter is None else DrafterConfig(**drafter, model=str(tiny_dir["draft16"])
+                                                        if drafter["strategy"] == "draft-model" else None)
+    s = start_local_stack(TargetConfig(model=str(tiny_dir["target16"])), config, port=0)
+    try:
+        with Client(s.address) as client:
+            assert client.model_info().default_num_speculative_tokens == k
+            if config is not None:
+                assert k == default_k(config.strategy == "draft-model", config.draft_confidence)
+                stub = drafter_pb2_grpc.DrafterServiceStub(grpc.insecure_channel(f"127.0.0.1:{s.drafter.port}"))
+                assert stub.Info(common_pb2.InfoRequest()).draft_confidence == config.draft_confidence
+            prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12] * 2 + [1, 2, 3]  # a strong match, 8+ tokens long
+            served = client.generate(prompt, max_tokens=12)
+            assert served.token_ids == target_only(load(tiny_dir["target16"]), prompt, 12)
+            longest = len(served.stats.per_position_acceptance)  # the longest window's drafts
+            if config is None:
+                assert longest == 0
+            elif config.draft_confidence > 0:  # its windows end at the first unsure token
+                assert 1 <= longest <= k
+            else:  # the lookup matches 8+ tokens; the model drafts K whatever it believes
+                assert longest == k
+    finally:
+        s.stop()
+
+
 def test_a_front_door_refuses_a_drafter_whose_vocabulary_is_not_the_targets(stack, tiny_dir):
     from drafter_service.servicer import DrafterConfig
     from drafter_service.servicer import serve as serve_drafter
