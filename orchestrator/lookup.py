@@ -72,6 +72,10 @@ class FrontDoorNgram(NgramDrafter):
     def release(self) -> None:
         pass
 
+    def start_release(self) -> None:
+        """No replica session to close (``RemoteDrafter.start_release``)."""
+        return None
+
 
 def front_door_drafter(remote: RemoteDrafter | None) -> FrontDoorLookup | RemoteDrafter | None:
     """The request's drafter: lookup here in front of ``remote`` where it leaves lookup to us."""

@@ -9,6 +9,7 @@ another replica; the pool only says where to go, the callers in ``remote.py`` do
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -21,6 +22,8 @@ from mirrorspec.serving.errors import NoReplicaAvailable
 from mirrorspec.serving.server import BACKEND_CHANNEL_OPTIONS, health_status
 from mirrorspec.v1 import common_pb2
 from orchestrator.window_stream import Watchdog
+
+log = logging.getLogger(__name__)
 
 __all__ = ["NoReplicaAvailable", "Replica", "ReplicaPool", "parse_addresses"]
 
@@ -215,16 +218,30 @@ class ReplicaPool:
         there until the replicas' TTL, ten minutes, and a restarted front door found them full."""
         with self._changed:
             held, self._held = list(self._held), set()
-        closing = [replica.stub.CloseSession.future(common_pb2.CloseSessionRequest(session_id=session_id),
-                                                    timeout=timeout_s) for replica, session_id in held]
-        for call in closing:
-            try:
-                call.result()
-            except (grpc.RpcError, grpc.FutureCancelledError):  # down or hung: its TTL frees it
-                pass
+        settle(*(start_close(replica.stub, session_id, timeout_s) for replica, session_id in held))
 
     def __enter__(self) -> ReplicaPool:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def start_close(stub, session_id: str, timeout_s: float) -> grpc.Future:
+    """Closes a session on its replica without waiting for the answer: the call, under way. A
+    failure is logged (down or hung: the replica's TTL frees the session), never raised."""
+    call = stub.CloseSession.future(common_pb2.CloseSessionRequest(session_id=session_id), timeout=timeout_s)
+    call.add_done_callback(lambda done: done.code() != grpc.StatusCode.OK and log.info(
+        "closing session %s failed: %s", session_id, done.code().name))
+    return call
+
+
+def settle(*calls: grpc.Future | None) -> None:
+    """Waits for closes under way, all at once: several sessions cost one round trip, not one each."""
+    for call in calls:
+        if call is None:
+            continue
+        try:
+            call.result()
+        except (grpc.RpcError, grpc.FutureCancelledError):  # logged by start_close
+            pass

@@ -34,8 +34,8 @@ from mirrorspec.serving.convert import (
     ranked_from_proto,
     verdict_from_proto,
 )
-from mirrorspec.v1 import common_pb2, drafter_pb2, target_pb2
-from orchestrator.pool import NoReplicaAvailable, Replica, ReplicaPool
+from mirrorspec.v1 import drafter_pb2, target_pb2
+from orchestrator.pool import NoReplicaAvailable, Replica, ReplicaPool, settle, start_close
 from orchestrator.window_stream import WindowStream
 
 log = logging.getLogger(__name__)
@@ -244,18 +244,26 @@ class PooledSession:
     def let_go(self, wait: bool = True) -> None:
         """Close the session on its replica (without waiting for the answer, unless ``wait``) and
         hold none; ``open`` starts another."""
+        closing = self.start_letting_go()
+        if wait:
+            settle(closing)
+
+    def start_letting_go(self) -> grpc.Future | None:
+        """``let_go`` without the wait: the close, under way (None where no session is held)."""
         if self.replica is None:
-            return
+            return None
         self._close_stream()
         self.pool.let_go(self.replica, self.session_id)
         # drained: closing still frees its KV cache so the drain can finish
-        timeout = 5 if self.pool.is_member(self.replica) else 1
-        _close_quietly(self.replica.stub, self.session_id, timeout=timeout, wait=wait)
+        closing = start_close(self.replica.stub, self.session_id, 5 if self.pool.is_member(self.replica) else 1)
         self.pool.release(self.replica)
         self.replica = self.session_id = None
+        return closing
 
     def release(self) -> None:
         self.let_go()
+
+    start_release = start_letting_go  # the request is over: ``settle`` waits for several closes at once
 
 
 class PauseGate:
@@ -525,10 +533,14 @@ class RemoteDrafter(Drafter):
         return self.session.moves
 
     def release(self) -> None:
+        settle(self.start_release())
+
+    def start_release(self) -> grpc.Future | None:
+        """The request is over: its session closes (``settle`` waits for several at once), or,
+        where a reopen is under way, the reopen lets it go when it ends."""
         with self._lock:
             self._ended = True
-            if self._reopening is None:  # else the reopen lets its session go when it ends
-                self.session.release()
+            return self.session.start_release() if self._reopening is None else None
 
 
 class _DraftSession(PooledSession):
@@ -614,27 +626,9 @@ def _verdict_of(events, on_hint: Callable[[EarlyExitHint], None] | None) -> targ
     return verdict
 
 
-def _close_quietly(stub, session_id: str | None, timeout: float = 5, wait: bool = True) -> None:
-    if session_id is None:
-        return
-    request = common_pb2.CloseSessionRequest(session_id=session_id)
-    if not wait:
-        stub.CloseSession.future(request, timeout=timeout).add_done_callback(
-            lambda call: call.code() != grpc.StatusCode.OK and _log_close_failure(session_id, call))
-        return
-    try:
-        stub.CloseSession(request, timeout=timeout)
-    except grpc.RpcError as err:
-        _log_close_failure(session_id, err)
-
-
 class _Unresponsive(Exception):
     """A replica's open ran past ``probe_open_after_s`` and its health check went unanswered."""
 
 
 def _describe(err: Exception) -> str:
     return f"{err.code().name}: {err.details()}" if isinstance(err, grpc.RpcError) else str(err)
-
-
-def _log_close_failure(session_id: str, err: grpc.RpcError) -> None:
-    log.info("closing session %s failed: %s", session_id, err.code().name)

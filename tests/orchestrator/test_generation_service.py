@@ -1063,6 +1063,40 @@ def test_a_front_door_not_told_its_k_drafts_the_window_the_cli_would(tiny_dir, d
         s.stop()
 
 
+def test_a_finished_request_closes_its_target_and_drafter_sessions_at_once(tiny_dir, monkeypatch):
+    """The answer waits for both closes (a client that reads the replicas next finds the sessions
+    gone), and they go out together: one round trip, where the target's close was waited for
+    before the drafter's went. Here the target answers its close only once the drafter's has
+    arrived, or after 3 s, within the close's own 5 s deadline: in turn, the drafter's would
+    only go once the target's had answered."""
+    from drafter_service.servicer import DrafterServicer
+    from target_service.servicer import TargetServicer
+
+    drafter_closing = threading.Event()
+    target_saw_it = []
+    close_target, close_drafter = TargetServicer.CloseSession, DrafterServicer.CloseSession
+
+    async def target_close_waits_for_the_drafters(self, request, context):
+        target_saw_it.append(await asyncio.to_thread(drafter_closing.wait, 3))
+        return await close_target(self, request, context)
+
+    async def drafter_close_says_so(self, request, context):
+        drafter_closing.set()
+        return await close_drafter(self, request, context)
+
+    monkeypatch.setattr(TargetServicer, "CloseSession", target_close_waits_for_the_drafters)
+    monkeypatch.setattr(DrafterServicer, "CloseSession", drafter_close_says_so)
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"])
+    try:
+        with Client(s.address) as client:
+            served = client.generate([1, 2, 3, 4], max_tokens=8)
+        assert served.stats.drafted > 0 and not served.stats.drafter_fallback
+        assert target_saw_it == [True]
+        assert len(s.target.servicer.sessions) == 0 and len(s.drafter.servicer.sessions) == 0
+    finally:
+        s.stop()
+
+
 def test_a_front_door_refuses_a_drafter_whose_vocabulary_is_not_the_targets(stack, tiny_dir):
     from drafter_service.servicer import DrafterConfig
     from drafter_service.servicer import serve as serve_drafter
