@@ -480,7 +480,10 @@ def speculation_summary(stats) -> str:
     won = f", runner-up won {stats.runner_up_hits} windows" if stats.runner_up_hits else ""
     on_target = f", {stats.windows_on_target} of {stats.windows} windows run on the target" \
         if stats.windows_on_target else ""
-    return f"acceptance {stats.acceptance_rate:.2f}, {stats.mean_accepted_length:.2f} tokens/pass{won}{on_target}"
+    off = f", adaptive K drafted nothing in {stats.adaptive_off_windows} of {stats.windows} windows" \
+        if stats.adaptive_off_windows else ""
+    return (f"acceptance {stats.acceptance_rate:.2f}, {stats.mean_accepted_length:.2f} tokens/pass"
+            f"{won}{on_target}{off}")
 
 
 def _generate_remote(args: argparse.Namespace) -> int:

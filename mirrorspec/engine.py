@@ -172,6 +172,8 @@ class GenerationStats:
     runner_up_hits: int = 0  # windows whose first slot went to the drafter's runner-up
     committed: int = 0  # tokens the windows committed (a stop token cuts the window it falls in)
     windows_on_target: int = 0  # served: windows the target ran, asking the drafter itself
+    # windows adaptive K sent without drafts, speculation not paying there (probes excepted)
+    adaptive_off_windows: int = 0
     # the first window's verify, which prefills the prompt too: per-window costs leave it out
     first_verify_time_s: float = 0.0
     # (what, start, end) in perf_counter seconds, what = draft | verify | branches; None = not kept
@@ -303,7 +305,7 @@ def decode_windows(
 
     prefetch = None
     while True:
-        k = capped(policy.next_k() if policy else spec.num_speculative_tokens, produced)
+        k = capped(chosen_k(policy, stats) if policy else spec.num_speculative_tokens, produced)
         proposal = prefetch.take(last, k) if prefetch is not None else None
         stats.branch_hits += proposal is not None
         if prefetch is not None and prefetch.branches:
@@ -349,6 +351,13 @@ def decode_windows(
         yield WindowEvent(tokens, len(proposal), verdict.num_accepted, verdict.next_kind, finish)
         if finish:
             return
+
+
+def chosen_k(policy: AdaptiveK, stats: GenerationStats) -> int:
+    """The next window's K by adaptive K, counted in ``stats`` where it switched drafting off."""
+    k = policy.next_k()
+    stats.adaptive_off_windows += k == 0
+    return k
 
 
 def window_tokens(verdict: WindowVerdict, proposal: Proposal, stop: Collection[int], produced: int,

@@ -23,7 +23,7 @@ import grpc
 from mirrorspec.adaptive import AdaptiveK
 from mirrorspec.config import MirrorConfig, SamplingParams, SpeculationConfig
 from mirrorspec.drafting import Drafter
-from mirrorspec.engine import GenerationStats, WindowEvent, cut_at_stop, decode_windows, window_policy
+from mirrorspec.engine import GenerationStats, WindowEvent, chosen_k, cut_at_stop, decode_windows, window_policy
 from mirrorspec.models import common_prefix_length
 from mirrorspec.serving.convert import adaptive_to_proto, verdict_from_proto
 from mirrorspec.v1 import target_pb2
@@ -187,7 +187,7 @@ def _run(remote: RemoteDrafter, verifier: RemoteVerifier, context: list[int], pa
             tokens, finish = cut_at_stop(list(result.tokens), stop, produced, params.max_new_tokens)
             verdict = verdict_from_proto(result.verdict)
             if policy:
-                policy.next_k()
+                chosen_k(policy, stats)  # the K the run chose for this window: the copy here follows it
                 policy.observe(result.num_drafted, verdict.drafts_accepted)
             stats.draft_time_s += result.draft_call_s
             stats.record_window(result.num_drafted, verdict, len(tokens), result.verdict.verify_time_s)

@@ -46,6 +46,9 @@ class SpecDecodeMetrics:
         self.paused_windows = Counter("mirrorspec_speculation_paused_windows",
                                       "Windows sent without drafts because too many requests were in flight",
                                       registry=r)
+        self.adaptive_off_windows = Counter("mirrorspec_adaptive_off_windows",
+                                            "Windows adaptive K sent without drafts: speculation did not pay",
+                                            registry=r)
         self.generation_tokens = Counter("mirrorspec_generation_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram("mirrorspec_time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=LATENCY_BUCKETS_S)
@@ -68,6 +71,7 @@ class SpecDecodeMetrics:
         self.mirror_windows.inc(s.mirror_windows)
         self.branch_hits.inc(s.branch_hits)
         self.paused_windows.inc(outcome.paused_windows)
+        self.adaptive_off_windows.inc(s.adaptive_off_windows)
         self.generation_tokens.inc(len(outcome.tokens))
         total = time.perf_counter() - outcome.started
         self.e2e.observe(total)

@@ -526,7 +526,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             branch_hit_rate=s.branch_hit_rate, draft_time_off_path_s=s.draft_time_off_path_s,
             mean_k=s.drafted / s.windows if s.windows else 0.0, speculation_paused_windows=outcome.paused_windows,
             runner_up_hits=s.runner_up_hits, windows_on_target=s.windows_on_target,
-            first_verify_time_s=s.first_verify_time_s,
+            first_verify_time_s=s.first_verify_time_s, adaptive_off_windows=s.adaptive_off_windows,
             timeline=[generation_pb2.TimelineSpan(what=what, start_s=start - outcome.started,
                                                   end_s=end - outcome.started) for what, start, end in s.timeline or ()],
             total_time_s=time.perf_counter() - outcome.started)

@@ -114,6 +114,13 @@ def test_a_useless_drafter_is_switched_off(tiny_target):
     assert result.stats.accepted == 0
     assert result.stats.drafted < 0.5 * 4 * result.stats.windows
     assert len(drafter.ks) < result.stats.windows / 2  # most windows were plain target steps
+    # and the stats say why: adaptive K switched drafting off in every window the drafter was not
+    # asked for, but perhaps the last, whose K the token budget cut to 0
+    undrafted = result.stats.windows - len(drafter.ks)
+    assert undrafted - 1 <= result.stats.adaptive_off_windows <= undrafted
+    fixed = generate(tiny_target, WrongDrafter(tiny_target), [0, 3, 5], SamplingParams(max_new_tokens=60),
+                     num_speculative_tokens=4)
+    assert fixed.stats.adaptive_off_windows == 0
 
 
 def test_free_drafters_get_longer_windows_than_model_drafters():

@@ -562,7 +562,7 @@ def test_demo_runs_the_shipped_draft_beside_the_target():
     assert "held-out top-1 agreement" in out.stdout
 
 
-def test_the_summary_line_names_runner_up_wins_and_windows_on_the_target_where_there_were_any():
+def test_the_summary_line_names_runner_up_wins_windows_on_the_target_and_adaptive_off_where_there_were_any():
     """One summary for in-process stats and a server's RequestStats alike."""
     from mirrorspec.cli import speculation_summary
     from mirrorspec.engine import GenerationStats
@@ -576,6 +576,11 @@ def test_the_summary_line_names_runner_up_wins_and_windows_on_the_target_where_t
     on_target = generation_pb2.RequestStats(acceptance_rate=0.5, mean_accepted_length=2.0, windows=9,
                                             windows_on_target=7)
     assert speculation_summary(on_target) == "acceptance 0.50, 2.00 tokens/pass, 7 of 9 windows run on the target"
+    switched_off = GenerationStats(windows=10, drafted=4, accepted=2, adaptive_off_windows=6)
+    assert speculation_summary(switched_off).endswith("tokens/pass, adaptive K drafted nothing in 6 of 10 windows")
+    served_off = generation_pb2.RequestStats(acceptance_rate=0.5, mean_accepted_length=2.0, windows=10,
+                                             adaptive_off_windows=6)
+    assert speculation_summary(served_off).endswith(", adaptive K drafted nothing in 6 of 10 windows")
 
 
 def test_a_termination_signal_while_a_deployment_starts_interrupts_it_like_ctrl_c():

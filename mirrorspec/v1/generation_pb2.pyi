@@ -52,7 +52,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., raw_text: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_speculative_tokens: _Optional[int] = ..., mirror: _Optional[bool] = ..., timeline: _Optional[bool] = ...) -> None: ...
 
 class RequestStats(_message.Message):
-    __slots__ = ("windows", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "per_position_acceptance", "draft_time_s", "verify_time_s", "network_time_s", "drafter_fallback", "time_to_first_token_s", "total_time_s", "rejected", "token_acceptance_rate", "target_moves", "drafter_moves", "mirror_windows", "branches_drafted", "branch_hits", "branch_hit_rate", "draft_time_off_path_s", "mean_k", "timeline", "speculation_paused_windows", "runner_up_hits", "windows_on_target", "first_verify_time_s")
+    __slots__ = ("windows", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "per_position_acceptance", "draft_time_s", "verify_time_s", "network_time_s", "drafter_fallback", "time_to_first_token_s", "total_time_s", "rejected", "token_acceptance_rate", "target_moves", "drafter_moves", "mirror_windows", "branches_drafted", "branch_hits", "branch_hit_rate", "draft_time_off_path_s", "mean_k", "timeline", "speculation_paused_windows", "runner_up_hits", "windows_on_target", "first_verify_time_s", "adaptive_off_windows")
     WINDOWS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class RequestStats(_message.Message):
     RUNNER_UP_HITS_FIELD_NUMBER: _ClassVar[int]
     WINDOWS_ON_TARGET_FIELD_NUMBER: _ClassVar[int]
     FIRST_VERIFY_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_OFF_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     windows: int
     drafted: int
     accepted: int
@@ -107,7 +108,8 @@ class RequestStats(_message.Message):
     runner_up_hits: int
     windows_on_target: int
     first_verify_time_s: float
-    def __init__(self, windows: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., per_position_acceptance: _Optional[_Iterable[float]] = ..., draft_time_s: _Optional[float] = ..., verify_time_s: _Optional[float] = ..., network_time_s: _Optional[float] = ..., drafter_fallback: _Optional[bool] = ..., time_to_first_token_s: _Optional[float] = ..., total_time_s: _Optional[float] = ..., rejected: _Optional[int] = ..., token_acceptance_rate: _Optional[float] = ..., target_moves: _Optional[int] = ..., drafter_moves: _Optional[int] = ..., mirror_windows: _Optional[int] = ..., branches_drafted: _Optional[int] = ..., branch_hits: _Optional[int] = ..., branch_hit_rate: _Optional[float] = ..., draft_time_off_path_s: _Optional[float] = ..., mean_k: _Optional[float] = ..., timeline: _Optional[_Iterable[_Union[TimelineSpan, _Mapping]]] = ..., speculation_paused_windows: _Optional[int] = ..., runner_up_hits: _Optional[int] = ..., windows_on_target: _Optional[int] = ..., first_verify_time_s: _Optional[float] = ...) -> None: ...
+    adaptive_off_windows: int
+    def __init__(self, windows: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., per_position_acceptance: _Optional[_Iterable[float]] = ..., draft_time_s: _Optional[float] = ..., verify_time_s: _Optional[float] = ..., network_time_s: _Optional[float] = ..., drafter_fallback: _Optional[bool] = ..., time_to_first_token_s: _Optional[float] = ..., total_time_s: _Optional[float] = ..., rejected: _Optional[int] = ..., token_acceptance_rate: _Optional[float] = ..., target_moves: _Optional[int] = ..., drafter_moves: _Optional[int] = ..., mirror_windows: _Optional[int] = ..., branches_drafted: _Optional[int] = ..., branch_hits: _Optional[int] = ..., branch_hit_rate: _Optional[float] = ..., draft_time_off_path_s: _Optional[float] = ..., mean_k: _Optional[float] = ..., timeline: _Optional[_Iterable[_Union[TimelineSpan, _Mapping]]] = ..., speculation_paused_windows: _Optional[int] = ..., runner_up_hits: _Optional[int] = ..., windows_on_target: _Optional[int] = ..., first_verify_time_s: _Optional[float] = ..., adaptive_off_windows: _Optional[int] = ...) -> None: ...
 
 class TimelineSpan(_message.Message):
     __slots__ = ("what", "start_s", "end_s")

@@ -14,7 +14,7 @@ from mirrorspec.serving.server import BackgroundServer, Service, start_grpc_serv
 from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from orchestrator.remote import replica_step_cost
 from served_stack import start_stack
-from support import load
+from support import load, load_as_served_draft
 
 K, TOP_K, PROMPT, MAX_TOKENS = 4, 4, [0, 3, 5, 2], 40
 
@@ -68,3 +68,25 @@ def test_served_adaptive_k_drafts_as_the_engine_does_with_the_same_int8_drafter(
     assert served.token_ids == list(generate(target, None, PROMPT, params).token_ids)
     assert (served.stats.drafted, served.stats.windows) == (engine.drafted, engine.windows)
 
+
+def test_windows_adaptive_k_sent_without_drafts_are_counted_at_the_front_door_as_in_process(tiny_dir,
+                                                                                            near_draft16_dir):
+    """RequestStats.adaptive_off_windows: the windows where speculation did not pay, so adaptive
+    K drafted nothing (K swings over [0, 4] on the near draft, priced at 0.2 a step)."""
+    adaptive = AdaptiveKConfig(draft_cost=0.2, probe_every=8)
+    target, draft = load(tiny_dir["target16"]), load_as_served_draft(near_draft16_dir)
+    stack = start_stack(tiny_dir["target16"], near_draft16_dir, proposal_top_k=TOP_K, k=K, adaptive=adaptive)
+    switched_off = 0
+    try:
+        with Client(stack.address) as client:
+            for seed in (1, 2, 3):
+                served = client.generate(PROMPT, max_tokens=MAX_TOKENS, temperature=1.0, seed=seed)
+                engine = generate(target, draft, PROMPT, SamplingParams(temperature=1.0, max_new_tokens=MAX_TOKENS),
+                                  num_speculative_tokens=K, seed=seed, proposal_top_k=TOP_K, adaptive=adaptive)
+                assert served.token_ids == engine.token_ids and served.stats.windows_on_target == 0
+                assert served.stats.adaptive_off_windows == engine.stats.adaptive_off_windows
+                switched_off += served.stats.adaptive_off_windows
+            assert stack.front.servicer.metrics.adaptive_off_windows._value.get() == switched_off
+    finally:
+        stack.stop()
+    assert switched_off > 0

@@ -129,24 +129,29 @@ def test_adaptive_k_on_the_target_chooses_each_window_s_k_as_the_engine_does(tin
     model, draft = load(tiny_dir["target16"]), load_as_served_draft(near_draft16_dir)
     s = start_stack(tiny_dir["target16"], near_draft16_dir, k=4, windows_on_target=True, adaptive=ADAPTIVE,
                     mirror=MirrorConfig() if mirror else None)
-    drafted = windows = hits = branched = 0
+    drafted = windows = hits = branched = switched_off = 0
     try:
         with Client(s.address) as client:
             for prompt in prompts(3, seed=7):
                 greedy = client.generate(prompt, max_tokens=40)
                 assert list(greedy.token_ids) == target_only(model, prompt, 40)
+                switched_off += greedy.stats.adaptive_off_windows
                 for seed in (1, 2):
                     served = client.generate(prompt, max_tokens=40, temperature=1.0, seed=seed)
                     expected = adaptive_in_process(model, draft, prompt, seed)
                     assert list(served.token_ids) == expected.token_ids
                     st = served.stats
                     assert (st.drafted, st.windows) == (expected.stats.drafted, expected.stats.windows)
+                    assert st.adaptive_off_windows == expected.stats.adaptive_off_windows
+                    switched_off += st.adaptive_off_windows
                     assert st.windows_on_target == st.windows
                     drafted, windows = drafted + st.drafted, windows + st.windows
                     hits, branched = hits + st.branch_hits, branched + st.mirror_windows
+        assert s.front.servicer.metrics.adaptive_off_windows._value.get() == switched_off
     finally:
         s.stop()
     assert 0 < drafted < 3 * windows  # K varied: a fixed K=4 drafts ~4 per window
+    assert switched_off > 0  # some windows went without drafts, and the front door counted them
     assert (hits > 0 and branched > 0) == mirror
 
 
