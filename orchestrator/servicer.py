@@ -604,9 +604,8 @@ def with_drafters_default_k(config: OrchestratorConfig, drafter_info) -> Orchest
     stack) drafts as long a window as the CLI's would: an n-gram pool drafts 8, not 4."""
     if config.num_speculative_tokens is not None:
         return config
-    if drafter_info is None:
-        return replace(config, num_speculative_tokens=DEFAULT_K)
-    k = default_k(drafter_info.strategy == "draft-model", drafter_info.draft_confidence)
+    k = DEFAULT_K if drafter_info is None else default_k(drafter_info.strategy == "draft-model",
+                                                         drafter_info.draft_confidence)
     return replace(config, num_speculative_tokens=min(k, config.max_speculative_tokens))
 
 
