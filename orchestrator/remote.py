@@ -245,25 +245,49 @@ class PooledSession:
         """Close the session on its replica (without waiting for the answer, unless ``wait``) and
         hold none; ``open`` starts another."""
         closing = self.start_letting_go()
+        if closing is None:
+            return
         if wait:
-            settle(closing)
+            finish_closing(closing)
+        else:
+            closing.pool.release(closing.replica)
 
-    def start_letting_go(self) -> grpc.Future | None:
-        """``let_go`` without the wait: the close, under way (None where no session is held)."""
+    def start_letting_go(self) -> SessionClose | None:
+        """``let_go`` without the wait: the close, under way (None where no session is held). The
+        replica stays in use until ``finish_closing`` has its answer."""
         if self.replica is None:
             return None
         self._close_stream()
         self.pool.let_go(self.replica, self.session_id)
         # drained: closing still frees its KV cache so the drain can finish
-        closing = start_close(self.replica.stub, self.session_id, 5 if self.pool.is_member(self.replica) else 1)
-        self.pool.release(self.replica)
+        call = start_close(self.replica.stub, self.session_id, 5 if self.pool.is_member(self.replica) else 1)
+        closing = SessionClose(call, self.pool, self.replica)
         self.replica = self.session_id = None
         return closing
 
     def release(self) -> None:
         self.let_go()
 
-    start_release = start_letting_go  # the request is over: ``settle`` waits for several closes at once
+    start_release = start_letting_go  # the request is over: ``finish_closing`` waits for several at once
+
+
+@dataclass
+class SessionClose:
+    """A session's close under way. Its replica stays in use until the close is answered: a
+    retired replica's channel closes once its last user lets go, and would cancel the close."""
+
+    call: grpc.Future
+    pool: ReplicaPool
+    replica: Replica
+
+
+def finish_closing(*closes: SessionClose | None) -> None:
+    """Waits for closes under way, all at once (several sessions cost one round trip, not one
+    each), then lets their replicas go."""
+    under_way = [c for c in closes if c is not None]
+    settle(*(c.call for c in under_way))
+    for closing in under_way:
+        closing.pool.release(closing.replica)
 
 
 class PauseGate:
@@ -533,10 +557,10 @@ class RemoteDrafter(Drafter):
         return self.session.moves
 
     def release(self) -> None:
-        settle(self.start_release())
+        finish_closing(self.start_release())
 
-    def start_release(self) -> grpc.Future | None:
-        """The request is over: its session closes (``settle`` waits for several at once), or,
+    def start_release(self) -> SessionClose | None:
+        """The request is over: its session closes (``finish_closing`` waits for several at once), or,
         where a reopen is under way, the reopen lets it go when it ends."""
         with self._lock:
             self._ended = True

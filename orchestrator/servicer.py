@@ -42,8 +42,8 @@ from mirrorspec.v1 import (
 from orchestrator.direct import TargetReach, windows_on_target
 from orchestrator.lookup import FrontDoorNgram, front_door_drafter, looks_up_whole_window
 from orchestrator.metrics import SpecDecodeMetrics
-from orchestrator.pool import NoReplicaAvailable, ReplicaPool, parse_addresses, settle
-from orchestrator.remote import RemoteDrafter, RemoteVerifier, replica_step_cost
+from orchestrator.pool import NoReplicaAvailable, ReplicaPool, parse_addresses
+from orchestrator.remote import RemoteDrafter, RemoteVerifier, finish_closing, replica_step_cost
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,8 @@ class OrchestratorConfig:
     def __post_init__(self) -> None:
         check_port(self.port)
         check_port(self.metrics_port, "metrics_port")
-        if self.num_speculative_tokens is not None and not 0 <= self.num_speculative_tokens <= self.max_speculative_tokens:
+        k = self.num_speculative_tokens
+        if k is not None and not 0 <= k <= self.max_speculative_tokens:
             raise OutOfRange(f"num_speculative_tokens (K) must be in [0, {self.max_speculative_tokens}], got "
                              f"{self.num_speculative_tokens}", field="num_speculative_tokens")
         if self.speculation_off_above is not None and self.speculation_off_above < 0:
@@ -415,7 +416,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if pipeline is not None:
                 pipeline.close()
             # both close at once: the answer waits one round trip for them, not two
-            settle(verifier.start_release(), remote.start_release() if remote is not None else None)
+            finish_closing(verifier.start_release(), remote.start_release() if remote is not None else None)
 
     def _open_drafter(self, prepared: PreparedRequest, timeout: float) -> OpenedDrafter | None:
         """The request's drafter session, and its first window drafted ahead: this runs while the
