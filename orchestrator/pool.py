@@ -236,11 +236,9 @@ def start_close(stub, session_id: str, timeout_s: float) -> grpc.Future:
     return call
 
 
-def settle(*calls: grpc.Future | None) -> None:
+def settle(*calls: grpc.Future) -> None:
     """Waits for closes under way, all at once: several sessions cost one round trip, not one each."""
     for call in calls:
-        if call is None:
-            continue
         try:
             call.result()
         except (grpc.RpcError, grpc.FutureCancelledError):  # logged by start_close
