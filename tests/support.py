@@ -181,12 +181,14 @@ def chi_square_pvalue(samples: Sequence[tuple[int, ...]], expected: dict[tuple[i
     return float(stats.chisquare(observed, wanted).pvalue)
 
 
-def wait_until(condition, timeout: float = 10.0, every: float = 0.05) -> bool:
-    """Poll ``condition`` until it holds (True) or ``timeout`` seconds pass (False)."""
+def wait_until(condition, timeout: float = 10.0, every: float = 0.05):
+    """Poll ``condition`` until it holds, and return what it returned then (falsy once ``timeout``
+    seconds pass). Use that value rather than asking again: state a test waits on can change
+    between two reads (a replica seen busy has finished its request by the next status call)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if condition():
-            return True
+        if found := condition():
+            return found
         time.sleep(every)
     return False
 

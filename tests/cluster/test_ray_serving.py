@@ -167,8 +167,9 @@ def kill_holder(controller, pool):
     """Kill the actor of the ``pool`` replica that holds a session right now (as a node failure would)."""
     def busy():
         return [r for r in rows(controller, pool) if r["state"] == "serving" and r["sessions"]]
-    assert wait_until(lambda: busy(), timeout=30, every=0.05)
-    victim = busy()[0]["replica"]
+    holders = wait_until(busy, timeout=30, every=0.05)
+    assert holders
+    victim = holders[0]["replica"]
     ray.kill(ray.get_actor(f"mirrorspec-{victim}-rank0", namespace=CONTROLLER_NAMESPACE), no_restart=True)
     return victim
 
@@ -337,8 +338,10 @@ def test_calls_a_dying_controller_was_running_are_retried_to_the_same_effect(clu
         with Client(address) as client:
             worker = threading.Thread(target=lambda: client.generate([3, 1, 4, 1, 5], max_tokens=120))
             worker.start()
-            assert wait_until(lambda: any(r["sessions"] for r in rows(controller, "target")), timeout=30, every=0.05)
-            (busy,) = [r["replica"] for r in rows(controller, "target") if r["sessions"]]
+            holders = wait_until(lambda: [r["replica"] for r in rows(controller, "target") if r["sessions"]],
+                                 timeout=30, every=0.05)
+            assert holders
+            (busy,) = holders
             drained = controller.drain.remote(busy)
             time.sleep(0.05)
             ray.kill(controller, no_restart=False)
