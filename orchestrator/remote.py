@@ -249,8 +249,10 @@ class PooledSession:
             return
         if wait:
             finish_closing(closing)
-        else:
-            closing.pool.release(closing.replica)
+        else:  # the replica stays in use until the answer: a thread of its own waits for it, not
+            # the call's done-callback, which runs on the channel's own thread and would close
+            # that channel from it where the replica is retired
+            threading.Thread(target=finish_closing, args=(closing,), name="session-close", daemon=True).start()
 
     def start_letting_go(self) -> SessionClose | None:
         """``let_go`` without the wait: the close, under way (None where no session is held). The

@@ -136,6 +136,46 @@ def test_a_session_reopened_after_the_request_ended_is_closed(tiny_dir):
         server.stop()
 
 
+class SlowClosingDrafter(drafter_pb2_grpc.DrafterServiceServicer):
+    """Its close takes effect a while after the call arrives (as a close queued behind another
+    request's forward on a busy compute lane does), and not at all where the call is cancelled."""
+
+    def __init__(self):
+        self.closed: list[str] = []
+
+    async def OpenSession(self, request, context):
+        return drafter_pb2.OpenDraftSessionResponse(session_id="s1")
+
+    async def CloseSession(self, request, context):
+        await asyncio.sleep(0.3)
+        self.closed.append(request.session_id)
+        return common_pb2.CloseSessionResponse()
+
+
+@pytest.mark.parametrize("wait", [True, False], ids=["request end", "without waiting"])
+def test_a_session_let_go_on_a_drained_replica_is_closed_there(wait):
+    """A drained replica's channel closes when its last user lets it go, and that cancels a close
+    still on its way, leaving the session there until the replica's TTL (and a drain waiting on it
+    for its whole timeout). So the replica is let go only once the close is answered: at a
+    request's end (released at once in 4672599; the drain test caught it 4 runs in 6), and where
+    drafting turns off after a failure and lets its session go without waiting (the replica may
+    hang), which released at once until this test."""
+    servicer = SlowClosingDrafter()
+    server = BackgroundServer(lambda: start_grpc_server([Service(drafter_pb2_grpc.add_DrafterServiceServicer_to_server,
+                                                                 servicer, "mirrorspec.v1.DrafterService")],
+                                                        "127.0.0.1", 0)).start()
+    pool = ReplicaPool("drafter", [address(server)], drafter_pb2_grpc.DrafterServiceStub)
+    try:
+        remote = RemoteDrafter(pool, [1, 4, 4], PARAMS, 0, 16, timeout_s=30)
+        assert not remote.fell_back
+        pool.set_members([])  # drained: retired, its channel kept while the session is held
+        remote.session.let_go(wait=wait)
+        assert wait_until(lambda: servicer.closed == ["s1"], timeout=5)
+    finally:
+        pool.close()
+        server.stop()
+
+
 @pytest.mark.parametrize("mirror", [False, True], ids=["serial", "mirror"])
 def test_a_drafter_that_fails_a_call_mid_request_drafts_again_and_changes_nothing(tiny_dir, monkeypatch, mirror):
     """Its second answer fails (INTERNAL): the request goes on target-only, and drafts again once
