@@ -247,7 +247,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def ModelInfo(self, request, context):
         info = generation_pb2.ModelInfoResponse(
             target=self.target_info.model, drafter_strategy=self.drafter_info.strategy if self.drafter_info else "none",
-            default_num_speculative_tokens=self.config.num_speculative_tokens,
+            default_num_speculative_tokens=drafters_default_k(self.config, self.drafter_info),
             max_speculative_tokens=self.config.max_speculative_tokens)
         if self.drafter_info is not None and self.drafter_info.HasField("model"):
             info.draft.CopyFrom(self.drafter_info.model)
@@ -272,7 +272,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         params = params_from_proto(request.params, default_max_new_tokens=self.config.default_max_new_tokens)
         params = replace(params, stop_token_ids=tuple(sorted(set(params.stop_token_ids) | set(self.eos_ids))))
         k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") \
-            else self.config.num_speculative_tokens
+            else drafters_default_k(self.config, self.drafter_info)
         spec = SpeculationConfig(num_speculative_tokens=int(k), max_speculative_tokens=self.config.max_speculative_tokens,
                                  adaptive=self.config.adaptive)
         if any(not s for s in request.stop):
@@ -599,15 +599,17 @@ def check_drafter_vocabulary(drafter_info, target_vocab: int, tokenizer) -> None
         try_load_tokenizer(drafter_info.model.source), tokenizer, vocab))
 
 
-def with_drafters_default_k(config: OrchestratorConfig, drafter_info) -> OrchestratorConfig:
-    """``config`` with its default K settled: where it names none, the K `mirrorspec serve` gives
-    the same drafters, so a front door started on its own (``python -m orchestrator``, a Ray
-    stack) drafts as long a window as the CLI's would: an n-gram pool drafts 8, not 4."""
+def drafters_default_k(config: OrchestratorConfig, drafter_info) -> int:
+    """The K a request that names none drafts: the config's, or where it names none, the one
+    `mirrorspec serve` gives the same drafters, so a front door started on its own
+    (``python -m orchestrator``, a Ray stack) drafts as long a window as the CLI's would: an
+    n-gram pool drafts 8, not 4. Asked per request, not settled at start: a front door started
+    with no drafter (a Ray stack scaled up from none) kept 4 for the pool it was given later."""
     if config.num_speculative_tokens is not None:
-        return config
+        return config.num_speculative_tokens
     k = DEFAULT_K if drafter_info is None else default_k(drafter_info.strategy == "draft-model",
                                                          drafter_info.draft_confidence)
-    return replace(config, num_speculative_tokens=min(k, config.max_speculative_tokens))
+    return min(k, config.max_speculative_tokens)
 
 
 def drafter_vocabulary(drafter_info, target_vocab: int) -> int:
@@ -629,7 +631,6 @@ async def serve(config: OrchestratorConfig):
     tokenizer = await asyncio.to_thread(try_load_tokenizer, config.tokenizer or target_info.model.source)
     if drafter_info is not None:
         await asyncio.to_thread(check_drafter_vocabulary, drafter_info, int(target_info.model.vocab_size), tokenizer)
-    config = with_drafters_default_k(config, drafter_info)
     metrics = SpecDecodeMetrics()
     if config.metrics_port is not None:
         metrics.serve(config.host, config.metrics_port)

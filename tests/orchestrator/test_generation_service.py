@@ -1063,6 +1063,33 @@ def test_a_front_door_not_told_its_k_drafts_the_window_the_cli_would(tiny_dir, d
         s.stop()
 
 
+def test_a_front_door_started_with_no_drafter_takes_the_k_of_the_pool_it_is_given_later(tiny_dir):
+    """A Ray stack scaled up from no drafter: the front door settled its K (4) once, at start,
+    and kept it when an n-gram pool came, which then drafted 4-token windows for good. It now
+    follows the drafters once one has described itself (the first request after they come)."""
+    from drafter_service.servicer import DrafterConfig
+    from drafter_service.servicer import serve as serve_drafter
+    from mirrorspec.cli import start_local_stack
+    from mirrorspec.serving.server import BackgroundServer
+    from target_service.servicer import TargetConfig
+
+    s = start_local_stack(TargetConfig(model=str(tiny_dir["target16"])), None, port=0)
+    ngram = BackgroundServer(lambda: serve_drafter(DrafterConfig(strategy="ngram")), "drafter").start()
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12] * 2 + [1, 2, 3]  # a strong match, 8+ tokens long
+    try:
+        with Client(s.address) as client:
+            assert client.model_info().default_num_speculative_tokens == 4
+            s.front.servicer.drafters.set_members([f"127.0.0.1:{ngram.port}"])
+            client.generate(prompt, max_tokens=4)  # its drafter describes itself
+            assert client.model_info().default_num_speculative_tokens == 8
+            served = client.generate(prompt, max_tokens=12)
+            assert served.token_ids == target_only(load(tiny_dir["target16"]), prompt, 12)
+            assert len(served.stats.per_position_acceptance) == 8  # the longest window drafted 8
+    finally:
+        s.stop()
+        ngram.stop()
+
+
 def test_a_finished_request_closes_its_target_and_drafter_sessions_at_once(tiny_dir, monkeypatch):
     """The answer waits for both closes (a client that reads the replicas next finds the sessions
     gone), and they go out together: one round trip, where the target's close was waited for
