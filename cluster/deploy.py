@@ -34,11 +34,29 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> None:
                                  f"`mirrorspec serve` starts a local one, `ray start --head` or "
                                  f"`ray up cluster/<config>.yaml` a real one", field="address") from None
         return
-    cpus = num_cpus or len(os.sched_getaffinity(0))
-    # "local": a Ray of our own even where RAY_ADDRESS is set or `ray start` runs one here (ray.init
-    # would join that one, and refuse num_cpus with a traceback)
-    ray.init(address="local", num_cpus=cpus, resources={pool: cpus for pool in POOLS}, include_dashboard=False,
-             namespace=CONTROLLER_NAMESPACE, log_to_driver=False, logging_level=logging.ERROR)
+    _start_local_ray(num_cpus or len(os.sched_getaffinity(0)))
+
+
+LOCAL_RAY_TRIES = 2
+
+
+def _start_local_ray(cpus: int) -> None:
+    """"local": a Ray of our own even where RAY_ADDRESS is set or `ray start` runs one here (ray.init
+    would join that one, and refuse num_cpus with a traceback). Ray gives a new node's raylet a
+    fixed 30 s to register and then fails the start with a bare Exception; on a loaded 2-core
+    machine it once missed that (CI of stop 55), so one more start, on fresh ports, is tried
+    before the user sees it. Any other failure is raised at once."""
+    for attempt in range(1, LOCAL_RAY_TRIES + 1):
+        try:
+            ray.init(address="local", num_cpus=cpus, resources={pool: cpus for pool in POOLS},
+                     include_dashboard=False, namespace=CONTROLLER_NAMESPACE, log_to_driver=False,
+                     logging_level=logging.ERROR)
+            return
+        except Exception as err:
+            if attempt == LOCAL_RAY_TRIES or "timed out during startup" not in str(err):
+                raise
+            logging.getLogger(__name__).warning("the local Ray did not start (%s); starting it again", err)
+            ray.shutdown()
 
 
 class AutoFindsASilentRay(InvalidRequest):
