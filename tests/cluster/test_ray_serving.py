@@ -63,12 +63,13 @@ def front_door_drafters(front) -> set[str]:
     return set(ray.get(front.stats.remote(), timeout=30)["load"]["drafter"])
 
 
-def replaced(controller, pool: str, victim: str) -> bool:
-    """Whether ``pool`` is back to one serving replica, not ``victim``: read from one status call.
-    Two calls (the states from one, the names from the next) let the first still see the victim
-    serving and the second see it forgotten with its replacement not launched yet (CI of stop 54)."""
+def replaced(controller, pool: str, victim: str) -> list[dict]:
+    """``pool``'s rows where it is back to one serving replica, not ``victim`` (else none): read
+    from one status call. Two calls (the states from one, the names from the next) let the first
+    still see the victim serving and the second see it forgotten with its replacement not launched
+    yet (CI of stop 54)."""
     now = rows(controller, pool)
-    return [r["state"] for r in now] == ["serving"] and victim not in {r["replica"] for r in now}
+    return now if [r["state"] for r in now] == ["serving"] and victim not in {r["replica"] for r in now} else []
 
 
 def test_greedy_output_through_ray_actors_is_identical_to_target_only(deployment, reference):
@@ -196,14 +197,15 @@ def test_a_replica_whose_server_stopped_while_its_actor_lives_is_replaced(deploy
     controller, address = deployment
     (victim,) = [r["replica"] for r in rows(controller, "drafter") if r["state"] == "serving"]
     ray.get(ray.get_actor(f"mirrorspec-{victim}-rank0", namespace=CONTROLLER_NAMESPACE).stop.remote(), timeout=30)
-    assert wait_until(lambda: replaced(controller, "drafter", victim), timeout=120, every=0.25)
+    replacement = wait_until(lambda: replaced(controller, "drafter", victim), timeout=120, every=0.25)
+    assert replacement
     # the controller calls the replacement serving a long-poll round trip before the front door
     # routes to it: a request sent in between went without drafts (CI of stop 50). In stop 51 the
     # request still found the front door's drafter pool empty after the controller said it was
     # current, and in stop 54 the addresses read below were a replica still starting: both fit the
     # two-call race ``replaced`` now closes (the wait passed before the replacement served). The
-    # front door's own pool is still checked, against the controller's serving addresses as they are
-    (serving,) = [r["address"] for r in rows(controller, "drafter") if r["state"] == "serving"]
+    # front door's own pool is still checked, against the replacement's address
+    serving = replacement[0]["address"]
     assert wait_until(lambda: front_door_routes_current_membership(controller), timeout=30, every=0.05)
     front = ray.get_actor("mirrorspec-front-door", namespace=CONTROLLER_NAMESPACE)
     assert wait_until(lambda: front_door_drafters(front) == {serving}, timeout=30, every=0.05), \
