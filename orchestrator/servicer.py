@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from mirrorspec.config import (DEFAULT_K, AdaptiveKConfig, InvalidRequest, MirrorConfig, OutOfRange, SamplingParams,
+from mirrorspec.config import (DEFAULT_K, AdaptiveKConfig, InvalidRequest, MirrorConfig, SamplingParams,
                                SpeculationConfig, check_address, check_port, check_shared_vocabulary, default_k)
 from mirrorspec.drafting import Drafter, Proposal
 from mirrorspec.engine import GenerationStats, decode_windows, first_window_k, validate_prompt
@@ -103,10 +103,10 @@ class OrchestratorConfig:
     def __post_init__(self) -> None:
         check_port(self.port)
         check_port(self.metrics_port, "metrics_port")
+        # K and its ceiling checked as every request's are: with K left to the drafters, a ceiling
+        # of 0 started a front door whose every request then failed (review of stop 55)
         k = self.num_speculative_tokens
-        if k is not None and not 0 <= k <= self.max_speculative_tokens:
-            raise OutOfRange(f"num_speculative_tokens (K) must be in [0, {self.max_speculative_tokens}], got "
-                             f"{self.num_speculative_tokens}", field="num_speculative_tokens")
+        SpeculationConfig(num_speculative_tokens=0 if k is None else k, max_speculative_tokens=self.max_speculative_tokens)
         if self.speculation_off_above is not None and self.speculation_off_above < 0:
             raise InvalidRequest(f"must be >= 0, got {self.speculation_off_above}", field="speculation_off_above")
         for field_name in ("target", "drafter"):
@@ -126,6 +126,7 @@ class PreparedRequest:
     stop_strings: tuple[str, ...]
     mirror: MirrorConfig | None = None
     timeline: bool = False
+    k_named: bool = True  # False: K is the drafter pool's default, settled once the pool has described itself
 
 
 @dataclass
@@ -245,6 +246,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 stats=self._stats(outcome), seed=prepared.seed)
 
     async def ModelInfo(self, request, context):
+        await asyncio.to_thread(self._describe_drafters)  # a pool given since the last request says what it is
         info = generation_pb2.ModelInfoResponse(
             target=self.target_info.model, drafter_strategy=self.drafter_info.strategy if self.drafter_info else "none",
             default_num_speculative_tokens=drafters_default_k(self.config, self.drafter_info),
@@ -271,8 +273,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def prepare(self, request) -> PreparedRequest:
         params = params_from_proto(request.params, default_max_new_tokens=self.config.default_max_new_tokens)
         params = replace(params, stop_token_ids=tuple(sorted(set(params.stop_token_ids) | set(self.eos_ids))))
-        k = request.num_speculative_tokens if request.HasField("num_speculative_tokens") \
-            else drafters_default_k(self.config, self.drafter_info)
+        k_named = request.HasField("num_speculative_tokens")
+        k = request.num_speculative_tokens if k_named else drafters_default_k(self.config, self.drafter_info)
         spec = SpeculationConfig(num_speculative_tokens=int(k), max_speculative_tokens=self.config.max_speculative_tokens,
                                  adaptive=self.config.adaptive)
         if any(not s for s in request.stop):
@@ -288,7 +290,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         mirror = self.config.mirror
         if request.HasField("mirror"):
             mirror = (mirror or MirrorConfig()) if request.mirror else None
-        return PreparedRequest(prompt, params, spec, int(seed), tuple(request.stop), mirror, request.timeline)
+        return PreparedRequest(prompt, params, spec, int(seed), tuple(request.stop), mirror, request.timeline,
+                               k_named=k_named)
 
     def _prompt_ids(self, request) -> tuple[str, list[int]]:
         """(which input field was set, its token ids); ``validate_prompt`` checks the ids."""
@@ -356,6 +359,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def _drive(self, prepared: PreparedRequest, outcome: RequestOutcome, budget: RequestBudget,
                cancelled: threading.Event, emit) -> None:
         timeout = budget.timeout_s
+        prepared = self._with_pool_k(prepared)
         if prepared.timeline:
             outcome.stats.timeline = []
         # the drafter opens its session and drafts the first window while the target prefills; where
@@ -417,6 +421,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 pipeline.close()
             # both close at once: the answer waits one round trip for them, not two
             finish_closing(verifier.start_release(), remote.start_release() if remote is not None else None)
+
+    def _with_pool_k(self, prepared: PreparedRequest) -> PreparedRequest:
+        """The request's K where it named none: its drafter pool's default, asked here, in its
+        worker thread, after the pool has described itself. ``prepare`` runs on the event loop,
+        which must not wait on a replica's Info, so there it took the default of what was known:
+        the first request after a pool was given to a front door that had none drafted 4 where
+        the pool drafts 8 (review of stop 55)."""
+        if prepared.k_named:
+            return prepared
+        self._describe_drafters()
+        k = drafters_default_k(self.config, self.drafter_info)
+        return replace(prepared, spec=replace(prepared.spec, num_speculative_tokens=k))
 
     def _open_drafter(self, prepared: PreparedRequest, timeout: float) -> OpenedDrafter | None:
         """The request's drafter session, and its first window drafted ahead: this runs while the

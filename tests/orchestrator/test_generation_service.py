@@ -1065,8 +1065,10 @@ def test_a_front_door_not_told_its_k_drafts_the_window_the_cli_would(tiny_dir, d
 
 def test_a_front_door_started_with_no_drafter_takes_the_k_of_the_pool_it_is_given_later(tiny_dir):
     """A Ray stack scaled up from no drafter: the front door settled its K (4) once, at start,
-    and kept it when an n-gram pool came, which then drafted 4-token windows for good. It now
-    follows the drafters once one has described itself (the first request after they come)."""
+    and kept it when an n-gram pool came, which then drafted 4-token windows for good. Then the
+    first request after they came still drafted 4 (its K was taken before its drafters were
+    asked to describe themselves: review of stop 55), and ModelInfo said 4 until a request ran.
+    Both now follow the pool from the moment it is there."""
     from drafter_service.servicer import DrafterConfig
     from drafter_service.servicer import serve as serve_drafter
     from mirrorspec.cli import start_local_stack
@@ -1080,11 +1082,14 @@ def test_a_front_door_started_with_no_drafter_takes_the_k_of_the_pool_it_is_give
         with Client(s.address) as client:
             assert client.model_info().default_num_speculative_tokens == 4
             s.front.servicer.drafters.set_members([f"127.0.0.1:{ngram.port}"])
-            client.generate(prompt, max_tokens=4)  # its drafter describes itself
-            assert client.model_info().default_num_speculative_tokens == 8
-            served = client.generate(prompt, max_tokens=12)
+            served = client.generate(prompt, max_tokens=12)  # the first request the pool is there for
             assert served.token_ids == target_only(load(tiny_dir["target16"]), prompt, 12)
             assert len(served.stats.per_position_acceptance) == 8  # the longest window drafted 8
+            assert client.model_info().default_num_speculative_tokens == 8
+        s.front.servicer.drafter_info = None  # a front door that has not asked its pool yet
+        with Client(s.address) as client:
+            info = client.model_info()
+            assert (info.drafter_strategy, info.default_num_speculative_tokens) == ("ngram", 8)
     finally:
         s.stop()
         ngram.stop()
@@ -1333,6 +1338,20 @@ def test_a_request_cancelled_while_it_waits_for_a_target_lets_go_of_its_drafter_
             assert wait_until(lambda: len(drafter.sessions) == 0, timeout=5)
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("settings, field, says", [
+    (dict(max_speculative_tokens=0), "max_speculative_tokens", "max_speculative_tokens must be in [1, 64], got 0"),
+    (dict(max_speculative_tokens=65, num_speculative_tokens=4), "max_speculative_tokens", "in [1, 64], got 65"),
+    (dict(num_speculative_tokens=17), "num_speculative_tokens", "num_speculative_tokens (K) must be in [0, 16], got 17"),
+    (dict(num_speculative_tokens=-1), "num_speculative_tokens", "must be in [0, 16], got -1"),
+], ids=["no room, K left to the drafters", "ceiling too high", "K over the ceiling", "K negative"])
+def test_a_front_door_k_or_its_ceiling_out_of_range_is_refused_at_start(settings, field, says):
+    """A ceiling of 0 with K left to the drafters started a front door whose every request then
+    failed on it (review of stop 55)."""
+    with pytest.raises(InvalidRequest, match=re.escape(says)) as err:
+        OrchestratorConfig(target="127.0.0.1:50061", drafter=None, **settings)
+    assert err.value.field == field
 
 
 @pytest.mark.parametrize("field", ["backend_timeout_s", "drafter_timeout_s", "window_timeout_s", "failure_cooldown_s"])
