@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable
 
+import psutil
 import ray
 
 from ray.exceptions import ActorAlreadyExistsError, AuthenticationError
@@ -47,16 +49,34 @@ def _start_local_ray(cpus: int) -> None:
     machine it once missed that (CI of stop 55), so one more start, on fresh ports, is tried
     before the user sees it. Any other failure is raised at once."""
     for attempt in range(1, LOCAL_RAY_TRIES + 1):
+        before = {child.pid for child in psutil.Process().children(recursive=True)}
         try:
             ray.init(address="local", num_cpus=cpus, resources={pool: cpus for pool in POOLS},
                      include_dashboard=False, namespace=CONTROLLER_NAMESPACE, log_to_driver=False,
                      logging_level=logging.ERROR)
             return
         except Exception as err:
+            ray.shutdown()
+            _stop_processes_started_since(before)
             if attempt == LOCAL_RAY_TRIES or "timed out during startup" not in str(err):
                 raise
             logging.getLogger(__name__).warning("the local Ray did not start (%s); starting it again", err)
-            ray.shutdown()
+
+
+def _stop_processes_started_since(before: set[int], grace_s: float = 5.0) -> None:
+    """Stop what a failed ``ray.init`` started. Ray fails a start whose raylet was late after it
+    has launched its GCS and raylet but before it records the node, so ``ray.shutdown`` does not
+    know them: they ran on beside the retry's Ray, on the machine whose load made the raylet
+    late, as long as the process that started them (review of stop 55)."""
+    started = [child for child in psutil.Process().children(recursive=True) if child.pid not in before]
+    for child in started:
+        with contextlib.suppress(psutil.Error):
+            child.terminate()
+    _, alive = psutil.wait_procs(started, timeout=grace_s)
+    for child in alive:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    psutil.wait_procs(alive, timeout=grace_s)
 
 
 class AutoFindsASilentRay(InvalidRequest):
