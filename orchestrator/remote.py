@@ -292,6 +292,24 @@ def finish_closing(*closes: SessionClose | None) -> None:
         closing.pool.release(closing.replica)
 
 
+def release_together(*holders) -> None:
+    """A request's sessions (each holder's ``start_release``) closed at once and then let go. One
+    whose close cannot even start (its channel closed as the front door stops) is raised after
+    the others' are settled: started in turn as arguments, it left the close already sent
+    unawaited and its replica held for good (review of stop 55)."""
+    closes, failure = [], None
+    for holder in holders:
+        if holder is None:
+            continue
+        try:
+            closes.append(holder.start_release())
+        except Exception as err:  # noqa: BLE001 - raised below, once the others are let go
+            failure = failure or err
+    finish_closing(*closes)
+    if failure is not None:
+        raise failure
+
+
 class PauseGate:
     """Whether a draft call may draft while the targets are saturated (``paused()``); each call it
     refuses is counted."""

@@ -43,7 +43,7 @@ from orchestrator.direct import TargetReach, windows_on_target
 from orchestrator.lookup import FrontDoorNgram, front_door_drafter, looks_up_whole_window
 from orchestrator.metrics import SpecDecodeMetrics
 from orchestrator.pool import NoReplicaAvailable, ReplicaPool, parse_addresses
-from orchestrator.remote import RemoteDrafter, RemoteVerifier, finish_closing, replica_step_cost
+from orchestrator.remote import RemoteDrafter, RemoteVerifier, release_together, replica_step_cost
 
 log = logging.getLogger(__name__)
 
@@ -420,7 +420,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if pipeline is not None:
                 pipeline.close()
             # both close at once: the answer waits one round trip for them, not two
-            finish_closing(verifier.start_release(), remote.start_release() if remote is not None else None)
+            release_together(verifier, remote)
 
     def _with_pool_k(self, prepared: PreparedRequest) -> PreparedRequest:
         """The request's K where it named none: its drafter pool's default, asked here, in its

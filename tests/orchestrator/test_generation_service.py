@@ -1129,6 +1129,32 @@ def test_a_finished_request_closes_its_target_and_drafter_sessions_at_once(tiny_
         s.stop()
 
 
+@pytest.mark.parametrize("fails", ["drafter", "target"])
+def test_a_session_whose_close_cannot_start_leaves_the_other_closed_and_let_go(tiny_dir, monkeypatch, fails):
+    """At a request's end both sessions' closes start, then are waited for. Started in turn as
+    arguments, a drafter close that raised (its channel closed as the front door stopped) left the
+    target's close, already sent, unawaited and its replica held (review of stop 55). Now the
+    other session is closed and its replica let go, and the request fails with the error."""
+    from orchestrator.remote import RemoteDrafter, RemoteVerifier
+
+    cls = RemoteDrafter if fails == "drafter" else RemoteVerifier
+
+    def cannot_start(self):
+        raise ValueError("Cannot invoke RPC on closed channel!")
+
+    monkeypatch.setattr(cls, "start_release", cannot_start)
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"])
+    front = s.front.servicer
+    try:
+        with Client(s.address) as client:
+            with pytest.raises(grpc.RpcError):
+                client.generate([1, 2, 3, 4], max_tokens=8)
+        other, pool = (s.target, front.targets) if fails == "drafter" else (s.drafter, front.drafters)
+        assert len(other.servicer.sessions) == 0 and set(pool.load().values()) == {0}
+    finally:
+        s.stop()
+
+
 def test_a_front_door_refuses_a_drafter_whose_vocabulary_is_not_the_targets(stack, tiny_dir):
     from drafter_service.servicer import DrafterConfig
     from drafter_service.servicer import serve as serve_drafter

@@ -169,8 +169,10 @@ def test_a_session_let_go_on_a_drained_replica_is_closed_there(wait):
         remote = RemoteDrafter(pool, [1, 4, 4], PARAMS, 0, 16, timeout_s=30)
         assert not remote.fell_back
         pool.set_members([])  # drained: retired, its channel kept while the session is held
+        replica = remote.session.replica
         remote.session.let_go(wait=wait)
         assert wait_until(lambda: servicer.closed == ["s1"], timeout=5)
+        assert wait_until(lambda: replica.sessions == 0, timeout=5)  # then, and only then, let go
     finally:
         pool.close()
         server.stop()
