@@ -236,7 +236,9 @@ class PooledSession:
             self.move(context)
 
     def move(self, context: Sequence[int]) -> None:
-        self.let_go()
+        # the session reopens at once: a replica left because it hangs answers no close either,
+        # and waiting out the close's deadline cost the request 5 s more (review of stop 55)
+        self.let_go(wait=False)
         self.moves += 1
         self.prefill_pending = self.may_hold_more = False  # a reopened session prefills in its open
         self.open(context)

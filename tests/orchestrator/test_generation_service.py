@@ -1322,6 +1322,51 @@ def test_a_target_that_hangs_mid_request_is_left_and_the_session_moves(tiny_dir,
     assert later.token_ids == tokens[:8] and later.stats.target_moves == 0
 
 
+def test_a_session_leaving_a_hung_target_reopens_before_the_replica_answers_its_close(tiny_dir, monkeypatch, caplog):
+    """A replica that hangs whole (a stopped process) answers no close either: the move waited
+    out the close's 5 s deadline before it reopened the session elsewhere, on top of the window
+    timeout (review of stop 55). Here the hung replica answers the close only once the session
+    has reopened on the other one: it must not have to wait, nor time out."""
+    import logging
+
+    from target_service.servicer import TargetServicer
+
+    caplog.set_level(logging.INFO, logger="orchestrator.pool")
+    prompt, hung, reopened = [0, 7, 3], [], threading.Event()
+    close, open_session = TargetServicer.CloseSession, TargetServicer.OpenSession
+
+    async def answers_once_reopened(self, request, context):
+        if self in hung:
+            await asyncio.to_thread(reopened.wait, 30)
+        return await close(self, request, context)
+
+    async def says_when_reopened(self, request, context):
+        if hung and self not in hung:
+            reopened.set()
+        return await open_session(self, request, context)
+
+    monkeypatch.setattr(TargetServicer, "CloseSession", answers_once_reopened)
+    monkeypatch.setattr(TargetServicer, "OpenSession", says_when_reopened)
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], target_replicas=2, window_timeout_s=0.5)
+    try:
+        with Client(s.address, timeout_s=60) as client:
+            tokens, stats = [], None
+            for i, message in enumerate(client.stream(prompt, max_tokens=40, k=2)):
+                if i == 0:
+                    (replica,) = [t for t in s.targets if len(t.servicer.sessions)]
+                    hung.append(replica.servicer)
+                    replica.servicer.lane.later(time.sleep, 3.0)
+                tokens += message.token_ids
+                stats = message.stats if message.finish_reason else stats
+        assert wait_until(lambda: len(hung[0].sessions) == 0)  # closed there all the same
+    finally:
+        reopened.set()
+        s.stop()
+    assert tokens == target_only(load(tiny_dir["target16"]), prompt, 40)
+    assert stats.target_moves >= 1 and reopened.is_set()
+    assert "closing session" not in caplog.text  # the close was answered, not timed out
+
+
 def test_a_slow_deferred_prefill_is_not_taken_for_a_hung_target(tiny_dir, monkeypatch, caplog):
     """A target-only request defers its prefill to its first window, which then commits no tokens
     but prefills the whole prompt: it was held to window_timeout_s, and a healthy target taken for
