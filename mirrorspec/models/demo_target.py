@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import tempfile
 import uuid
 from collections.abc import Callable
@@ -64,7 +65,8 @@ def build_once(out: Path, marker: str, build: Callable[[Path], None], message: s
     remove_abandoned(out.parent, f".{out.name}-")  # a dead writer's temporary, whatever it was building
     if _complete(out, marker):
         return out
-    print(f"mirrorspec: {message} once, into {out} ...", flush=True)
+    # stderr: stdout is the answer, and `generate --json` on a fresh cache printed this before it
+    print(f"mirrorspec: {message} once, into {out} ...", file=sys.stderr, flush=True)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         _set_aside(out)

@@ -142,6 +142,14 @@ def test_a_cached_model_damaged_by_hand_is_rebuilt(tmp_path, damage):
     assert built == [1]  # complete now: not built again
 
 
+def test_the_notice_of_a_first_build_goes_to_stderr_leaving_stdout_to_the_answer(tmp_path, capsys):
+    """`generate --json` on a fresh cache printed "assembling the demo draft ..." on stdout ahead
+    of its JSON, which then did not parse (review of stop 55)."""
+    build_once(tmp_path / "model", "OK", write_model, "building x", field="target")
+    out, err = capsys.readouterr()
+    assert out == "" and f"mirrorspec: building x once, into {tmp_path / 'model'} ..." in err
+
+
 def test_a_cache_that_cannot_be_written_is_named_with_the_setting_to_change(tmp_path):
     """A MIRRORSPEC_CACHE that is a file, or a full or read-only disk, gave FileExistsError,
     "Read-only file system" or safetensors' "No space left on device" from deep inside."""
