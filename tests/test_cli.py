@@ -283,13 +283,15 @@ def test_serve_refuses_a_port_another_process_listens_on_before_it_loads_anythin
     assert f"error: {flag}: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("host, says", [
-    ("not.a.host", "cannot listen on 'not.a.host': "),  # it blamed --port, "another server still running?"
-    ("10.9.9.9", "cannot listen on 10.9.9.9: "),  # no address of this machine (the loopback-only namespace's)
+@pytest.mark.parametrize("host, port, says", [
+    ("not.a.host", "50091", "cannot listen on 'not.a.host': "),  # it blamed --port, "another server still running?"
+    ("10.9.9.9", "50091", "cannot listen on 10.9.9.9: "),  # no address of this machine (the loopback-only namespace's)
+    ("", "50091", "is empty; give a host name"),  # gRPC logged, then blamed --port (user review of stop 55)
+    (" ", "0", "is empty; give a host name"),  # any free port too
 ])
-def test_serve_names_a_host_it_cannot_listen_on_as_the_host_flag(host, says, capsys):
+def test_serve_names_a_host_it_cannot_listen_on_as_the_host_flag(host, port, says, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["serve", "--in-process", "--host", host, "--port", "50091"])
+        main(["serve", "--in-process", "--host", host, "--port", port])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert f"error: --host: {says}" in err and "another server" not in err

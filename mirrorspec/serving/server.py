@@ -115,6 +115,9 @@ def check_port_free(host: str, port: int | None, field: str) -> None:
     the bind itself stays the final word (another process may take the port meanwhile). A host
     that does not resolve, or is no address of this machine, is the host's fault, not the port's."""
     check_port(port, field)
+    if not host.strip():  # the probe's bind takes "" for every interface; gRPC refuses it, blaming the port
+        raise InvalidRequest("is empty; give a host name or address of this machine (127.0.0.1, 0.0.0.0 for every "
+                             "interface)", field="host")
     if not port:  # None: not asked for; 0: any free port
         return
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
