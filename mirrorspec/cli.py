@@ -106,6 +106,7 @@ FLAG_FOR_FIELD = {
     "hint_vocab": "--hint-vocab",
     "hint_lens": "--hint-lens",
     "speculation_off_above": "--speculation-off-above",
+    "windows_on_target": "--windows-on-target",
     "address": "--address",
     "name": "--name",
     "drafters": "--drafters",
@@ -388,6 +389,19 @@ def _is_set(args: argparse.Namespace, dest: str) -> bool:
     return dest in args.given
 
 
+# what sets speculation up, in generate and serve: refused where speculation is off, not ignored
+SPECULATION_SETTINGS = ("k", "adaptive", "mirror", "no_runner_up", "windows_on_target", "speculation_off_above",
+                        "hint_layer")
+
+
+def refuse_speculation_settings(args: argparse.Namespace, off: str, also: tuple[str, ...] = ()) -> None:
+    """``off`` (a flag) decodes target-only: a flag that sets speculation up would be ignored."""
+    for dest in (*SPECULATION_SETTINGS, *also):
+        if hasattr(args, dest) and _is_set(args, dest):
+            raise InvalidRequest(f"sets speculation, which {off} turns off: drop one of the two",
+                                 field="runner_up" if dest == "no_runner_up" else dest)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     # validate every flag before the (slow) model load
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -398,17 +412,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if _is_set(args, dest):
                 raise InvalidRequest(f"is {owner}; here it needs --local", field=field)
     if args.no_speculate or args.draft == "none":  # target-only: a speculation setting would be ignored
-        for dest in ("k", "adaptive", "mirror", "no_runner_up", *DRAFT_MODEL_SETTINGS):
-            if _is_set(args, dest):
-                off = "--no-speculate" if args.no_speculate else "--draft none"
-                raise InvalidRequest(f"sets speculation, which {off} turns off: drop one of the two",
-                                     field="runner_up" if dest == "no_runner_up" else dest)
+        refuse_speculation_settings(args, "--no-speculate" if args.no_speculate else "--draft none",
+                                    also=DRAFT_MODEL_SETTINGS)
         if args.no_speculate and args.draft != "none" and _is_set(args, "draft"):
             raise InvalidRequest("names a draft, and --no-speculate decodes without one: drop one of the two",
                                  field="draft")
     if args.k == 0 and args.adaptive:
         raise InvalidRequest("chooses K per window in [0, --k], and --k 0 leaves it nothing to choose (it is "
                              "target-only); give --k the largest K to try", field="adaptive")
+    if args.k == 0 and args.mirror:  # it ran, target-only, and said nothing (user review of stop 55)
+        raise InvalidRequest("drafts the next window while the target verifies this one, and --k 0 drafts none (it "
+                             "is target-only); give --k > 0, or drop --mirror", field="mirror")
     if args.local:
         refuse_draft_model_settings_without_a_model(args, resolve_draft(args.draft, args.target))
     args.draft_quantize = args.draft_quantize or DEFAULT_DRAFT_QUANTIZE
@@ -633,6 +647,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             if _is_set(args, dest) and not (dest in ONE_OF_EACH and getattr(args, dest) == 1):
                 raise InvalidRequest("places replicas on Ray, which --in-process does not use (it runs one target "
                                      "and one drafter server in this process): drop one of the two", field=dest)
+    if resolve_draft(args.draft, args.target) == "none":  # --in-process only: on Ray it is refused below
+        # the banner and ModelInfo said K=4 (K=8 with --mirror) for a server that drafts nothing
+        refuse_speculation_settings(args, "--draft none")
+        args.k = 0
     if args.k is None:
         args.k = default_k(_is_draft_model(resolve_draft(args.draft, args.target)), args.draft_confidence)
     SpeculationConfig(num_speculative_tokens=args.k, proposal_top_k=args.proposal_top_k,

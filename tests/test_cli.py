@@ -120,6 +120,13 @@ from support import save_tiny_llama
     (["generate", "hi", "--local", "--no-speculate", "--no-runner-up"], "--no-runner-up"),
     (["generate", "hi", "--local", "--no-speculate", "--draft", "ngram"], "--draft"),
     (["generate", "hi", "--local", "--k", "0", "--adaptive"], "--adaptive"),
+    # ran target-only and said nothing, where --k 0 --adaptive is refused (user review of stop 55)
+    (["generate", "hi", "--local", "--k", "0", "--mirror"], "--mirror"),
+    # started, saying "draft none, K=4" (K=8 mirror), and drafted nothing (user review of stop 55)
+    (["serve", "--in-process", "--draft", "none", "--k", "4"], "--k"),
+    (["serve", "--in-process", "--draft", "none", "--mirror"], "--mirror"),
+    (["serve", "--in-process", "--draft", "none", "--adaptive"], "--adaptive"),
+    (["serve", "--in-process", "--draft", "none", "--windows-on-target"], "--windows-on-target"),
     (["generate", "hi", "--local", "--draft", "ngram", "--prompt-lookup", "3"], "--prompt-lookup"),
     (["generate", "hi", "--local", "--draft", "ngram", "--draft-confidence", "0.5"], "--draft-confidence"),
     (["serve", "--in-process", "--draft", "ngram", "--proposal-top-k", "8"], "--proposal-top-k"),
