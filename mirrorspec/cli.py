@@ -150,8 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--target", default="demo-target", help="target model: hub id, path, .gguf, or demo-target")
     gen.add_argument("--draft", default="auto", help=DRAFT_HELP)
     gen.add_argument("--max-tokens", type=int, default=None,
-                     help=f"maximum new tokens (default {GENERATE_MAX_TOKENS}; with --server, the server's default, "
-                          "cut to the room the prompt leaves in the context window)")
+                     help=f"maximum new tokens (default {GENERATE_MAX_TOKENS}, or with --server the server's "
+                          "default, cut to the room the prompt leaves in the context window)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -460,6 +460,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     draft = None if args.no_speculate or args.draft == "none" else _load_draft(args)
     ids = encode_prompt(target.tokenizer, args.prompt, chat=not args.raw)
     params = dataclasses.replace(params, stop_token_ids=target.stop_token_ids())
+    if args.max_tokens is None:  # the default, cut to the room the prompt leaves, as a server cuts its own: a
+        # long prompt was refused naming --max-tokens, which the user had not given (user review of stop 55)
+        params = dataclasses.replace(params, max_new_tokens=max(min(params.max_new_tokens,
+                                                                    target.max_context - len(ids)), 1))
     printer = None if args.json else _StreamPrinter(target.tokenizer)
     result = generate(target.model, draft, ids, params, num_speculative_tokens=0 if draft is None else args.k,
                       seed=args.seed, proposal_top_k=args.proposal_top_k, prompt_lookup=args.prompt_lookup,

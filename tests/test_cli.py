@@ -386,6 +386,20 @@ def test_generate_server_json_prints_every_stats_field_zeros_too(padded_pair, ca
     assert stats["drafter_fallback"] is False and stats["windows"] == 4 and "windows_on_target" in stats
 
 
+@pytest.mark.parametrize("max_tokens, room", [(None, 128 - 120), ("8", 8)])
+def test_generate_local_cuts_its_default_max_tokens_to_the_room_the_prompt_leaves(padded_pair, capsys,
+                                                                                   max_tokens, room):
+    """A server cuts its default to the context window's room; --local refused the same prompt,
+    naming --max-tokens, which the user had not given (user review of stop 55). A --max-tokens
+    given is kept as it is (past the room, it is refused: test_bad_flags_are_named)."""
+    prompt = " ".join(["w1"] * 120)  # 120 of the target's 128 positions
+    main(["generate", prompt, "--local", "--raw", "--target", str(padded_pair["target"]), "--draft", "none", "--json",
+          "--threads", "1", *(["--max-tokens", max_tokens] if max_tokens else [])])
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt_tokens"] == 120 and len(out["token_ids"]) <= room
+    assert out["finish_reason"] != "length" or len(out["token_ids"]) == room
+
+
 def test_generate_local_takes_a_draft_with_a_narrower_table_and_the_targets_tokenizer(padded_pair, capsys):
     """Refused as another vocabulary before; the answer holds the target's padding ids 14, 15, 13."""
     main(["generate", "w1 w1", "--local", "--target", str(padded_pair["target"]), "--draft", str(padded_pair["draft"]),
