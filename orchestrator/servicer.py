@@ -106,7 +106,8 @@ class OrchestratorConfig:
         # K and its ceiling checked as every request's are: with K left to the drafters, a ceiling
         # of 0 started a front door whose every request then failed (review of stop 55)
         k = self.num_speculative_tokens
-        SpeculationConfig(num_speculative_tokens=0 if k is None else k, max_speculative_tokens=self.max_speculative_tokens)
+        SpeculationConfig(num_speculative_tokens=0 if k is None else k,
+                          max_speculative_tokens=self.max_speculative_tokens)
         if self.speculation_off_above is not None and self.speculation_off_above < 0:
             raise InvalidRequest(f"must be >= 0, got {self.speculation_off_above}", field="speculation_off_above")
         for field_name in ("target", "drafter"):

@@ -1414,7 +1414,7 @@ def test_a_request_cancelled_while_it_waits_for_a_target_lets_go_of_its_drafter_
 @pytest.mark.parametrize("settings, field, says", [
     (dict(max_speculative_tokens=0), "max_speculative_tokens", "max_speculative_tokens must be in [1, 64], got 0"),
     (dict(max_speculative_tokens=65, num_speculative_tokens=4), "max_speculative_tokens", "in [1, 64], got 65"),
-    (dict(num_speculative_tokens=17), "num_speculative_tokens", "num_speculative_tokens (K) must be in [0, 16], got 17"),
+    (dict(num_speculative_tokens=17), "num_speculative_tokens", "(K) must be in [0, 16], got 17"),
     (dict(num_speculative_tokens=-1), "num_speculative_tokens", "must be in [0, 16], got -1"),
 ], ids=["no room, K left to the drafters", "ceiling too high", "K over the ceiling", "K negative"])
 def test_a_front_door_k_or_its_ceiling_out_of_range_is_refused_at_start(settings, field, says):
