@@ -651,12 +651,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             if _is_set(args, dest) and not (dest in ONE_OF_EACH and getattr(args, dest) == 1):
                 raise InvalidRequest("places replicas on Ray, which --in-process does not use (it runs one target "
                                      "and one drafter server in this process): drop one of the two", field=dest)
-    if resolve_draft(args.draft, args.target) == "none":  # --in-process only: on Ray it is refused below
+    draft = resolve_draft(args.draft, args.target)
+    if draft == "none":  # --in-process only: on Ray it is refused below
         # the banner and ModelInfo said K=4 (K=8 with --mirror) for a server that drafts nothing
         refuse_speculation_settings(args, "--draft none")
         args.k = 0
     if args.k is None:
-        args.k = default_k(_is_draft_model(resolve_draft(args.draft, args.target)), args.draft_confidence)
+        args.k = default_k(_is_draft_model(draft), args.draft_confidence)
     SpeculationConfig(num_speculative_tokens=args.k, proposal_top_k=args.proposal_top_k,
                       prompt_lookup=args.prompt_lookup, draft_confidence=args.draft_confidence)
     from mirrorspec.models.loading import check_models
@@ -671,7 +672,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.metrics_port and args.metrics_port == args.port:
         raise InvalidRequest(f"is --port too ({args.port}): the metrics endpoint needs a port of its own",
                              field="metrics_port")
-    draft = resolve_draft(args.draft, args.target)
     refuse_draft_model_settings_without_a_model(args, draft)
     for dest, what in (("hint_lens", "how the targets read"), ("hint_vocab", "what vocabulary scores")):
         if _is_set(args, dest) and args.hint_layer is None:
