@@ -280,9 +280,13 @@ def run_halves_in_two_processes(run: Callable[[int, int], list], first: int, cou
     Forking a process that has run gRPC or Ray threads is safe only as long as the child touches
     neither, and no lock a dead thread held: so the child exits with ``os._exit`` (no finalisers),
     and if it fails, dies or outlasts a generous deadline, its half is computed here instead: a
-    result is never lost or changed, only slower."""
+    result is never lost or changed, only slower.
+
+    A process that has used CUDA does not fork at all: CUDA cannot be initialised again in a forked
+    child, so on a GPU (``MIRRORSPEC_TEST_DEVICE=cuda``) every child failed and its half was drawn
+    here after it, with a warning per test (seen on an H200)."""
     half = count // 2
-    if half == 0 or not hasattr(os, "fork"):
+    if half == 0 or not hasattr(os, "fork") or torch.cuda.is_initialized():
         return run(first, count)
     read_end, write_end = os.pipe()
     pid = os.fork()

@@ -2,8 +2,10 @@
 give the list one process would, whatever happens to the forked half."""
 
 import os
+import warnings
 
 import pytest
+import torch
 
 from support import run_halves_in_two_processes
 
@@ -44,3 +46,17 @@ def test_a_forked_half_that_dies_is_drawn_in_the_parent_and_said_so():
 
     with pytest.warns(RuntimeWarning, match=r"50\.\.99 came back empty, drawn here instead \(it died or outlasted"):
         assert run_halves_in_two_processes(dies_in_the_child, 0, 100) == squares(0, 100)
+
+
+def test_a_process_that_has_used_cuda_draws_both_halves_itself(monkeypatch):
+    """CUDA cannot be initialised again in a forked child, so forking after CUDA is in use only
+    wastes a child and warns: the parent draws every sample, in one process, with no warning."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    parent = os.getpid()
+
+    def marks_a_child(first: int, count: int) -> list[int]:  # a forked child's half would come back marked
+        return squares(first, count) if os.getpid() == parent else [-1] * count
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert run_halves_in_two_processes(marks_a_child, 0, 100) == squares(0, 100)
