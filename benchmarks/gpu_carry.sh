@@ -17,7 +17,7 @@
 #      PYTHONPATH=/root/site:$PWD && benchmarks/gpu_session.sh /root/out; cp /root/out/gpu-results.tar.gz $OUT/
 set -euo pipefail
 cd "$(dirname "$0")/.."
-grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
+mkdir -p .git/info && grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
 rm -rf .gpu && mkdir -p .gpu/a .gpu/b .gpu/c
 PIP=${PIP:-.venv/bin/pip}
 version() { "$PIP" show "$1" 2>/dev/null | sed -n 's/^Version: //p'; }

