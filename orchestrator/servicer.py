@@ -24,7 +24,7 @@ from mirrorspec.config import (DEFAULT_K, AdaptiveKConfig, InvalidRequest, Mirro
                                SpeculationConfig, check_address, check_port, check_shared_vocabulary, default_k)
 from mirrorspec.drafting import Drafter, Proposal
 from mirrorspec.engine import GenerationStats, decode_windows, first_window_k, validate_prompt
-from mirrorspec.mirror import MirrorPipeline
+from mirrorspec.mirror import BranchHistory, MirrorPipeline
 from mirrorspec.models import encode_chat, encode_prompt
 from mirrorspec.models.loading import same_tokenizer, try_load_tokenizer
 from mirrorspec.models.detokenize import IncrementalDetokenizer
@@ -170,6 +170,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                                     failure_cooldown_s=config.failure_cooldown_s)
         # which target replicas got no drafts from which drafter replicas of late: every request heeds it
         self.reach = TargetReach(config.failure_cooldown_s)
+        # what mirror requests learnt of whether branching pays here, for the next ones to start from
+        self.branch_history = BranchHistory()
         self._workers = ThreadPoolExecutor(max_workers=config.max_concurrent_requests,
                                            thread_name_prefix="request")
         # a request's drafter session opens here while its worker opens the target session
@@ -384,7 +386,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             remote, drafter = (opened.remote, opened.drafter) if opened is not None else (None, None)
             stop_check = _StopStrings(self.tokenizer, prepared.stop_strings) if prepared.stop_strings else None
             # the verify RPC runs in the pipeline's thread while this one sends the branches' Draft RPCs
-            pipeline = MirrorPipeline(prepared.mirror) if prepared.mirror is not None and drafter is not None else None
+            pipeline = (MirrorPipeline(prepared.mirror, self.branch_history)
+                        if prepared.mirror is not None and drafter is not None else None)
             if cancelled.is_set():  # the client left during the prefill
                 outcome.finish_reason = "cancelled"
                 return

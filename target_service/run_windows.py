@@ -23,7 +23,7 @@ import grpc
 from mirrorspec.adaptive import posterior_alpha
 from mirrorspec.config import AdaptiveKConfig, InvalidRequest, MirrorConfig
 from mirrorspec.drafting import Proposal
-from mirrorspec.mirror import BranchPolicy, guesses
+from mirrorspec.mirror import BranchHistory, BranchPolicy, guesses
 from mirrorspec.sampling import WindowVerdict
 from mirrorspec.serving.convert import proposal_from_proto
 from mirrorspec.serving.server import BACKEND_CHANNEL_OPTIONS
@@ -52,20 +52,31 @@ class Branching:
     (seed, position) randomness), so the output is the serial run's, token for token.
 
     Whether a window branches is the front door's mirror policy (``BranchPolicy.should_branch``)
-    on this run's own timings: drafting beside a verify slows the verify where the two share
-    cores or memory bandwidth (+4% per pass on the 2-core CI VM), so a run branches only while
-    its hits save more than that, and probes the other choice now and then."""
+    on this run's timings, starting from the last run's on this target (``BranchHistory``):
+    drafting beside a verify slows the verify where the two share cores or memory bandwidth (+4%
+    per pass on the 2-core CI VM), so a run branches only while its hits save more than that, and
+    probes the other choice now and then."""
 
-    def __init__(self, max_branches: int, alternatives: int, every_window: bool = False):
+    def __init__(self, max_branches: int, alternatives: int, every_window: bool = False,
+                 history: BranchHistory | None = None):
         self.max_branches = max_branches
         self.alternatives = alternatives
-        self.policy = BranchPolicy(MirrorConfig(max_branches=max_branches, alternatives=alternatives,
-                                                stop_at_verdict=not every_window)) if max_branches else None
+        self.history = history  # earlier runs' policy state on this target, to start from and add to
+        self.policy: BranchPolicy | None = None
+        if max_branches:
+            config = MirrorConfig(max_branches=max_branches, alternatives=alternatives,
+                                  stop_at_verdict=not every_window)
+            self.policy = history.policy(config) if history is not None else BranchPolicy(config)
         self.passed = self.failed = 0  # draft tests so far: the ranking's acceptance estimate
         self._branches: dict[tuple[int, int], Proposal] = {}
         self._branched = False  # whether the window being verified branched
         self._k = 0  # the K the branches were drafted with
         self._key: tuple[int, int] | None = None  # the last verdict's, where a branch can hold it
+
+    def keep(self) -> None:
+        """At the run's end: what its policy learnt, for the next run here."""
+        if self.policy is not None and self.history is not None:
+            self.history.keep(self.policy)
 
     def start(self, drafts: DraftStream, context: list[int], proposal: Proposal, runner_up: int | None,
               k_after: Callable[[int], int]) -> asyncio.Task | None:

@@ -27,6 +27,7 @@ from mirrorspec.config import (
 from mirrorspec.drafting import Proposal
 from mirrorspec.drafting.draft_model import hint_vocabulary
 from mirrorspec.engine import TargetVerifier, capped_k, runner_up_to_offer, validate_prompt, window_tokens
+from mirrorspec.mirror import BranchHistory
 from mirrorspec.models import KVSession, LoadedModel, LogitSession, load_causal_lm
 from mirrorspec.models.early_exit import EarlyExitProbe
 from mirrorspec.models.lens import LensRecipe, TunedLens, tuned_lens
@@ -103,6 +104,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             orphan_ttl_s=config.orphaned_session_ttl_s)
         self.lane = lane or ComputeLane("target-compute")
         self.drafters = DrafterLinks()  # for RunWindows
+        self.branch_history = BranchHistory()  # what runs' branch policies learnt here, for the next ones
 
     def close(self) -> None:
         """After the server stopped: the compute lane's thread."""
@@ -227,10 +229,19 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def _run_windows(self, session: TargetSession, request, drafts: DraftStream, policy: AdaptiveK | None):
         """``policy``: the request's adaptive K, carried on from where its caller left it; None = K each window."""
+        branching = Branching(request.max_branches, request.branch_alternatives, request.branch_every_window,
+                              self.branch_history)
+        try:
+            async for result in self._windows(session, request, drafts, policy, branching):
+                yield result
+        finally:
+            branching.keep()  # what its policy learnt, for the next run here
+
+    async def _windows(self, session: TargetSession, request, drafts: DraftStream, policy: AdaptiveK | None,
+                       branching: Branching):
         seq = session.sequence
         stop = set(seq.params.stop_token_ids)
         produced = 0
-        branching = Branching(request.max_branches, request.branch_alternatives, request.branch_every_window)
         while True:
             self.sessions.get(request.session_id)  # in use: its TTL starts again, as at each window call
             if self.loaded.max_context - len(seq.context) - 1 < 0:

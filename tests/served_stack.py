@@ -5,6 +5,7 @@ from contextlib import contextmanager
 
 from drafter_service.servicer import DrafterConfig
 from mirrorspec.cli import LocalStack, start_local_stack
+from mirrorspec.client import Client
 from mirrorspec.config import DEFAULT_DRAFT_QUANTIZE
 from target_service.servicer import TargetConfig
 
@@ -20,6 +21,17 @@ def start_stack(target_dir, draft_dir=None, strategy="draft-model", proposal_top
     target = TargetConfig(model=str(target_dir), max_sessions=target_max_sessions, hint_layer=hint_layer,
                           hint_vocab=hint_vocab)
     return start_local_stack(target, drafter, port=0, num_speculative_tokens=k, **replicas)
+
+
+def two_mirror_requests(target_dir, draft_dir, **stack_options) -> None:
+    """Two greedy mirror requests, one after the other, through a stack of their own."""
+    stack = start_stack(target_dir, draft_dir, k=3, **stack_options)
+    try:
+        with Client(stack.address) as client:
+            for prompt in ([0, 3, 5, 2, 6], [1, 4, 7, 2, 9]):
+                client.generate(prompt, max_tokens=16, mirror=True)
+    finally:
+        stack.stop()
 
 
 @contextmanager

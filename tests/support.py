@@ -346,3 +346,18 @@ def _reap(pid: int) -> None:
     if not finished:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+
+
+def record_instances(monkeypatch, module, name: str, note: Callable) -> list:
+    """Replace ``module.name`` (a class) for the test by a subclass that appends ``note(instance)``
+    to the returned list as each instance is made, and otherwise behaves as the class does."""
+    original = getattr(module, name)
+    made: list = []
+
+    class Recorded(original):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(note(self))
+
+    monkeypatch.setattr(module, name, Recorded)
+    return made

@@ -1,5 +1,6 @@
 """Mirror-style pipelining: same output as serial decoding, branches really used."""
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -10,7 +11,8 @@ from mirrorspec.config import InvalidRequest, MirrorConfig
 from mirrorspec.drafting import DraftModelDrafter, NgramDrafter, Proposal, RankedTokens
 from mirrorspec.config import SpeculationConfig
 from mirrorspec.engine import GenerationStats, TargetVerifier, decode_windows
-from mirrorspec.mirror import Branch, BranchPolicy, MirrorPipeline, Prefetch, guesses, hint_guesses, with_runners_up
+from mirrorspec.mirror import (Branch, BranchHistory, BranchPolicy, MirrorPipeline, Prefetch, guesses, hint_guesses,
+                               with_runners_up)
 from mirrorspec.models import KVSession
 from mirrorspec.models.early_exit import EarlyExitHint
 from mirrorspec.sampling import ProposalRows, TokenKind, WindowVerdict
@@ -332,6 +334,57 @@ def test_a_hit_is_worth_the_fresh_draft_it_saves_not_the_branch_drafting():
     assert not any(policy.should_branch() for _ in range(8))
     policy.observe_fresh_draft(0.045)  # drafting alone got dear: (15 + 45) / 2 = 30 ms, 15 ms a window
     assert all(policy.should_branch() for _ in range(8))
+
+
+def _taught_that_branching_does_not_pay(policy: BranchPolicy) -> BranchPolicy:
+    """Branching slows the verify by 100 ms and never hits; 30 samples of each, then its choice."""
+    for _ in range(30):
+        policy.observe_verify(0.200, branched=True)
+        policy.observe_verify(0.100, branched=False)
+        policy.observe_group(0.040, 0.0)
+        policy.observe_hit(False)
+    assert not policy.should_branch()
+    return policy
+
+
+def test_a_request_starts_from_where_the_last_left_off_and_learns_on_from_its_own_windows():
+    """A blank policy branches its first window to learn (a loss where branching does not pay) and
+    probes on its own schedule, which a request shorter than the gap never reaches. From the
+    history, the next request's first window is already serial, its probes come where the last
+    request's schedule put them, and its own samples move the estimates at the running weight."""
+    config = MirrorConfig(probe_every=4, max_probe_every=16)
+    history = BranchHistory()
+    first = _taught_that_branching_does_not_pay(history.policy(config))
+    assert BranchPolicy(config).should_branch()  # blank: learn first
+    history.keep(first)
+    second = history.policy(config)
+    continued = copy.deepcopy(first)
+    expected = [continued.should_branch() for _ in range(12)]
+    assert [second.should_branch() for _ in range(12)] == expected and not expected[0] and any(expected)
+    assert second.verify_s.count == 5 and second.verify_s.value == pytest.approx(0.200)
+    second.observe_verify(0.300, branched=True)
+    assert second.verify_s.value == pytest.approx(0.220)  # 1/5 of the way: the running weight, not 1/31
+    assert history.policy(replace(config, max_branches=2)).should_branch()  # another configuration: blank
+
+
+def test_a_history_keeps_what_was_learnt_only_and_a_bounded_number_of_configurations():
+    history = BranchHistory()
+    history.keep(_taught_that_branching_does_not_pay(history.policy(MirrorConfig())))
+    history.keep(BranchPolicy(MirrorConfig()))  # a request that ended before its first window
+    assert not history.policy(MirrorConfig()).should_branch()  # the earlier state stands
+    others = [MirrorConfig(max_branches=2, alternatives=a) for a in range(BranchHistory.max_configs)]
+    for config in others:
+        history.keep(_taught_that_branching_does_not_pay(history.policy(config)))
+    assert history.policy(MirrorConfig()).should_branch()  # the oldest configuration went: blank again
+    assert not any(history.policy(config).should_branch() for config in others)
+
+
+def test_a_pipeline_hands_its_policy_to_the_history_when_it_closes():
+    history = BranchHistory()
+    pipeline = MirrorPipeline(MirrorConfig(), history)
+    _taught_that_branching_does_not_pay(pipeline.policy)
+    pipeline.close()
+    assert not MirrorPipeline(MirrorConfig(), history).policy.should_branch()
 
 
 def test_probe_gaps_double_up_to_the_configured_bound():

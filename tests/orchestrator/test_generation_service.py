@@ -16,9 +16,9 @@ from mirrorspec.serving.convert import proposal_from_proto
 from mirrorspec.client import AsyncClient, Client
 from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
 from orchestrator.servicer import OrchestratorConfig, _backend_info
-from served_stack import start_stack, targets_held
+from served_stack import start_stack, targets_held, two_mirror_requests
 from support import (MemoSession, chi_square_pvalue, counts_by_label, exact_joint, load, load_as_served_draft,
-                     record_rpc, wait_until)
+                     record_instances, record_rpc, wait_until)
 
 
 def target_only(model, prompt, max_tokens, **params):
@@ -1702,3 +1702,15 @@ def test_a_client_pinging_every_second_keeps_a_call_that_sends_nothing_for_secon
             time.sleep(5)  # the call is in flight, and nothing moves on it
         worker.join(timeout=30)
     assert list(results[0].token_ids) == target_only(load(tiny_dir["target16"]), [0, 7, 3], 12)
+
+
+def test_a_front_door_s_mirror_requests_start_from_what_the_last_one_learnt(tiny_dir, monkeypatch):
+    """Each request's branch policy starts from the last finished one's (``BranchHistory``), so a
+    short request does not spend its first windows learning what the last one already knew."""
+    import orchestrator.servicer as front_door
+
+    made = record_instances(monkeypatch, front_door, "MirrorPipeline", lambda p: (p.history, p.policy.verify_s.count))
+    two_mirror_requests(tiny_dir["target16"], tiny_dir["draft16"])
+    [(history, blank), (again, resumed)] = made
+    assert history is again is not None
+    assert blank == 0 and resumed > 0  # the second request started with the first one's verify times

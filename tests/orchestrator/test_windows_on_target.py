@@ -17,8 +17,8 @@ from mirrorspec.client import Client
 from mirrorspec.config import AdaptiveKConfig
 from mirrorspec.serving.convert import adaptive_to_proto
 from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
-from served_stack import start_stack, targets_held
-from support import load, load_as_served_draft, wait_until
+from served_stack import start_stack, targets_held, two_mirror_requests
+from support import load, load_as_served_draft, record_instances, wait_until
 from target_service.servicer import TargetServicer
 
 
@@ -625,3 +625,16 @@ def test_windows_go_back_to_the_target_once_a_failed_drafter_is_back(tiny_dir, s
     assert tokens == target_only(model, [0, 7, 3], 100)
     assert stats.drafter_fallback and stats.target_moves == 0
     assert stats.windows_on_target < stats.windows and stats.windows_on_target > stats.windows / 2
+
+
+def test_a_target_s_runs_start_their_branch_policy_from_what_the_last_run_learnt(tiny_dir, monkeypatch):
+    """Mirror on the target: each run's branch policy starts where the last run's on this target
+    finished (``BranchHistory``), as the front door's requests do."""
+    import target_service.servicer as target_servicer
+
+    made = record_instances(monkeypatch, target_servicer, "Branching",
+                            lambda b: (b.history, b.policy.verify_s.count if b.policy else None))
+    two_mirror_requests(tiny_dir["target16"], tiny_dir["draft16"], windows_on_target=True)
+    [(history, blank), (again, resumed)] = made
+    assert history is again is not None
+    assert blank == 0 and resumed > 0
