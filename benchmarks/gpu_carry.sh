@@ -17,7 +17,8 @@
 #      PYTHONPATH=/root/site:$PWD && benchmarks/gpu_session.sh /root/out; cp /root/out/gpu-results.tar.gz $OUT/
 set -euo pipefail
 cd "$(dirname "$0")/.."
-mkdir -p .git/info && grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)  # .git may be a file (a worktree) or lack info/
+mkdir -p "$(dirname "$exclude")" && grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >>"$exclude"
 rm -rf .gpu && mkdir -p .gpu/a .gpu/b .gpu/c
 PIP=${PIP:-.venv/bin/pip}
 version() { "$PIP" show "$1" 2>/dev/null | sed -n 's/^Version: //p'; }

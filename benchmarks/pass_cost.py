@@ -84,13 +84,17 @@ def measure_implementations(model: torch.nn.Module, context: list[int], max_k: i
 
 @contextmanager
 def busy_neighbor():
-    """A process that spins on one core for as long as the block runs."""
-    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    """A process that spins on one core for as long as the block runs, from the moment it spins
+    (its interpreter's start is not the busy neighbour being measured)."""
+    spinner = subprocess.Popen([sys.executable, "-c", "print('spinning', flush=True)\nwhile True: pass"],
+                               stdout=subprocess.PIPE, text=True)
     try:
+        spinner.stdout.readline()
         yield
     finally:
         spinner.kill()
         spinner.wait()
+        spinner.stdout.close()
 
 
 def count_syncs(model: torch.nn.Module, context: list[int], max_k: int) -> dict[int, int]:

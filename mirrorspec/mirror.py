@@ -352,6 +352,11 @@ class BranchPolicy:
         self._branching: bool | None = None  # the choice the estimates make
         self._probe_gap = self.config.probe_every
         self._since_probe = 0
+        self._resumed_samples = 0  # samples its means started with (``resume``): not this request's
+
+    def samples_of_its_own(self) -> int:
+        """Samples this request added to its estimates (none: it learnt nothing worth keeping)."""
+        return sum(getattr(self, name).count for name in _ESTIMATES) - self._resumed_samples
 
     def state(self) -> PolicyState:
         """What this policy has learnt, for the next request to start from (``BranchHistory``)."""
@@ -360,12 +365,17 @@ class BranchPolicy:
 
     def resume(self, state: PolicyState) -> None:
         """Start from an earlier request's ``state``: its estimates, each weighing as much as
-        ``PolicyState.resumed_samples`` samples so this request's own windows soon move them, and
-        its probe schedule, so requests shorter than a probe gap still probe in turn."""
+        ``PolicyState.resumed_samples`` samples, so this request's own first windows move them
+        more than the running weight would (its pair of replicas or its K may differ); and its
+        probe schedule, so requests shorter than a probe gap still probe in turn, with the gap
+        no longer than ``probe_every``: a request whose branching would pay finds out within that
+        many windows, as a request starting blank did."""
         for name, (value, count) in state.estimates.items():
             mean = getattr(self, name)
             mean.value, mean.count = value, min(count, state.resumed_samples)
-        self._branching, self._probe_gap, self._since_probe = state.branching, state.probe_gap, state.since_probe
+        self._resumed_samples = sum(getattr(self, name).count for name in _ESTIMATES)
+        self._branching, self._since_probe = state.branching, state.since_probe
+        self._probe_gap = min(state.probe_gap, self.config.probe_every)
 
     def observe_verify(self, seconds: float, branched: bool) -> None:
         """A window's verify, with branches drafted beside it or not."""
@@ -438,7 +448,7 @@ class PolicyState:
     branching: bool | None
     probe_gap: int
     since_probe: int
-    resumed_samples: int = 5  # a resumed mean weighs this many samples at most: 1/5 is the running weight
+    resumed_samples: int = 2  # a resumed mean weighs this many samples at most: the next weighs 1/3
 
 
 class BranchHistory:
@@ -450,7 +460,8 @@ class BranchHistory:
     its own. A request of 48 tokens on an H200 had about 20 windows, so learning took a tenth of
     them, and requests shorter than a probe gap never looked again. Requests through one front
     door (or one target) share the pools whose timings the policy weighs, so they can share what
-    it learnt. Thread-safe: concurrent requests each start from the last state kept."""
+    it learnt. Thread-safe: concurrent requests each start from the last state kept, and the last
+    to finish is kept (their samples are not merged)."""
 
     max_configs = 16  # configurations remembered at once (the oldest kept goes first): a bound on what clients make
 
@@ -467,9 +478,11 @@ class BranchHistory:
         return policy
 
     def keep(self, policy: BranchPolicy) -> None:
-        """``policy``'s state, for the next request of its configuration, if it learnt anything."""
-        state = policy.state()
-        if any(count for _, count in state.estimates.values()):
+        """``policy``'s state, for the next request of its configuration, if it learnt anything of
+        its own: a request that ended before its first window (or whose windows the target ran)
+        would put back the state it started from over what others learnt meanwhile."""
+        if policy.samples_of_its_own():
+            state = policy.state()
             with self._lock:
                 self._states.pop(policy.config, None)
                 self._states[policy.config] = state

@@ -7,7 +7,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -221,8 +221,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                     if session.prefill_deferred:
                         await self._prefill_all_but_the_last_chunk(session, seq.context)
                         session.prefill_deferred = False
-                    async for result in self._run_windows(session, request, drafts, policy):
-                        yield result
+                    async with aclosing(self._run_windows(session, request, drafts, policy)) as results:
+                        async for result in results:  # closed here, not by the loop later, if the call ends
+                            yield result
         finally:
             drafts.close()
             self.drafters.release(address)
@@ -232,8 +233,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         branching = Branching(request.max_branches, request.branch_alternatives, request.branch_every_window,
                               self.branch_history)
         try:
-            async for result in self._windows(session, request, drafts, policy, branching):
-                yield result
+            async with aclosing(self._windows(session, request, drafts, policy, branching)) as results:
+                async for result in results:
+                    yield result
         finally:
             branching.keep()  # what its policy learnt, for the next run here
 

@@ -336,14 +336,15 @@ def test_a_hit_is_worth_the_fresh_draft_it_saves_not_the_branch_drafting():
     assert all(policy.should_branch() for _ in range(8))
 
 
-def _taught_that_branching_does_not_pay(policy: BranchPolicy) -> BranchPolicy:
-    """Branching slows the verify by 100 ms and never hits; 30 samples of each, then its choice."""
+def _taught(policy: BranchPolicy, pays: bool) -> BranchPolicy:
+    """30 windows of each kind, then its choice. Where branching pays it costs the verify nothing
+    and always hits; where it does not it slows the verify by 100 ms and never hits."""
     for _ in range(30):
-        policy.observe_verify(0.200, branched=True)
+        policy.observe_verify(0.100 if pays else 0.200, branched=True)
         policy.observe_verify(0.100, branched=False)
         policy.observe_group(0.040, 0.0)
-        policy.observe_hit(False)
-    assert not policy.should_branch()
+        policy.observe_hit(pays)
+    assert policy.should_branch() == pays
     return policy
 
 
@@ -354,27 +355,46 @@ def test_a_request_starts_from_where_the_last_left_off_and_learns_on_from_its_ow
     request's schedule put them, and its own samples move the estimates at the running weight."""
     config = MirrorConfig(probe_every=4, max_probe_every=16)
     history = BranchHistory()
-    first = _taught_that_branching_does_not_pay(history.policy(config))
+    first = _taught(history.policy(config), pays=False)
     assert BranchPolicy(config).should_branch()  # blank: learn first
     history.keep(first)
     second = history.policy(config)
     continued = copy.deepcopy(first)
     expected = [continued.should_branch() for _ in range(12)]
     assert [second.should_branch() for _ in range(12)] == expected and not expected[0] and any(expected)
-    assert second.verify_s.count == 5 and second.verify_s.value == pytest.approx(0.200)
+    assert second.verify_s.count == 2 and second.verify_s.value == pytest.approx(0.200)
     second.observe_verify(0.300, branched=True)
-    assert second.verify_s.value == pytest.approx(0.220)  # 1/5 of the way: the running weight, not 1/31
+    # a third of the way: a resumed mean weighs two samples (30 would make it the running weight, 1/5)
+    assert second.verify_s.value == pytest.approx(0.200 + 0.100 / 3)
     assert history.policy(replace(config, max_branches=2)).should_branch()  # another configuration: blank
 
 
-def test_a_history_keeps_what_was_learnt_only_and_a_bounded_number_of_configurations():
+def test_a_resumed_request_probes_within_probe_every_windows_whatever_gap_the_last_one_reached():
+    """Requests differ (K, greedy or sampled, replicas): one whose branching would pay finds out
+    within ``probe_every`` windows, as a blank one did, not after the last request's doubled gap."""
+    config = MirrorConfig(probe_every=2, max_probe_every=8)
     history = BranchHistory()
-    history.keep(_taught_that_branching_does_not_pay(history.policy(MirrorConfig())))
-    history.keep(BranchPolicy(MirrorConfig()))  # a request that ended before its first window
-    assert not history.policy(MirrorConfig()).should_branch()  # the earlier state stands
+    first = _taught(history.policy(config), pays=False)
+    probes = [first.should_branch() for _ in range(13)]
+    assert [i for i, probe in enumerate(probes) if probe] == [0, 4, 12]  # gaps 2, 4, 8: a probe just now
+    history.keep(first)
+    second = history.policy(config)
+    assert [second.should_branch() for _ in range(2)] == [False, True]  # a probe 2 windows on, not 8
+
+
+def test_a_history_keeps_what_was_learnt_only_and_a_bounded_number_of_configurations():
+    """A request that ended before its first window, or whose windows the target ran, learnt
+    nothing: it must not put back the state it started from over what another request learnt."""
+    history = BranchHistory()
+    history.keep(_taught(history.policy(MirrorConfig()), pays=False))
+    idle, busy = history.policy(MirrorConfig()), history.policy(MirrorConfig())
+    history.keep(_taught(busy, pays=True))
+    history.keep(idle)
+    history.keep(BranchPolicy(MirrorConfig()))
+    assert history.policy(MirrorConfig()).should_branch()  # the busy request's state stands
     others = [MirrorConfig(max_branches=2, alternatives=a) for a in range(BranchHistory.max_configs)]
     for config in others:
-        history.keep(_taught_that_branching_does_not_pay(history.policy(config)))
+        history.keep(_taught(history.policy(config), pays=False))
     assert history.policy(MirrorConfig()).should_branch()  # the oldest configuration went: blank again
     assert not any(history.policy(config).should_branch() for config in others)
 
@@ -382,7 +402,7 @@ def test_a_history_keeps_what_was_learnt_only_and_a_bounded_number_of_configurat
 def test_a_pipeline_hands_its_policy_to_the_history_when_it_closes():
     history = BranchHistory()
     pipeline = MirrorPipeline(MirrorConfig(), history)
-    _taught_that_branching_does_not_pay(pipeline.policy)
+    _taught(pipeline.policy, pays=False)
     pipeline.close()
     assert not MirrorPipeline(MirrorConfig(), history).policy.should_branch()
 
