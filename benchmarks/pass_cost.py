@@ -45,6 +45,11 @@ from mirrorspec.models.loading import device_flag
 from mirrorspec.models.prepack import prepack_linears
 
 
+def filler_drafts(context: list[int], max_k: int) -> list[int]:
+    """K draft tokens to time passes with (taken from the context: any real tokens cost the same)."""
+    return [context[i % len(context)] for i in range(max_k)]
+
+
 def measure(model: torch.nn.Module, context: list[int], max_k: int, reps: int,
             vocab_ids: torch.Tensor | None = None) -> dict[int, float]:
     """Median seconds of a pass over k + 1 tokens, for k = 0..max_k (``vocab_ids``: a draft's
@@ -62,7 +67,7 @@ def measure_implementations(model: torch.nn.Module, context: list[int], max_k: i
     session.logits_for(context, 1)  # prefill once
     times = {name: {k: [] for k in range(max_k + 1)} for name in implementations}
     same = True
-    drafts = [context[i % len(context)] for i in range(max_k)]
+    drafts = filler_drafts(context, max_k)
     sync = torch.cuda.synchronize if session.device.type == "cuda" else (lambda: None)
     for _ in range(reps):
         for k in range(max_k + 1):
@@ -103,7 +108,7 @@ def count_syncs(model: torch.nn.Module, context: list[int], max_k: int) -> dict[
     pass with many of them pays for the host's wake-ups too."""
     session = KVSession(model)
     session.logits_for(context, 1)
-    drafts = [context[i % len(context)] for i in range(max_k)]
+    drafts = filler_drafts(context, max_k)
     counts = {}
     for k in range(max_k + 1):
         torch.cuda.set_sync_debug_mode("warn")

@@ -209,16 +209,15 @@ class MirrorPipeline:
 
     def __init__(self, config: MirrorConfig | None = None, history: BranchHistory | None = None):
         self.config = config or MirrorConfig()
-        self.history = history  # earlier requests' estimates, to start from and add to
-        # whether, and how far, to branch
-        self.policy = history.policy(self.config) if history is not None else BranchPolicy(self.config)
+        # earlier requests' estimates, to start from and add to (a request of its own: none)
+        self.history = history if history is not None else BranchHistory()
+        self.policy = self.history.policy(self.config)  # whether, and how far, to branch
         self.acceptance = AcceptanceByKind()  # ranks guesses: looked-up drafts pass far more often
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mirror-verify")
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        if self.history is not None:
-            self.history.keep(self.policy)
+        self.history.keep(self.policy)
 
     def verify_while_drafting(self, verifier, drafter: Drafter, context: Sequence[int], proposal: Proposal,
                               params: SamplingParams, seed: int, alpha: float,
@@ -354,13 +353,16 @@ class BranchPolicy:
         self._since_probe = 0
         self._resumed_samples = 0  # samples its means started with (``resume``): not this request's
 
+    def _means(self) -> dict[str, RunningMean]:
+        return {name: getattr(self, name) for name in _ESTIMATES}
+
     def samples_of_its_own(self) -> int:
         """Samples this request added to its estimates (none: it learnt nothing worth keeping)."""
-        return sum(getattr(self, name).count for name in _ESTIMATES) - self._resumed_samples
+        return sum(mean.count for mean in self._means().values()) - self._resumed_samples
 
     def state(self) -> PolicyState:
         """What this policy has learnt, for the next request to start from (``BranchHistory``)."""
-        return PolicyState({name: (getattr(self, name).value, getattr(self, name).count) for name in _ESTIMATES},
+        return PolicyState({name: (mean.value, mean.count) for name, mean in self._means().items()},
                            self._branching, self._probe_gap, self._since_probe)
 
     def resume(self, state: PolicyState) -> None:
@@ -370,10 +372,10 @@ class BranchPolicy:
         probe schedule, so requests shorter than a probe gap still probe in turn, with the gap
         no longer than ``probe_every``: a request whose branching would pay finds out within that
         many windows, as a request starting blank did."""
-        for name, (value, count) in state.estimates.items():
-            mean = getattr(self, name)
+        for name, mean in self._means().items():
+            value, count = state.estimates[name]
             mean.value, mean.count = value, min(count, state.resumed_samples)
-        self._resumed_samples = sum(getattr(self, name).count for name in _ESTIMATES)
+        self._resumed_samples = sum(mean.count for mean in self._means().values())
         self._branching, self._since_probe = state.branching, state.since_probe
         self._probe_gap = min(state.probe_gap, self.config.probe_every)
 

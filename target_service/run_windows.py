@@ -61,12 +61,12 @@ class Branching:
                  history: BranchHistory | None = None):
         self.max_branches = max_branches
         self.alternatives = alternatives
-        self.history = history  # earlier runs' policy state on this target, to start from and add to
+        # earlier runs' policy state on this target, to start from and add to (a run of its own: none)
+        self.history = history if history is not None else BranchHistory()
         self.policy: BranchPolicy | None = None
         if max_branches:
-            config = MirrorConfig(max_branches=max_branches, alternatives=alternatives,
-                                  stop_at_verdict=not every_window)
-            self.policy = history.policy(config) if history is not None else BranchPolicy(config)
+            self.policy = self.history.policy(MirrorConfig(max_branches=max_branches, alternatives=alternatives,
+                                                           stop_at_verdict=not every_window))
         self.passed = self.failed = 0  # draft tests so far: the ranking's acceptance estimate
         self._branches: dict[tuple[int, int], Proposal] = {}
         self._branched = False  # whether the window being verified branched
@@ -75,7 +75,7 @@ class Branching:
 
     def keep(self) -> None:
         """At the run's end: what its policy learnt, for the next run here."""
-        if self.policy is not None and self.history is not None:
+        if self.policy is not None:
             self.history.keep(self.policy)
 
     def start(self, drafts: DraftStream, context: list[int], proposal: Proposal, runner_up: int | None,
