@@ -119,9 +119,35 @@ def not_a_front_door():
     server.stop(grace=None)
 
 
+_EXIT_STATUS = pytest.StashKey[int]()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
-    """pytest's own faulthandler stops at unconfigure; keep one on through interpreter shutdown, so a
-    crash after the summary (a thread still inside gRPC or torch while modules are torn down) prints
-    every thread's stack instead of a bare "Segmentation fault"."""
+    """Ends the test process once pytest has reported, without tearing down its native libraries.
+
+    This one process hosts hundreds of in-process gRPC servers and channels, a Ray driver (joined to
+    three clusters in turn) and forked children; Ray keeps some C++ threads of its own after
+    ``ray.shutdown`` (its GCS client's IO thread). Twice, CI's run passed every test and then died
+    with SIGSEGV after the summary (exit 139: on 508e903, and on 23d965a), with no Python stack even though a
+    faulthandler was on: so after Python had finalised, in C++ static destructors racing those
+    threads (Ray's own workers end with ``os._exit`` for the same reason, ray-project/ray#18899).
+    pytest's result is already printed; the exit status is pytest's. So: run the ``atexit``
+    handlers (Ray's shutdown, multiprocessing's reaping of daemon children, logging's flush), print
+    the threads still alive (so a leak shows in CI's log), and leave with ``os._exit``.
+    ``MIRRORSPEC_TEST_FULL_TEARDOWN=1`` keeps the normal teardown, to hunt such a crash; a
+    faulthandler stays on through it either way, so a crash inside Python's part prints stacks."""
+    import atexit
+
     faulthandler.enable(file=sys.__stderr__, all_threads=True)
+    if os.environ.get("MIRRORSPEC_TEST_FULL_TEARDOWN") == "1" or _EXIT_STATUS not in config.stash:
+        return
+    atexit._run_exitfuncs()
+    print(f"threads alive at exit: {support.live_threads()}", file=sys.__stderr__)
+    sys.stdout.flush()
+    sys.__stderr__.flush()
+    os._exit(config.stash[_EXIT_STATUS])

@@ -223,6 +223,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def live_threads() -> str:
+    """This process's threads by name, most first: Python's own by their ``threading`` names, and the
+    native ones (gRPC's, Ray's, torch's, which ``threading`` does not list) by their kernel names."""
+    import threading
+
+    python = Counter(t.name for t in threading.enumerate())
+    native = Counter()
+    if Path("/proc/self/task").is_dir():
+        native.update(task.joinpath("comm").read_text().strip() for task in Path("/proc/self/task").iterdir())
+        native[Path("/proc/self/comm").read_text().strip()] -= len(python)  # Python's threads are named so
+    named = python + +native  # unary plus drops the counts that fell to zero
+    return f"{sum(named.values())}: " + ", ".join(f"{n} {name}" for name, n in named.most_common())
+
+
 def counts_by_label(counter, label: str) -> dict[str, float]:
     """A labelled Prometheus counter's totals, by that label's value."""
     return {sample.labels[label]: sample.value for family in counter.collect() for sample in family.samples

@@ -2,12 +2,15 @@
 give the list one process would, whatever happens to the forked half."""
 
 import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
-from support import run_halves_in_two_processes
+from support import live_threads, run_halves_in_two_processes
 
 
 def squares(first: int, count: int) -> list[int]:
@@ -60,3 +63,40 @@ def test_a_process_that_has_used_cuda_draws_both_halves_itself(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert run_halves_in_two_processes(marks_a_child, 0, 100) == squares(0, 100)
+
+
+def test_live_threads_names_python_threads_by_their_names():
+    import threading
+
+    release = threading.Event()
+    waiting = threading.Thread(target=release.wait, name="a-named-waiter")
+    waiting.start()
+    try:
+        census = live_threads()
+    finally:
+        release.set()
+        waiting.join()
+    assert "1 a-named-waiter" in census and "1 MainThread" in census
+
+
+def _pytest_in_a_subprocess(selection: str, **env) -> subprocess.CompletedProcess:
+    """pytest on one selection of this file, as CI runs it, from a driver that registered an atexit
+    handler before pytest began."""
+    driver = ("import atexit, sys, pytest; atexit.register(lambda: print('the atexit handler ran', flush=True)); "
+              f"sys.exit(pytest.main(['-p', 'no:cacheprovider', '-q', {__file__!r}, '-k', {selection!r}]))")
+    return subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).parent, env={**os.environ, **env})
+
+
+def test_the_test_process_leaves_with_pytests_status_after_its_atexit_handlers_and_says_what_was_alive():
+    """conftest ends the process with ``os._exit`` (CI's run died with SIGSEGV in native teardown
+    after every test had passed): the status must still be pytest's, and the atexit handlers (Ray's
+    shutdown, multiprocessing's reaping) must still run."""
+    passed = _pytest_in_a_subprocess("test_the_halves_come_back_in_order_and_whole and 5-1")
+    assert passed.returncode == 0, passed.stdout + passed.stderr
+    assert "the atexit handler ran" in passed.stdout and "threads alive at exit: " in passed.stderr
+    nothing = _pytest_in_a_subprocess("no_test_is_called_this")
+    assert nothing.returncode == pytest.ExitCode.NO_TESTS_COLLECTED, nothing.stdout + nothing.stderr
+    kept = _pytest_in_a_subprocess("no_test_is_called_this", MIRRORSPEC_TEST_FULL_TEARDOWN="1")
+    assert kept.returncode == pytest.ExitCode.NO_TESTS_COLLECTED and "threads alive" not in kept.stderr
+    assert "the atexit handler ran" in kept.stdout
