@@ -36,9 +36,8 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -258,16 +257,22 @@ def build_parser(prog: str = "python -m benchmarks.acceptance") -> argparse.Argu
     return p
 
 
-def _load(args: argparse.Namespace,
-          parser: argparse.ArgumentParser) -> tuple[LoadedModel, dict[str, DraftModelDrafter]]:
-    if "none" in args.draft:
-        parser.error("--draft: 'none' leaves nothing to measure; name a draft model")
+def load_target(name: str, parser: argparse.ArgumentParser) -> LoadedModel:
+    """``--target`` loaded, with the tokenizer the prompts are encoded with; refused by its flag."""
     try:
-        target = load_causal_lm(args.target)
+        target = load_causal_lm(name)
     except (InvalidRequest, OSError) as err:
         parser.error(f"--target: {err}")
     if target.tokenizer is None:
         parser.error("--target: the target has no tokenizer; prompts cannot be encoded")
+    return target
+
+
+def _load(args: argparse.Namespace,
+          parser: argparse.ArgumentParser) -> tuple[LoadedModel, dict[str, DraftModelDrafter]]:
+    if "none" in args.draft:
+        parser.error("--draft: 'none' leaves nothing to measure; name a draft model")
+    target = load_target(args.target, parser)
     drafters = {}
     for spec in args.draft:
         try:
@@ -300,28 +305,35 @@ class Replayed:
     answers: dict[str, list[dict]] = field(default_factory=dict)
 
 
-def replay_prompts(target: LoadedModel, drafters: dict[str, DraftModelDrafter], prompts: dict[str, list],
-                   max_tokens: int, temperatures: Sequence[float], progress: bool) -> Replayed:
-    """Every draft's betas and greedy confidences along the target's greedy answer to every
-    prompt; and the answers."""
-    replayed = Replayed()
+def greedy_answers(target: LoadedModel, prompts: dict[str, list], max_tokens: int,
+                   progress: bool) -> Iterator[tuple[str, object, list[int], list[int]]]:
+    """(dataset, prompt, its ids, the target's greedy answer) for every prompt, in order: the text a
+    greedy speculative run writes, whatever it drafts, so drafts can be replayed along it."""
     params = SamplingParams(max_new_tokens=max_tokens, stop_token_ids=target.stop_token_ids())
     total = sum(len(p) for p in prompts.values())
     with tqdm(total=total, desc="replaying drafts on target answers", disable=not progress) as bar:
         for dataset, items in prompts.items():
             for prompt in items:
                 ids = encode_prompt(target.tokenizer, prompt.text)
-                answer = list(generate(target.model, None, ids, params).token_ids)
-                record = {"prompt_id": prompt.prompt_id, "category": prompt.category, "answer_ids": answer, "beta": {}}
-                for name, drafter in drafters.items():
-                    for temperature, values in answer_betas(target.model, drafter, ids, answer, temperatures).items():
-                        replayed.betas.setdefault((dataset, name, temperature), []).append(values)
-                        record["beta"][f"{name} T={temperature:g}"] = values
-                    confidences = answer_confidences(drafter, ids, answer)
-                    replayed.confidences.setdefault((dataset, name), []).append(confidences)
-                    record.setdefault("confidence", {})[name] = confidences
-                replayed.answers.setdefault(dataset, []).append(record)
+                yield dataset, prompt, ids, list(generate(target.model, None, ids, params).token_ids)
                 bar.update(1)
+
+
+def replay_prompts(target: LoadedModel, drafters: dict[str, DraftModelDrafter], prompts: dict[str, list],
+                   max_tokens: int, temperatures: Sequence[float], progress: bool) -> Replayed:
+    """Every draft's betas and greedy confidences along the target's greedy answer to every
+    prompt; and the answers."""
+    replayed = Replayed()
+    for dataset, prompt, ids, answer in greedy_answers(target, prompts, max_tokens, progress):
+        record = {"prompt_id": prompt.prompt_id, "category": prompt.category, "answer_ids": answer, "beta": {}}
+        for name, drafter in drafters.items():
+            for temperature, values in answer_betas(target.model, drafter, ids, answer, temperatures).items():
+                replayed.betas.setdefault((dataset, name, temperature), []).append(values)
+                record["beta"][f"{name} T={temperature:g}"] = values
+            confidences = answer_confidences(drafter, ids, answer)
+            replayed.confidences.setdefault((dataset, name), []).append(confidences)
+            record.setdefault("confidence", {})[name] = confidences
+        replayed.answers.setdefault(dataset, []).append(record)
     return replayed
 
 
