@@ -10,7 +10,7 @@ the context so far (``NgramDrafter.propose``, as the engine calls it), keeps its
 first that differs from the answer, and the target adds one token. Every setting is replayed on the
 same answers, so they compare with no noise; the speedup column prices windows with the adaptive-K
 cost model (``window_cost``: the measured pass costs, and lookups that cost nothing). Only the
-target's answers are computed, once.
+target's answers are computed, once; the JSON keeps them, with the prompts' ids.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -102,10 +103,36 @@ def build_parser(prog: str = "python -m benchmarks.lookup_replay") -> argparse.A
     p.add_argument("--weak-match-tokens", type=csv_of(positive), default=[3],
                    help="drafts after a one-token match (default 3)")
     p.add_argument("--target", default="demo-target", help="hub id, local path, .gguf, or demo-target (default)")
+    p.add_argument("--answers", type=answers_file, default=None,
+                   help="replay the answers an earlier run's JSON kept (no target, no prompts loaded; "
+                        "--datasets, --num-prompts, --max-tokens and --target are then theirs)")
     p.add_argument("--threads", type=positive, default=2, help="torch intra-op threads (default 2)")
     p.add_argument("--out", type=output_dir, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
+
+
+Answers = dict[str, list[tuple[list[int], list[int]]]]  # dataset -> (prompt ids, the target's greedy answer)
+
+
+def answers_file(text: str) -> Answers:
+    """``--answers``: the answers a run of this command kept, read as the flags are."""
+    try:
+        kept = json.loads(Path(text).read_text())["answers"]
+        return {dataset: [(list(a["prompt_ids"]), list(a["answer_ids"])) for a in pairs]
+                for dataset, pairs in kept.items()}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise argparse.ArgumentTypeError(f"{text}: not the JSON of a lookup_replay run ({err!r})") from None
+
+
+def target_answers(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Answers:
+    answers: Answers = {}
+    with torch_threads(args.threads), torch.inference_mode():
+        target = load_target(args.target, parser)
+        prompts = {name: load_prompts(name, args.num_prompts) for name in args.datasets}
+        for dataset, _, ids, answer in greedy_answers(target, prompts, args.max_tokens, not args.no_progress):
+            answers.setdefault(dataset, []).append((ids, answer))
+    return answers
 
 
 def drafters(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[NgramDrafter]:
@@ -123,17 +150,15 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks.lo
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     lookups = drafters(args, parser)
-    with torch_threads(args.threads), torch.inference_mode():
-        target = load_target(args.target, parser)
-        prompts = {name: load_prompts(name, args.num_prompts) for name in args.datasets}
-        answers: dict[str, list[tuple[list[int], list[int]]]] = {}
-        for dataset, _, ids, answer in greedy_answers(target, prompts, args.max_tokens, not args.no_progress):
-            answers.setdefault(dataset, []).append((ids, answer))
+    answers = args.answers if args.answers is not None else target_answers(args, parser)
     rows = [summarize(dataset, drafter, k, pairs)
             for dataset, pairs in answers.items() for drafter in lookups for k in args.k]
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / time.strftime("lookup-replay-%Y%m%d-%H%M%S.json")
-    out.write_text(json.dumps({"config": args_config(args), "rows": [asdict(r) for r in rows]}, indent=1))
+    config = {**args_config(args), "answers": None}  # the answers are kept below, once
+    out.write_text(json.dumps({"config": config, "rows": [asdict(r) for r in rows],
+                               "answers": {dataset: [{"prompt_ids": ids, "answer_ids": answer} for ids, answer in pairs]
+                                           for dataset, pairs in answers.items()}}))
     print(format_table(rows))
     print(f"\n{LEGEND}\nwrote {out}")
     return 0

@@ -17,7 +17,7 @@ from mirrorspec.drafting.ngram import NgramDrafter
                          ids=["default", "short"])
 def test_the_replay_is_the_windows_the_engine_runs_with_prompt_lookup(tiny_target, lookup, k):
     # a prompt whose earlier n-grams send some lookups the wrong way before the answer settles
-    prompt, params = [1, 5, 6, 5, 3, 7, 7, 4, 0, 0, 1], SamplingParams(max_new_tokens=40)
+    prompt, params = [1, 6, 5, 7, 3, 1, 0, 1], SamplingParams(max_new_tokens=40)
     answer = list(generate(tiny_target, None, prompt, params).token_ids)
     replay = replay_lookup(lookup, prompt, answer, k)
     stats = generate(tiny_target, lookup, prompt, params, num_speculative_tokens=k).stats
@@ -52,12 +52,28 @@ def test_a_setting_it_cannot_run_is_refused_by_its_flag(argv, flag, capsys):
     assert exc.value.code == 2 and flag in capsys.readouterr().err
 
 
+def test_answers_that_are_not_a_runs_json_are_refused_by_the_flag(tmp_path, capsys):
+    (tmp_path / "other.json").write_text('{"rows": []}')
+    for path in (tmp_path / "other.json", tmp_path / "missing.json"):
+        with pytest.raises(SystemExit) as exc:
+            main(["--answers", str(path)])
+        assert exc.value.code == 2 and "--answers" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_a_run_on_the_demo_target_writes_a_row_per_setting(tmp_path, capsys):
     assert main(["--datasets", "code-edit", "--num-prompts", "1", "--max-tokens", "24", "--k", "4,8",
                  "--max-ngram", "2,3", "--threads", "1", "--no-progress", "--out", str(tmp_path)]) == 0
     [written] = tmp_path.glob("lookup-replay-*.json")
-    rows = json.loads(written.read_text())["rows"]
+    result = json.loads(written.read_text())
+    rows = result["rows"]
+    [answer] = result["answers"]["code-edit"]
+    assert len(answer["answer_ids"]) == 24 and answer["prompt_ids"]
     assert [(r["max_ngram"], r["k"]) for r in rows] == [(2, 4), (2, 8), (3, 4), (3, 8)]
     assert all(r["positions"] == 24 and r["tokens_per_pass"] >= 1 for r in rows)
     assert "est.x" in capsys.readouterr().out
+    # the kept answers replay to the same rows, with no target loaded
+    again = tmp_path / "again"
+    assert main(["--answers", str(written), "--k", "4,8", "--max-ngram", "2,3", "--out", str(again)]) == 0
+    [rewritten] = again.glob("lookup-replay-*.json")
+    assert json.loads(rewritten.read_text())["rows"] == rows
