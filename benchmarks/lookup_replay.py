@@ -37,8 +37,12 @@ from mirrorspec.drafting.ngram import NgramDrafter
 
 def replay_lookup(drafter: NgramDrafter, prompt: Sequence[int], answer: Sequence[int], k: int) -> Replay:
     """The windows greedy speculation with ``drafter`` runs over ``answer``: each drafts what the
-    lookup proposes for the context so far (no further than the answer's end, as the engine drafts
-    no further than max_new_tokens), accepts up to its first miss, and the target adds a token."""
+    lookup proposes for the context so far, accepts up to its first miss, and the target adds a
+    token. Drafts stop at the answer's end, as the engine's stop at max_new_tokens: for an answer
+    that ran to the length limit, the engine's windows exactly. An answer that ended at a stop token
+    is replayed as if the limit were there; the engine's last window may draft past it (the target's
+    tokens after a stop are not in the answer), so its drafted and accepted counts can differ, by
+    one window per answer."""
     params = SamplingParams()
     start = accepted = tests = 0
     window_drafts: list[int] = []
@@ -63,6 +67,7 @@ class Row:
     tokens_per_pass: float  # bonus included
     acceptance_rate: float  # accepted / drafted
     drafts_per_pass: float
+    no_match: float  # share of windows the lookup found nothing for (the last token new to the context)
     est_speedup: float  # over target-only, under the adaptive-K cost model
 
 
@@ -73,21 +78,24 @@ def summarize(dataset: str, drafter: NgramDrafter, k: int, answers: Sequence[tup
     cost = sum(window_cost(d, AdaptiveKConfig(), drafter.step_cost) for r in replays for d in r.drafts_per_window)
     return Row(dataset, drafter.max_ngram, drafter.weak_match_tokens, k, positions,
                round(positions / max(windows, 1), 3), round(accepted / max(drafted, 1), 4),
-               round(drafted / max(windows, 1), 3), round(positions / cost, 3) if cost else 0.0)
+               round(drafted / max(windows, 1), 3),
+               round(sum(d == 0 for r in replays for d in r.drafts_per_window) / max(windows, 1), 3),
+               round(positions / cost, 3) if cost else 0.0)
 
 
 def format_table(rows: Sequence[Row]) -> str:
     lines = [f"{'dataset':<10} {'max_ngram':>9} {'weak':>4} {'K':>2} {'positions':>9} {'tok/pass':>8} "
-             f"{'accept':>6} {'drafts':>6} {'est.x':>5}"]
+             f"{'accept':>6} {'drafts':>6} {'none':>5} {'est.x':>5}"]
     lines += [f"{r.dataset:<10} {r.max_ngram:>9} {r.weak_match_tokens:>4} {r.k:>2} {r.positions:>9} "
-              f"{r.tokens_per_pass:>8.3f} {r.acceptance_rate:>6.3f} {r.drafts_per_pass:>6.2f} {r.est_speedup:>5.2f}"
-              for r in rows]
+              f"{r.tokens_per_pass:>8.3f} {r.acceptance_rate:>6.3f} {r.drafts_per_pass:>6.2f} {r.no_match:>5.2f} "
+              f"{r.est_speedup:>5.2f}" for r in rows]
     return "\n".join(lines)
 
 
 LEGEND = ("tok/pass = target passes' tokens, bonus included; accept = accepted / drafted; drafts = drafts per "
-          "pass; est.x = speedup over target-only under the adaptive-K cost model (pass costs measured on the "
-          "2-core VM; lookups free). Replayed along the target's greedy answers: nothing is timed")
+          "pass; none = share of windows with no match; est.x = speedup over target-only under the adaptive-K "
+          "cost model (pass costs measured on the 2-core VM; lookups free). Replayed along the target's greedy "
+          "answers: nothing is timed")
 
 
 def build_parser(prog: str = "python -m benchmarks.lookup_replay") -> argparse.ArgumentParser:
@@ -113,16 +121,30 @@ def build_parser(prog: str = "python -m benchmarks.lookup_replay") -> argparse.A
 
 
 Answers = dict[str, list[tuple[list[int], list[int]]]]  # dataset -> (prompt ids, the target's greedy answer)
+ANSWER_SOURCE = ("datasets", "num_prompts", "max_tokens", "target")  # the flags that made a run's answers
 
 
-def answers_file(text: str) -> Answers:
-    """``--answers``: the answers a run of this command kept, read as the flags are."""
+@dataclass(frozen=True)
+class KeptAnswers:
+    """The answers an earlier run kept, and the flags that made them."""
+
+    path: str
+    answers: Answers
+    source: dict
+
+
+def answers_file(text: str) -> KeptAnswers:
+    """``--answers``: the answers a run of this command kept, read (and refused) as the flags are."""
     try:
-        kept = json.loads(Path(text).read_text())["answers"]
-        return {dataset: [(list(a["prompt_ids"]), list(a["answer_ids"])) for a in pairs]
-                for dataset, pairs in kept.items()}
-    except (OSError, ValueError, KeyError, TypeError) as err:
+        run = json.loads(Path(text).read_text())
+        answers = {str(dataset): [(list(a["prompt_ids"]), list(a["answer_ids"])) for a in pairs]
+                   for dataset, pairs in run["answers"].items()}
+        source = {key: run["config"][key] for key in ANSWER_SOURCE}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise argparse.ArgumentTypeError(f"{text}: not the JSON of a lookup_replay run ({err!r})") from None
+    if not any(answers.values()):
+        raise argparse.ArgumentTypeError(f"{text}: the run kept no answers")
+    return KeptAnswers(text, answers, source)
 
 
 def target_answers(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Answers:
@@ -150,12 +172,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks.lo
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     lookups = drafters(args, parser)
-    answers = args.answers if args.answers is not None else target_answers(args, parser)
+    answers = args.answers.answers if args.answers is not None else target_answers(args, parser)
     rows = [summarize(dataset, drafter, k, pairs)
             for dataset, pairs in answers.items() for drafter in lookups for k in args.k]
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / time.strftime("lookup-replay-%Y%m%d-%H%M%S.json")
-    config = {**args_config(args), "answers": None}  # the answers are kept below, once
+    config = args_config(args)  # with --answers: the flags that made them, and where they were kept
+    config |= {**args.answers.source, "answers": args.answers.path} if args.answers is not None else {}
     out.write_text(json.dumps({"config": config, "rows": [asdict(r) for r in rows],
                                "answers": {dataset: [{"prompt_ids": ids, "answer_ids": answer} for ids, answer in pairs]
                                            for dataset, pairs in answers.items()}}))

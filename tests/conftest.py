@@ -119,11 +119,14 @@ def not_a_front_door():
     server.stop(grace=None)
 
 
-_EXIT_STATUS = pytest.StashKey[int]()
+_SESSION = pytest.StashKey[pytest.Session]()
+# pytest prints these after unconfigure (a misspelled path, a bad -k; an internal error's traceback):
+# the normal teardown lets it
+_REPORTED_AFTER_UNCONFIGURE = (pytest.ExitCode.USAGE_ERROR, pytest.ExitCode.INTERNAL_ERROR)
 
 
-def pytest_sessionfinish(session, exitstatus):
-    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+def pytest_sessionstart(session):
+    session.config.stash[_SESSION] = session
 
 
 @pytest.hookimpl(trylast=True)
@@ -133,21 +136,40 @@ def pytest_unconfigure(config):
     This one process hosts hundreds of in-process gRPC servers and channels, a Ray driver (joined to
     three clusters in turn) and forked children; Ray keeps some C++ threads of its own after
     ``ray.shutdown`` (its GCS client's IO thread). Twice, CI's run passed every test and then died
-    with SIGSEGV after the summary (exit 139: on 508e903, and on 23d965a), with no Python stack even though a
-    faulthandler was on: so after Python had finalised, in C++ static destructors racing those
-    threads (Ray's own workers end with ``os._exit`` for the same reason, ray-project/ray#18899).
-    pytest's result is already printed; the exit status is pytest's. So: run the ``atexit``
-    handlers (Ray's shutdown, multiprocessing's reaping of daemon children, logging's flush), print
-    the threads still alive (so a leak shows in CI's log), and leave with ``os._exit``.
+    with SIGSEGV after the summary (exit 139: on 508e903, and on 23d965a), with no Python stack even
+    though a faulthandler was on: so after Python had finalised, in C++ static destructors racing
+    those threads (Ray's own workers end with ``os._exit`` for the same reason, ray-project/ray#18899).
+    pytest's result is printed by now, and its exit status final (``session.exitstatus``, which the
+    terminal reporter's ``--max-warnings`` may have changed after any plugin's sessionfinish). So:
+    run the ``atexit`` handlers (Ray's shutdown, multiprocessing's reaping of daemon children,
+    logging's flush; a handler that hangs for 2 minutes dumps every stack and exits), print the
+    threads still alive (so a leak shows in CI's log), and leave with ``os._exit``. Where pytest
+    still has something to print (a usage error, an internal error) the teardown is the normal one.
     ``MIRRORSPEC_TEST_FULL_TEARDOWN=1`` keeps the normal teardown, to hunt such a crash; a
     faulthandler stays on through it either way, so a crash inside Python's part prints stacks."""
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)
+    session = config.stash.get(_SESSION, None)
+    if (os.environ.get("MIRRORSPEC_TEST_FULL_TEARDOWN") == "1" or session is None
+            or session.exitstatus in _REPORTED_AFTER_UNCONFIGURE):
+        return
+    _run_atexit_handlers(timeout_s=120)
+    try:
+        print(f"threads alive at exit: {support.live_threads()}", file=sys.__stderr__)
+    except Exception as err:  # noqa: BLE001 - a census that fails must not keep the process from leaving
+        print(f"threads alive at exit: not counted ({err!r})", file=sys.__stderr__)
+    for stream in (sys.stdout, sys.__stdout__, sys.stderr, sys.__stderr__):
+        try:
+            stream.flush()
+        except (AttributeError, ValueError, OSError):
+            pass
+    os._exit(int(session.exitstatus))
+
+
+def _run_atexit_handlers(timeout_s: float) -> None:
     import atexit
 
-    faulthandler.enable(file=sys.__stderr__, all_threads=True)
-    if os.environ.get("MIRRORSPEC_TEST_FULL_TEARDOWN") == "1" or _EXIT_STATUS not in config.stash:
-        return
-    atexit._run_exitfuncs()
-    print(f"threads alive at exit: {support.live_threads()}", file=sys.__stderr__)
-    sys.stdout.flush()
-    sys.__stderr__.flush()
-    os._exit(config.stash[_EXIT_STATUS])
+    faulthandler.dump_traceback_later(timeout_s, exit=True, file=sys.__stderr__)
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        faulthandler.cancel_dump_traceback_later()

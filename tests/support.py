@@ -224,16 +224,21 @@ def free_port() -> int:
 
 
 def live_threads() -> str:
-    """This process's threads by name, most first: Python's own by their ``threading`` names, and the
-    native ones (gRPC's, Ray's, torch's, which ``threading`` does not list) by their kernel names."""
+    """This process's threads by name, most first: Python's by their ``threading`` names, the native
+    ones (gRPC's, Ray's, torch's, which ``threading`` does not list) by their kernel names."""
     import threading
 
-    python = Counter(t.name for t in threading.enumerate())
-    native = Counter()
-    if Path("/proc/self/task").is_dir():
-        native.update(task.joinpath("comm").read_text().strip() for task in Path("/proc/self/task").iterdir())
-        native[Path("/proc/self/comm").read_text().strip()] -= len(python)  # Python's threads are named so
-    named = python + +native  # unary plus drops the counts that fell to zero
+    python_names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        named = Counter(python_names.values())
+    else:
+        named = Counter()
+        for task in tasks.iterdir():
+            try:
+                named[python_names.get(int(task.name)) or task.joinpath("comm").read_text().strip()] += 1
+            except (OSError, ValueError):  # a thread that ended while we looked
+                continue
     return f"{sum(named.values())}: " + ", ".join(f"{n} {name}" for name, n in named.most_common())
 
 

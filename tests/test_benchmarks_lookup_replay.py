@@ -36,7 +36,8 @@ def test_an_answer_that_copies_its_prompt_is_drafted_in_windows_of_k():
     assert replay.drafts_per_window == (4, 3)
     row = summarize("copy", NgramDrafter(weak_match_tokens=8), 4, [(prompt, answer)])
     assert row == Row("copy", 3, 8, 4, 9, tokens_per_pass=round(9 / replay.windows, 3), acceptance_rate=1.0,
-                      drafts_per_pass=round(replay.drafted / replay.windows, 3), est_speedup=row.est_speedup)
+                      drafts_per_pass=round(replay.drafted / replay.windows, 3), no_match=0.0,
+                      est_speedup=row.est_speedup)
     assert row.est_speedup > 1
 
 
@@ -52,8 +53,18 @@ def test_a_setting_it_cannot_run_is_refused_by_its_flag(argv, flag, capsys):
     assert exc.value.code == 2 and flag in capsys.readouterr().err
 
 
-def test_answers_that_are_not_a_runs_json_are_refused_by_the_flag(tmp_path, capsys):
-    (tmp_path / "other.json").write_text('{"rows": []}')
+def test_a_window_with_no_match_drafts_nothing_and_is_counted():
+    # "3" ends the context and occurs nowhere before it, so the first window finds nothing; then "1"
+    # matches and drafts on
+    row = summarize("new", NgramDrafter(), 4, [([5, 1, 2, 3], [1, 2, 3, 4])])
+    assert row.no_match == 0.5 and row.tokens_per_pass == 2.0
+
+
+@pytest.mark.parametrize("text", ['{"rows": []}', '{"answers": [], "config": {}}', '{"answers": "x"}',
+                                  '{"answers": {}, "config": {"datasets": [], "num_prompts": 1, "max_tokens": 1, '
+                                  '"target": "t"}}', "not json"])
+def test_answers_that_are_not_a_runs_json_are_refused_by_the_flag(tmp_path, capsys, text):
+    (tmp_path / "other.json").write_text(text)
     for path in (tmp_path / "other.json", tmp_path / "missing.json"):
         with pytest.raises(SystemExit) as exc:
             main(["--answers", str(path)])
@@ -76,4 +87,8 @@ def test_a_run_on_the_demo_target_writes_a_row_per_setting(tmp_path, capsys):
     again = tmp_path / "again"
     assert main(["--answers", str(written), "--k", "4,8", "--max-ngram", "2,3", "--out", str(again)]) == 0
     [rewritten] = again.glob("lookup-replay-*.json")
-    assert json.loads(rewritten.read_text())["rows"] == rows
+    replayed = json.loads(rewritten.read_text())
+    assert replayed["rows"] == rows
+    # its config says where the answers came from and the flags that made them
+    assert replayed["config"]["answers"] == str(written) and replayed["config"]["max_tokens"] == 24
+    assert replayed["config"]["datasets"] == ["code-edit"] and replayed["config"]["num_prompts"] == 1

@@ -79,24 +79,54 @@ def test_live_threads_names_python_threads_by_their_names():
     assert "1 a-named-waiter" in census and "1 MainThread" in census
 
 
-def _pytest_in_a_subprocess(selection: str, **env) -> subprocess.CompletedProcess:
-    """pytest on one selection of this file, as CI runs it, from a driver that registered an atexit
-    handler before pytest began."""
+A_TEST_FILE = """
+import warnings
+
+def test_passes():
+    pass
+
+def test_fails():
+    assert False
+
+def test_warns():
+    warnings.warn(UserWarning("a warning pytest counts"))
+"""
+
+
+def _pytest_in_a_subprocess(tmp_path: Path, *argv: str, **env: str) -> subprocess.CompletedProcess:
+    """pytest on a file of its own, with this suite's conftest as a plugin, from a driver that
+    registered an atexit handler before pytest began."""
+    (tmp_path / "test_a_file.py").write_text(A_TEST_FILE)
+    args = ["-p", "conftest", "-p", "no:cacheprovider", "-q", *argv]
     driver = ("import atexit, sys, pytest; atexit.register(lambda: print('the atexit handler ran', flush=True)); "
-              f"sys.exit(pytest.main(['-p', 'no:cacheprovider', '-q', {__file__!r}, '-k', {selection!r}]))")
+              f"sys.exit(pytest.main({args!r}))")
+    environment = {key: value for key, value in os.environ.items() if key != "MIRRORSPEC_TEST_FULL_TEARDOWN"}
+    environment["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), *sys.path])
     return subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).parent, env={**os.environ, **env})
+                          cwd=tmp_path, env={**environment, **env})
 
 
-def test_the_test_process_leaves_with_pytests_status_after_its_atexit_handlers_and_says_what_was_alive():
+@pytest.mark.parametrize("argv, status", [
+    (["test_a_file.py::test_passes"], pytest.ExitCode.OK),
+    (["test_a_file.py::test_fails"], pytest.ExitCode.TESTS_FAILED),
+    # the terminal reporter sets this status after every plugin's sessionfinish
+    (["test_a_file.py::test_warns", "--max-warnings", "0"], pytest.ExitCode.MAX_WARNINGS_ERROR),
+    (["test_a_file.py", "-k", "no_test_is_called_this"], pytest.ExitCode.NO_TESTS_COLLECTED),
+], ids=["passed", "failed", "too-many-warnings", "nothing-collected"])
+def test_the_test_process_leaves_with_pytests_status_after_its_atexit_handlers_and_says_what_was_alive(
+        tmp_path, argv, status):
     """conftest ends the process with ``os._exit`` (CI's run died with SIGSEGV in native teardown
-    after every test had passed): the status must still be pytest's, and the atexit handlers (Ray's
-    shutdown, multiprocessing's reaping) must still run."""
-    passed = _pytest_in_a_subprocess("test_the_halves_come_back_in_order_and_whole and 5-1")
-    assert passed.returncode == 0, passed.stdout + passed.stderr
-    assert "the atexit handler ran" in passed.stdout and "threads alive at exit: " in passed.stderr
-    nothing = _pytest_in_a_subprocess("no_test_is_called_this")
-    assert nothing.returncode == pytest.ExitCode.NO_TESTS_COLLECTED, nothing.stdout + nothing.stderr
-    kept = _pytest_in_a_subprocess("no_test_is_called_this", MIRRORSPEC_TEST_FULL_TEARDOWN="1")
-    assert kept.returncode == pytest.ExitCode.NO_TESTS_COLLECTED and "threads alive" not in kept.stderr
+    after every test had passed): the status must still be pytest's final one, and the atexit
+    handlers (Ray's shutdown, multiprocessing's reaping) must still run."""
+    run = _pytest_in_a_subprocess(tmp_path, *argv)
+    assert run.returncode == status, run.stdout + run.stderr
+    assert "the atexit handler ran" in run.stdout and "threads alive at exit: " in run.stderr
+
+
+def test_what_pytest_prints_after_unconfigure_is_not_cut_off_and_the_teardown_can_be_kept(tmp_path):
+    missing = _pytest_in_a_subprocess(tmp_path, "no_such_file.py")  # a usage error, printed after unconfigure
+    assert missing.returncode == pytest.ExitCode.USAGE_ERROR
+    assert "file or directory not found" in missing.stdout + missing.stderr
+    kept = _pytest_in_a_subprocess(tmp_path, "test_a_file.py::test_passes", MIRRORSPEC_TEST_FULL_TEARDOWN="1")
+    assert kept.returncode == pytest.ExitCode.OK and "threads alive" not in kept.stderr
     assert "the atexit handler ran" in kept.stdout
