@@ -75,11 +75,12 @@ def summarize(dataset: str, drafter: NgramDrafter, k: int, answers: Sequence[tup
     replays = [replay_lookup(drafter, prompt, answer, k) for prompt, answer in answers]
     windows, drafted, accepted, _ = Replay.totals(replays)
     positions = sum(len(answer) for _, answer in answers)
-    cost = sum(window_cost(d, AdaptiveKConfig(), drafter.step_cost) for r in replays for d in r.drafts_per_window)
+    window_drafts = [d for r in replays for d in r.drafts_per_window]
+    costs = AdaptiveKConfig()
+    cost = sum(window_cost(d, costs, drafter.step_cost) for d in window_drafts)
     return Row(dataset, drafter.max_ngram, drafter.weak_match_tokens, k, positions,
                round(positions / max(windows, 1), 3), round(accepted / max(drafted, 1), 4),
-               round(drafted / max(windows, 1), 3),
-               round(sum(d == 0 for r in replays for d in r.drafts_per_window) / max(windows, 1), 3),
+               round(drafted / max(windows, 1), 3), round(window_drafts.count(0) / max(windows, 1), 3),
                round(positions / cost, 3) if cost else 0.0)
 
 
