@@ -42,11 +42,11 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 from tqdm import tqdm
 
-from benchmarks.flags import (csv_of, draft_confidence, draft_spec, integer_at_least, one_of, output_dir, positive,
+from benchmarks.flags import (add_run_flags, csv_of, draft_confidence, draft_spec, integer_at_least, one_of,
                               sampling_temperature, torch_threads, window_k)
 from benchmarks.metrics import expected_tokens_per_window
 from benchmarks.prompts import add_replay_flags, load_prompts
-from benchmarks.run import DEFAULT_OUT, args_config, load_draft
+from benchmarks.run import args_config, load_draft
 from mirrorspec.adaptive import window_cost
 from mirrorspec.config import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DRAFT_QUANTIZE, QUANTIZATIONS, AdaptiveKConfig,
                                InvalidRequest, SamplingParams)
@@ -240,7 +240,7 @@ def build_parser(prog: str = "python -m benchmarks.acceptance") -> argparse.Argu
     p.add_argument("--draft-confidence", type=csv_of(draft_confidence), default=[0.0, DEFAULT_DRAFT_CONFIDENCE],
                    help="greedy: thresholds to replay windows with, each a row; 0 = no confidence stop "
                         f"(default 0,{DEFAULT_DRAFT_CONFIDENCE})")
-    p.add_argument("--target", default="demo-target", help="hub id, local path, .gguf, or demo-target (default)")
+    add_run_flags(p)
     p.add_argument("--draft", type=csv_of(draft_spec), default=["demo-draft"],
                    help="draft models, comma-separated, each replayed along the same target answers: demo-draft "
                         "(default), demo-draft weights (a .safetensors from mirrorspec demo --rebuild --out), a "
@@ -251,9 +251,6 @@ def build_parser(prog: str = "python -m benchmarks.acceptance") -> argparse.Argu
     p.add_argument("--proposal-top-k", type=integer_at_least(0), default=0,
                    help="the draft's q kept to its top-k tokens, as drafters with --proposal-top-k propose (0 = dense, "
                         "the default here; `mirrorspec serve` and `generate --local` use 32)")
-    p.add_argument("--threads", type=positive, default=2, help="torch intra-op threads (default 2)")
-    p.add_argument("--out", type=output_dir, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
 

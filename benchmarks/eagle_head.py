@@ -33,9 +33,9 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.acceptance import Replay, replay_greedy, teacher_forced_logits
-from benchmarks.flags import csv_of, output_dir, positive, positive_float, torch_threads, window_k
+from benchmarks.flags import DEFAULT_OUT, csv_of, output_dir, positive, positive_float, torch_threads, window_k
 from benchmarks.prompts import add_replay_flags, load_prompts
-from benchmarks.run import DEFAULT_OUT, args_config, load_draft
+from benchmarks.run import args_config, load_draft
 from mirrorspec.config import SamplingParams
 from mirrorspec.distill.eagle import (EagleHead, EagleRecipe, agreement, draft_chain, load_feature_examples,
                                       train_head)

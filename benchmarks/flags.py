@@ -15,6 +15,7 @@ from mirrorspec.config import (InvalidRequest, SamplingParams, SpeculationConfig
                                check_writable_folder)
 
 TRUNCATE_PREFIX = "truncate:"
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
 def output_dir(text: str) -> Path:
@@ -125,3 +126,13 @@ def draft_spec(text: str) -> str:
     if text.startswith(TRUNCATE_PREFIX) and not (layers.isdigit() and int(layers) >= 1):
         raise argparse.ArgumentTypeError(f"truncate:N needs an integer N >= 1, got {layers!r}")
     return text
+
+
+def add_run_flags(parser: argparse.ArgumentParser, *, threads_default: int = 2,
+                  threads_help: str = "torch intra-op threads (default 2)") -> None:
+    """--target, --threads, --out and --no-progress: every command that loads the target in its own
+    process and writes a JSON of its results takes them, with one meaning and one help text."""
+    parser.add_argument("--target", default="demo-target", help="hub id, local path, .gguf, or demo-target (default)")
+    parser.add_argument("--threads", type=positive, default=threads_default, help=threads_help)
+    parser.add_argument("--out", type=output_dir, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

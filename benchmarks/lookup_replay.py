@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.acceptance import Replay, greedy_answers, load_target
-from benchmarks.flags import csv_of, one_of, output_dir, positive, torch_threads, window_k
-from benchmarks.prompts import DATASETS, load_prompts
-from benchmarks.run import DEFAULT_OUT, args_config
+from benchmarks.flags import add_run_flags, csv_of, positive, torch_threads, window_k
+from benchmarks.prompts import add_replay_flags, load_prompts
+from benchmarks.run import args_config
 from mirrorspec.adaptive import window_cost
 from mirrorspec.config import AdaptiveKConfig, InvalidRequest, SamplingParams
 from mirrorspec.drafting.ngram import NgramDrafter
@@ -101,23 +101,16 @@ LEGEND = ("tok/pass = target passes' tokens, bonus included; accept = accepted /
 
 def build_parser(prog: str = "python -m benchmarks.lookup_replay") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("--datasets", type=csv_of(one_of(list(DATASETS), "dataset")),
-                   default=["code-edit", "humaneval", "mtbench"],
-                   help=f"comma-separated, from {','.join(DATASETS)} (default code-edit,humaneval,mtbench)")
-    p.add_argument("--num-prompts", type=positive, default=8, help="first N prompts per dataset (default 8)")
-    p.add_argument("--max-tokens", type=positive, default=192, help="answer length per prompt (default 192)")
+    add_replay_flags(p, datasets=("code-edit", "humaneval", "mtbench"), max_tokens=192)
     p.add_argument("--k", type=csv_of(window_k), default=[4, 8, 16], help="window sizes (default 4,8,16)")
     p.add_argument("--max-ngram", type=csv_of(positive), default=[3], help="longest suffix looked up (default 3)")
     p.add_argument("--min-ngram", type=positive, default=1, help="shortest suffix looked up (default 1)")
     p.add_argument("--weak-match-tokens", type=csv_of(positive), default=[3],
                    help="drafts after a one-token match (default 3)")
-    p.add_argument("--target", default="demo-target", help="hub id, local path, .gguf, or demo-target (default)")
+    add_run_flags(p)
     p.add_argument("--answers", type=answers_file, default=None,
                    help="replay the answers an earlier run's JSON kept (no target, no prompts loaded; "
                         "--datasets, --num-prompts, --max-tokens and --target are then theirs)")
-    p.add_argument("--threads", type=positive, default=2, help="torch intra-op threads (default 2)")
-    p.add_argument("--out", type=output_dir, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
 

@@ -129,12 +129,14 @@ def checked_datasets(parser: argparse.ArgumentParser, args: argparse.Namespace,
     return datasets
 
 
-def add_replay_flags(parser: argparse.ArgumentParser) -> None:
+def add_replay_flags(parser: argparse.ArgumentParser, *, datasets: Sequence[str] = ("humaneval", "mtbench"),
+                     max_tokens: int = 64) -> None:
     """--datasets, --num-prompts and --max-tokens of the commands that replay a draft along the
     target's answers to the first prompts of each set."""
     from benchmarks.flags import csv_of, one_of, positive
 
-    parser.add_argument("--datasets", type=csv_of(one_of(list(DATASETS), "dataset")),
-                        default=["humaneval", "mtbench"], help="comma-separated (default humaneval,mtbench)")
+    parser.add_argument("--datasets", type=csv_of(one_of(list(DATASETS), "dataset")), default=list(datasets),
+                        help=f"comma-separated, from {','.join(DATASETS)} (default {','.join(datasets)})")
     parser.add_argument("--num-prompts", type=positive, default=8, help="first N prompts per dataset (default 8)")
-    parser.add_argument("--max-tokens", type=positive, default=64, help="answer length per prompt (default 64)")
+    parser.add_argument("--max-tokens", type=positive, default=max_tokens,
+                        help=f"answer length per prompt (default {max_tokens})")

@@ -22,8 +22,8 @@ from mirrorspec.models.loading import LoadedModel, device_flag, load_causal_lm, 
 from mirrorspec.models.prepack import is_prepacked, prepack_linears
 from mirrorspec.models.quantize import apply_quantization
 
-from benchmarks.flags import (TRUNCATE_PREFIX, csv_of, draft_spec, one_of, output_dir, positive, sampling_temperature,
-                              seed_flag, torch_threads, window_k)
+from benchmarks.flags import (TRUNCATE_PREFIX, add_run_flags, csv_of, draft_spec, one_of, positive,
+                              sampling_temperature, seed_flag, torch_threads, window_k)
 from benchmarks.harness import MODES, BenchPlan, Drafts, RunRecord, run_benchmark, select_modes
 from benchmarks.metrics import summarize
 from benchmarks.prompts import DATASETS, load_prompts
@@ -31,7 +31,6 @@ from benchmarks.served import ServedStacks
 from benchmarks.report import (LEGEND, cpu_sample, environment, format_table, others_busy_fraction, plot,
                                write_json)
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
 def args_config(args: argparse.Namespace) -> dict:
@@ -59,7 +58,6 @@ def build_parser(prog: str = "python -m benchmarks") -> argparse.ArgumentParser:
                    help="comma-separated; 0 = greedy (default 0,0.7)")
     p.add_argument("--modes", type=csv_of(one_of(list(MODES), "mode")), default=list(MODES),
                    help="comma-separated (default: all); target-only always runs as the baseline")
-    p.add_argument("--target", default="demo-target", help="hub id, local path, .gguf, or demo-target (default)")
     p.add_argument("--draft", type=draft_spec, default="demo-draft",
                    help="'demo-draft' (default: the draft mirrorspec distils from the demo target), 'none' "
                         "(draft-model modes are skipped), a model path / hub id sharing the target's tokenizer, "
@@ -70,13 +68,11 @@ def build_parser(prog: str = "python -m benchmarks") -> argparse.ArgumentParser:
                    help=f"how the draft model's weights are loaded (default {DEFAULT_DRAFT_QUANTIZE}, as mirrorspec "
                         "runs it); more values, e.g. int8,none, also run each in-process draft-model mode on the "
                         "draft loaded the other way, as MODE@none, side by side")
-    p.add_argument("--threads", type=positive, default=len(os.sched_getaffinity(0)),
-                   help="torch intra-op threads (default: all usable cores)")
+    add_run_flags(p, threads_default=len(os.sched_getaffinity(0)),
+                  threads_help="torch intra-op threads (default: all usable cores)")
     p.add_argument("--device", default="auto", type=device_flag, help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, help=DTYPE_HELP)
     p.add_argument("--seed", type=seed_flag, default=0, help="base seed; prompt i uses seed + i in every mode")
-    p.add_argument("--out", type=output_dir, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--reprint", type=Path, metavar="JSON",
                    help="print the table of an earlier run's JSON (recomputed from its records) and exit")
     return p

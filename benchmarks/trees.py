@@ -43,10 +43,10 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.acceptance import replay_greedy, teacher_forced_logits
-from benchmarks.flags import csv_of, draft_spec, output_dir, positive, torch_threads, window_k
+from benchmarks.flags import add_run_flags, csv_of, draft_spec, positive, torch_threads, window_k
 from benchmarks.pass_cost import measure
 from benchmarks.prompts import add_replay_flags, load_prompts
-from benchmarks.run import DEFAULT_OUT, load_draft
+from benchmarks.run import load_draft
 from mirrorspec.config import DEFAULT_DRAFT_QUANTIZE, InvalidRequest, SamplingParams
 from mirrorspec.drafting.draft_model import DraftModelDrafter
 from mirrorspec.engine import generate
@@ -160,16 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=csv_of(positive), default=[4, 8, 16, 32], help="tree sizes (default 4,8,16,32)")
     p.add_argument("--depth", type=positive, default=8, help="deepest node a tree may have (default 8)")
     p.add_argument("--k", type=csv_of(window_k), default=[4, 8], help="chains to compare with (default 4,8)")
-    p.add_argument("--target", default="demo-target", help="hub id, local path, .gguf, or demo-target (default)")
+    add_run_flags(p)
     p.add_argument("--draft", type=draft_spec, default="demo-draft",
                    help="demo-draft (default), demo-draft weights, or a model path sharing the target's tokenizer")
     p.add_argument("--answers", type=Path, default=None,
                    help="reuse the target answers of a benchmarks.acceptance JSON (same target, prompts and "
                         "--max-tokens) instead of generating them")
-    p.add_argument("--threads", type=positive, default=2, help="torch intra-op threads (default 2)")
     p.add_argument("--reps", type=positive, default=15, help="timing repetitions per pass size (default 15)")
-    p.add_argument("--out", type=output_dir, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
 

@@ -31,10 +31,10 @@ def test_the_out_folder_is_made_as_the_flags_are_read(tmp_path):
 def test_a_default_out_folder_is_left_alone_until_results_are_written(tmp_path, monkeypatch):
     """argparse converts a string default as it parses: the default folder was made even by
     ``--reprint``, which writes nothing, and refused where the install is read-only (review 4)."""
-    from benchmarks import run
+    from benchmarks import flags, run
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(run, "DEFAULT_OUT", tmp_path / "not-yet")
+    monkeypatch.setattr(flags, "DEFAULT_OUT", tmp_path / "not-yet")
     args = run.build_parser().parse_args(["--reprint", "some.json"])
     assert args.out == tmp_path / "not-yet" and not args.out.exists()
 
