@@ -369,15 +369,18 @@ class BranchPolicy:
         """Start from an earlier request's ``state``: its estimates, each weighing as much as
         ``PolicyState.resumed_samples`` samples, so this request's own first windows move them
         more than the running weight would (its pair of replicas or its K may differ); and its
-        probe schedule, so requests shorter than a probe gap still probe in turn, with the gap
-        no longer than ``probe_every``: a request whose branching would pay finds out within that
-        many windows, as a request starting blank did."""
+        probe schedule, so requests shorter than a probe gap still probe in turn, and gaps keep
+        doubling across requests. The next probe comes where that schedule puts it, or
+        ``probe_every`` windows in where that is sooner: a request whose branching would pay
+        finds out within that many windows, as a request starting blank did. (Capping the gap
+        itself, with the count since the last probe kept, made most requests of a few windows
+        more than the cap probe in their first window, and none back off.)"""
         for name, mean in self._means().items():
             value, count = state.estimates[name]
             mean.value, mean.count = value, min(count, state.resumed_samples)
         self._resumed_samples = sum(mean.count for mean in self._means().values())
-        self._branching, self._since_probe = state.branching, state.since_probe
-        self._probe_gap = min(state.probe_gap, self.config.probe_every)
+        self._branching, self._probe_gap = state.branching, state.probe_gap
+        self._since_probe = max(state.since_probe, state.probe_gap - self.config.probe_every)
 
     def observe_verify(self, seconds: float, branched: bool) -> None:
         """A window's verify, with branches drafted beside it or not."""

@@ -382,6 +382,20 @@ def test_a_resumed_request_probes_within_probe_every_windows_whatever_gap_the_la
     assert [second.should_branch() for _ in range(2)] == [False, True]  # a probe 2 windows on, not 8
 
 
+def test_a_resumed_request_probes_where_the_shared_schedule_says_not_at_once():
+    """The last request probed 3 windows before it ended, and its next gap is 8: the next request
+    probes 4 windows in (``probe_every``), not in its first window, which made nearly every
+    request of 10 windows pay a probe first and never let the gaps grow (review of stop 57)."""
+    config = MirrorConfig(probe_every=4, max_probe_every=16)
+    history = BranchHistory()
+    first = _taught(history.policy(config), pays=False)
+    assert [first.should_branch() for _ in range(6)] == [False, False, True, False, False, False]
+    history.keep(first)
+    second = history.policy(config)
+    # and its gaps go on doubling: 16 windows to the next probe
+    assert [second.should_branch() for _ in range(20)] == [False] * 3 + [True] + [False] * 15 + [True]
+
+
 def test_a_history_keeps_what_was_learnt_only_and_a_bounded_number_of_configurations():
     """A request that ended before its first window, or whose windows the target ran, learnt
     nothing: it must not put back the state it started from over what another request learnt."""
