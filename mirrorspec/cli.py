@@ -510,7 +510,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
     from mirrorspec.client import Client, NotAFrontDoor, check_target
 
     check_target(args.server, "server")
-    options = dict(raw=args.raw, max_tokens=args.max_tokens or 0, temperature=args.temperature, top_k=args.top_k,
+    options = dict(raw=args.raw, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, k=0 if args.no_speculate else args.k,
                    mirror=True if args.mirror else None)
     try:

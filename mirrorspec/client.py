@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
@@ -16,7 +17,8 @@ from decimal import Decimal
 
 import grpc
 
-from mirrorspec.config import InvalidRequest, check_address, check_seed, check_text, check_unsigned, is_real
+from mirrorspec.config import (InvalidRequest, check_address, check_seed, check_text, check_unsigned, is_integer,
+                               is_real)
 from mirrorspec.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 CHANNEL_OPTIONS = [
@@ -29,19 +31,27 @@ CHANNEL_OPTIONS = [
 # servers take pings from a client this often at most (``mirrorspec.serving.server.keepalive_options``);
 # a client that pings more often is told to go away (GOAWAY, too_many_pings) and its calls fail
 MIN_KEEPALIVE_S = 1.0
+MAX_KEEPALIVE_S = (2 ** 31 - 1) // 1000  # gRPC takes the ping interval in int32 milliseconds
 DEFAULT_KEEPALIVE_S = 30.0
+# gRPC adds a call's timeout to the clock in int64 nanoseconds: a timeout of 2**63 ns (292 years)
+# or more wrapped around, and every call failed at once with DEADLINE_EXCEEDED
+MAX_TIMEOUT_S = 1e9  # 31 years: longer is no deadline
 
 
 def keepalive_channel_options(keepalive_s: float | None) -> list[tuple[str, int]]:
     """While a call is open, ping the front door every ``keepalive_s`` and drop the connection
     (the call fails with UNAVAILABLE) if a ping goes unanswered that long. A front door whose host
     died or was cut off sends no FIN: a request would wait for its deadline, or for ever without
-    one, where TCP takes hours to give up. None: no pings."""
-    if keepalive_s is None:
+    one, where TCP takes hours to give up. None (or infinity): no pings."""
+    if keepalive_s is None or (is_real(keepalive_s) and keepalive_s == math.inf):
         return []
-    if not keepalive_s >= MIN_KEEPALIVE_S:  # nan too
-        raise InvalidRequest(f"must be at least {MIN_KEEPALIVE_S:g} s (servers refuse pings more often), or None "
-                             f"for no pings; got {keepalive_s}", field="keepalive_s")
+    if not is_real(keepalive_s):
+        raise InvalidRequest(f"must be a number of seconds, or None for no pings; got {keepalive_s!r}",
+                             field="keepalive_s")
+    if not MIN_KEEPALIVE_S <= keepalive_s <= MAX_KEEPALIVE_S:  # nan too
+        raise InvalidRequest(f"must be in [{MIN_KEEPALIVE_S:g}, {MAX_KEEPALIVE_S}] s (servers refuse pings more "
+                             f"often, and gRPC counts the interval in int32 milliseconds), or None for no pings; "
+                             f"got {keepalive_s}", field="keepalive_s")
     return [*ping_options(keepalive_s), ("grpc.keepalive_permit_without_calls", 0)]
 
 
@@ -64,13 +74,22 @@ GRPC_TARGET_SCHEMES = ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vso
 def check_target(address: str, field: str = "address") -> str:
     """gRPC dials a bare host at port 443 and reads a URL as a host name; either would surface only
     as UNAVAILABLE on the first call."""
-    return address if address.startswith(GRPC_TARGET_SCHEMES) else check_address(address, field)
+    if not isinstance(address, str):  # a port alone met "'int' object has no attribute 'startswith'"
+        raise InvalidRequest(f"expected host:port as a str (e.g. '127.0.0.1:50051'), got {address!r}", field=field)
+    scheme = next((s for s in GRPC_TARGET_SCHEMES if address.startswith(s)), None)
+    if scheme is None:
+        return check_address(address, field)
+    if not address[len(scheme):].strip("/"):  # gRPC logs "target uri is not valid", and the first call fails
+        raise InvalidRequest(f"{address!r} names no {scheme[:-1]} target after its scheme (e.g. "
+                             f"'unix:/tmp/mirrorspec.sock', 'dns:///host:50051')", field=field)
+    return address
 
 
 def check_timeout(timeout_s: float | None) -> float | None:
-    """Each call's deadline in seconds, None (or infinity) for none: gRPC failed every call at once
-    with DEADLINE_EXCEEDED for infinity, 0, a negative or NaN, and with a TypeError for a str."""
-    if timeout_s is None or (is_real(timeout_s) and timeout_s == math.inf):
+    """Each call's deadline in seconds, None (or infinity, or above ``MAX_TIMEOUT_S``) for none:
+    gRPC failed every call at once with DEADLINE_EXCEEDED for those, 0, a negative or NaN, and
+    with a TypeError for a str."""
+    if timeout_s is None or (is_real(timeout_s) and timeout_s > MAX_TIMEOUT_S):  # infinity too
         return None
     if not (is_real(timeout_s) and math.isfinite(timeout_s) and timeout_s > 0):
         raise InvalidRequest(f"must be a finite number of seconds > 0, or None for no deadline; got {timeout_s!r}",
@@ -89,14 +108,14 @@ class Completion:
 
 
 def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *, raw: bool = False,
-                  max_tokens: int = 0, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                  max_tokens: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                   seed: int | None = None, stop: str | Sequence[str] = (), stop_token_ids: int | Sequence[int] = (),
                   k: int | None = None, mirror: bool | None = None,
                   timeline: bool = False) -> generation_pb2.GenerateRequest:
     """A GenerateRequest from Python values: a str is a user message (or raw text with raw=True),
     a list of ints is token ids, a list of {"role", "content"} dicts is a chat. ``stop`` and
-    ``stop_token_ids`` take one value or a list, as OpenAI's API does. ``k`` and ``mirror`` left as
-    None take the server's defaults. Values a request cannot carry (a negative count, a seed past
+    ``stop_token_ids`` take one value or a list, as OpenAI's API does. ``max_tokens``, ``k`` and
+    ``mirror`` left as None take the server's defaults. Values a request cannot carry (a negative count, a seed past
     2**64, a top_p of 0, which the wire reads as "off") raise ``InvalidRequest`` naming the
     argument, not protobuf's bare "Value out of range"; the server checks everything else."""
     seed = check_seed(seed)
@@ -111,13 +130,21 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *,
                              field="mirror")
     stop = () if stop is None else stop  # as OpenAI's API takes it
     stop_token_ids = () if stop_token_ids is None else stop_token_ids
-    stop = [stop] if isinstance(stop, str) else list(stop)  # a str is one stop, not one per letter
+    # a str is one stop, not one per letter; an id is refused below, naming stop_token_ids
+    stop = [stop] if isinstance(stop, str) or is_integer(stop) else _listed(stop, "stop", "strings")
     for text in stop:
         if not isinstance(text, str):  # an id belongs in stop_token_ids
             raise InvalidRequest(f"stop takes strings; got {text!r} (stop token ids go in stop_token_ids)",
                                  field="stop")
         check_text(text, "stop")
-    stop_token_ids = [stop_token_ids] if isinstance(stop_token_ids, int) else list(stop_token_ids)
+    stop_token_ids = ([stop_token_ids] if is_integer(stop_token_ids)  # numpy's ints, a 0-d tensor too
+                      else _listed(stop_token_ids, "stop_token_ids", "token ids"))
+    if max_tokens is not None and is_integer(max_tokens) and max_tokens == 0:  # the wire reads 0 as unset
+        raise InvalidRequest("max_tokens must be >= 1, or None for the server's default; got 0", field="max_tokens")
+    if getattr(timeline, "ndim", None) == 0 and callable(getattr(timeline, "item", None)):
+        timeline = timeline.item()
+    if not isinstance(timeline, bool):
+        raise InvalidRequest(f"timeline must be True or False, got {timeline!r}", field="timeline")
     if top_p == 0:  # the server refuses the rest of what lies outside (0, 1]; this it would read as unset
         raise InvalidRequest("top_p must be in (0, 1] (1 = off), got 0, which the wire reads as unset (off)",
                              field="top_p")
@@ -129,7 +156,7 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *,
             check_unsigned(name, token, 32, f"a token id in {name}")
     request = generation_pb2.GenerateRequest(
         params=common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
-                                         max_new_tokens=max_tokens, stop_token_ids=stop_token_ids),
+                                         max_new_tokens=max_tokens or 0, stop_token_ids=stop_token_ids),
         stop=stop)
     if isinstance(prompt, str):
         check_text(prompt, "prompt")
@@ -149,6 +176,17 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *,
         request.mirror = mirror
     request.timeline = timeline
     return request
+
+
+def _listed(values, field: str, what: str) -> list:
+    """One value or a list of them: bytes, and a value that is no list, met a bare TypeError or
+    went out one entry per byte."""
+    if isinstance(values, (bytes, bytearray)):
+        raise InvalidRequest(f"{field} is bytes; decode it to a str first", field=field)
+    try:
+        return list(values)
+    except TypeError:
+        raise InvalidRequest(f"{field} takes one of its {what} or a list of them, got {values!r}", field=field) from None
 
 
 def check_prompt(prompt) -> None:
@@ -259,15 +297,38 @@ class Client:
 
 
 class AsyncClient:
-    """As ``Client``, for asyncio."""
+    """As ``Client``, for asyncio. Its channel opens on first use, on the event loop that uses it:
+    grpc.aio binds a channel to the loop it was made on, and a client made before ``asyncio.run``
+    (at module level, say) failed every call with "attached to a different loop". A client used
+    again after its loop closed (a second ``asyncio.run``) opens a new channel on the new loop."""
 
     def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float | None = None,
                  keepalive_s: float | None = DEFAULT_KEEPALIVE_S):
         self.timeout_s = check_timeout(timeout_s)
         self.address = check_target(address)
-        self.channel = grpc.aio.insecure_channel(self.address,
-                                                 options=[*CHANNEL_OPTIONS, *keepalive_channel_options(keepalive_s)])
-        self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
+        self._options = [*CHANNEL_OPTIONS, *keepalive_channel_options(keepalive_s)]
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: generation_pb2_grpc.GenerationServiceStub | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        loop = asyncio.get_running_loop()
+        if self._channel is not None and loop is not self._loop:
+            if not self._loop.is_closed():
+                raise InvalidRequest("this AsyncClient serves the event loop it was first used on, which still runs: "
+                                     "make one AsyncClient per event loop", field="address")
+            self._channel = None  # its loop is gone, and with it anything the channel could still do
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=self._options)
+            self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
+            self._loop = loop
+        return self._channel
+
+    @property
+    def stub(self) -> generation_pb2_grpc.GenerationServiceStub:
+        self.channel  # noqa: B018 - opens it on this loop, or checks the loop it was opened on
+        return self._stub
 
     async def generate(self, prompt=None, **kwargs) -> Completion:
         request = build_request(prompt, **kwargs)
@@ -290,7 +351,9 @@ class AsyncClient:
             return await self.stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=self.timeout_s)
 
     async def close(self) -> None:
-        await self.channel.close()
+        if self._channel is not None and self._loop is asyncio.get_running_loop():
+            await self._channel.close()
+        self._channel = None
 
     async def __aenter__(self) -> AsyncClient:
         return self

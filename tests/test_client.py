@@ -52,6 +52,10 @@ def test_integer_like_values_are_sent_as_they_are():
     request = build_request([1, np.int64(2), torch.tensor(3)], seed=np.uint64(2 ** 64 - 1), max_tokens=np.int32(4))
     assert list(request.token_ids.ids) == [1, 2, 3]
     assert (request.seed, request.params.max_new_tokens) == (2 ** 64 - 1, 4)
+    for one_id in (np.int64(3), torch.tensor(3)):  # "'numpy.int64' object is not iterable" (a user's review)
+        assert list(build_request("hi", stop_token_ids=one_id).params.stop_token_ids) == [3]
+    assert build_request("hi", timeline=np.bool_(True)).timeline is True
+    assert build_request("hi").params.max_new_tokens == 0  # unset: the server's default
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1", "http://127.0.0.1:50051", "localhost:port", "127.0.0.1:70000"])
@@ -62,6 +66,19 @@ def test_an_address_that_is_not_host_port_is_named_before_any_call(address):
 
     for make in (Client, AsyncClient):
         with pytest.raises(InvalidRequest, match="expected host:port") as err:
+            make(address)
+        assert err.value.field == "address"
+
+
+@pytest.mark.parametrize("address, says", [(50051, "expected host:port as a str"), (None, "as a str"),
+                                           ("dns:", "names no dns target"), ("unix:", "names no unix target")])
+def test_an_address_of_another_type_or_a_bare_scheme_is_named(address, says):
+    """A port alone met "'int' object has no attribute 'startswith'"; a bare scheme passed, and
+    gRPC logged "target uri is not valid" (a user's review)."""
+    from mirrorspec.client import AsyncClient
+
+    for make in (Client, AsyncClient):
+        with pytest.raises(InvalidRequest, match=re.escape(says)) as err:
             make(address)
         assert err.value.field == "address"
 
@@ -90,6 +107,13 @@ def test_one_stop_string_or_id_is_one_stop_not_one_per_letter():
     ({"prompt": [{"role": "user", "content": "bad \udcff"}]}, "prompt", "prompt is not valid UTF-8 text"),
     ({"stop": ["ok", "\udcfe"]}, "stop", "stop is not valid UTF-8 text"),
     ({"stop": [1]}, "stop", "stop takes strings; got 1 (stop token ids go in stop_token_ids)"),  # AttributeError
+    # a bare TypeError, or, for bytes, "stop takes strings; got 119" (a user's review)
+    ({"stop": 3}, "stop", "stop takes strings; got 3 (stop token ids go in stop_token_ids)"),
+    ({"stop": b"w8"}, "stop", "stop is bytes; decode it"),
+    ({"stop_token_ids": 2.5}, "stop_token_ids", "stop_token_ids takes one of its token ids or a list of them"),
+    ({"timeline": "no"}, "timeline", "timeline must be True or False, got 'no'"),
+    # the wire reads 0 as unset: the server's default, 128 tokens, came back (a user's review)
+    ({"max_tokens": 0}, "max_tokens", "max_tokens must be >= 1, or None for the server's default; got 0"),
 ])
 def test_values_the_wire_would_misread_or_protobuf_refuse_are_named(kwargs, field, says):
     from mirrorspec.client import build_request
@@ -160,6 +184,11 @@ def test_a_timeout_no_call_could_meet_is_refused_naming_it(timeout_s):
 def test_an_infinite_timeout_is_no_deadline():
     with Client("127.0.0.1:1", timeout_s=float("inf")) as client:
         assert client.timeout_s is None
+    # gRPC's deadline is the clock plus the timeout in int64 ns: 1e10 s wrapped, and every call
+    # failed at once with DEADLINE_EXCEEDED, against a dead address too (a user's review)
+    for beyond_any_deadline in (1e10, 2 ** 63):
+        with Client("127.0.0.1:1", timeout_s=beyond_any_deadline) as client:
+            assert client.timeout_s is None
     with Client("127.0.0.1:1", timeout_s=2) as client:
         assert client.timeout_s == 2.0
 
@@ -233,9 +262,28 @@ def test_a_client_drops_a_front_door_that_stopped_answering_its_pings(keepalive_
 
 @pytest.mark.parametrize("keepalive_s", [0.5, 0.0, -1.0, float("nan")])
 def test_a_keepalive_shorter_than_servers_take_is_refused(keepalive_s):
-    with pytest.raises(InvalidRequest, match="must be at least 1 s") as err:
+    with pytest.raises(InvalidRequest, match=re.escape("must be in [1, 2147483] s (servers refuse pings more")) as err:
         Client("127.0.0.1:1", keepalive_s=keepalive_s)
     assert err.value.field == "keepalive_s"
+
+
+@pytest.mark.parametrize("keepalive_s, says", [(3e6, "must be in [1, 2147483] s"), ("30", "must be a number")])
+def test_a_keepalive_grpc_cannot_count_or_not_a_number_is_refused(keepalive_s, says):
+    """3e6 s met OverflowError inside gRPC's option parsing; "30" a bare TypeError (a user's review)."""
+    from mirrorspec.client import AsyncClient
+
+    for make in (Client, AsyncClient):
+        with pytest.raises(InvalidRequest, match=re.escape(says)) as err:
+            make("127.0.0.1:1", keepalive_s=keepalive_s)
+        assert err.value.field == "keepalive_s"
+
+
+def test_an_infinite_keepalive_is_no_pings():
+    """OverflowError: cannot convert float infinity to integer (a user's review)."""
+    from mirrorspec.client import keepalive_channel_options
+
+    assert keepalive_channel_options(float("inf")) == keepalive_channel_options(None) == []
+    Client("127.0.0.1:1", keepalive_s=float("inf")).close()
 
 
 def test_a_server_that_is_not_a_front_door_is_named_not_met_with_method_not_found(not_a_front_door):

@@ -929,6 +929,38 @@ def test_async_client(stack):
     assert whole == streamed and len(whole) == 12
 
 
+def test_an_async_client_made_before_its_event_loop_serves_each_loop_that_uses_it_in_turn(stack, tiny_dir):
+    """grpc.aio binds a channel to the loop it is made on: a client made at module level, before
+    ``asyncio.run``, failed every call with "attached to a different loop" (a user's review)."""
+    import threading
+
+    client = AsyncClient(stack.address)
+
+    async def run():
+        return (await client.generate([0, 3], max_tokens=6)).token_ids
+
+    first, second = asyncio.run(run()), asyncio.run(run())  # the second loop: a new channel
+    assert first == second == target_only(load(tiny_dir["target16"]), [0, 3], 6)
+    running, done = threading.Event(), threading.Event()
+
+    async def hold():  # the client's loop runs on in another thread
+        await client.model_info()
+        running.set()
+        while not done.is_set():
+            await asyncio.sleep(0.01)
+        await client.close()
+
+    holder = threading.Thread(target=asyncio.run, args=(hold(),))
+    holder.start()
+    try:
+        assert running.wait(30)
+        with pytest.raises(InvalidRequest, match="make one AsyncClient per event loop"):
+            asyncio.run(run())
+    finally:
+        done.set()
+        holder.join()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("windows_on_target, mirror", [(False, False), (True, False), (True, True)],
                          ids=["front door", "on target", "mirror on target"])
