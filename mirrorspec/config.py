@@ -7,11 +7,12 @@ servers) rejects the same bad values with the same message, naming the field and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import numbers
 import operator
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +74,20 @@ def is_real(value) -> bool:
     if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
         value = value.item()
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_field_types(config, field: str, *, reals: Sequence[str] = (), integers: Sequence[str] = (),
+                      flags: Sequence[str] = ()) -> None:
+    """A config's fields of the wrong type (a str decay, a float count) were met later, deep in the
+    decoding loop, by a bare TypeError. None passes where a field's default is None."""
+    kinds = ((reals, is_real, "a number"), (integers, is_integer, "an int"),
+             (flags, lambda v: isinstance(v, bool), "True or False"))
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    for names, test, what in kinds:
+        for name in names:
+            value = getattr(config, name)
+            if not test(value) and not (value is None and defaults.get(name) is None):
+                raise InvalidRequest(f"{type(config).__name__}.{name} must be {what}, got {value!r}", field=field)
 
 
 def _token_ids(ids, field: str) -> tuple[int, ...]:
@@ -163,6 +178,13 @@ class AdaptiveKConfig:
     probe_k: int | None = None  # None: the K whose window is cheapest (on the CPU table, K = 1-2)
 
     def __post_init__(self) -> None:
+        check_field_types(self, "adaptive", reals=("draft_cost", "pass_cost_per_token", "prior_accepted",
+                                                   "prior_rejected", "decay"), integers=("probe_every", "probe_k"))
+        if isinstance(self.pass_costs, (str, bytes)) or not isinstance(self.pass_costs, Sequence) \
+                or not all(is_real(c) for c in self.pass_costs):
+            raise InvalidRequest(f"AdaptiveKConfig.pass_costs must be a tuple of numbers (one-token steps), got "
+                                 f"{self.pass_costs!r}", field="adaptive")
+        object.__setattr__(self, "pass_costs", tuple(self.pass_costs))  # a list: still hashable, as frozen
         # written so NaN fails each check: a NaN prior or cost would turn every estimate into NaN
         if not (self.draft_cost is None or 0 <= self.draft_cost < math.inf) or not 0 <= self.pass_cost_per_token < math.inf:
             raise InvalidRequest(f"draft_cost and pass_cost_per_token must be finite and >= 0, got "
@@ -197,6 +219,8 @@ class MirrorConfig:
     max_probe_every: int = 64  # the gap doubles while probes confirm the choice, up to this
 
     def __post_init__(self) -> None:
+        check_field_types(self, "mirror", integers=("max_branches", "alternatives", "probe_every", "max_probe_every"),
+                          flags=("stop_at_verdict", "use_hints"))
         if not 2 <= self.probe_every <= self.max_probe_every:
             raise InvalidRequest(f"mirror needs 2 <= probe_every <= max_probe_every, got {self.probe_every} "
                                  f"and {self.max_probe_every}", field="mirror")

@@ -28,6 +28,7 @@ from mirrorspec.config import (
     SpeculationConfig,
     check_seed,
     check_shared_vocabulary,
+    is_integer,
 )
 from mirrorspec.drafting import DraftModelDrafter, Drafter, HybridDrafter, NgramDrafter, Proposal
 from mirrorspec.models.early_exit import EarlyExitHint, EarlyExitProbe
@@ -404,7 +405,10 @@ def validate_prompt(input_ids: Sequence[int], vocab_size: int, max_context: int,
     try:
         if isinstance(input_ids, (str, bytes)):
             raise TypeError
-        ids = [operator.index(t) for t in input_ids]  # ints (numpy, 0-d tensors too); never a float truncated
+        items = list(input_ids)
+        if any(isinstance(t, bool) for t in items):  # not taken for ids 0 and 1
+            raise TypeError
+        ids = [operator.index(t) for t in items]  # ints (numpy, 0-d tensors too); never a float truncated
     except TypeError:
         raise InvalidRequest(f"{field} must be a sequence of integer token ids, got {type(input_ids).__name__} "
                              f"{str(input_ids)[:40]!r}; encode text first (mirrorspec.models.encode_prompt)",
@@ -440,6 +444,27 @@ def make_drafter(draft: torch.nn.Module | Drafter | str | None, proposal_top_k: 
         drafter = DraftModelDrafter(draft, proposal_top_k=proposal_top_k, confidence=draft_confidence)
         return HybridDrafter(drafter, min_match=prompt_lookup) if prompt_lookup > 0 else drafter
     raise InvalidRequest(f"draft must be an HF causal LM, a Drafter, 'ngram' or None; got {draft!r}", field="draft")
+
+
+def check_generate_arguments(target, params, adaptive, mirror, hint_layer, hint_lens) -> None:
+    """Arguments of the wrong kind met a bare AttributeError or TypeError deep in the decoding loop
+    ("'str' object has no attribute 'vocab_size'"), naming nothing the caller wrote."""
+    if not isinstance(target, torch.nn.Module) and not callable(getattr(target, "logits_for", None)):
+        raise InvalidRequest(f"target must be a loaded model (transformers' from_pretrained, or "
+                             f"mirrorspec.models.load_causal_lm('demo-target')), got {type(target).__name__} "
+                             f"{str(target)[:40]!r}", field="target")
+    if params is not None and not isinstance(params, SamplingParams):
+        raise InvalidRequest(f"params must be a mirrorspec.SamplingParams (e.g. SamplingParams(temperature=0.7)), "
+                             f"got {type(params).__name__}", field="params")
+    for name, value, config in (("adaptive", adaptive, AdaptiveKConfig), ("mirror", mirror, MirrorConfig)):
+        if not (value is None or isinstance(value, (bool, config))):
+            raise InvalidRequest(f"{name} must be True, False, None or {config.__name__}(...), got {value!r}", field=name)
+    if hint_layer is not None and not is_integer(hint_layer):
+        raise InvalidRequest(f"hint_layer must be an int (a 1-based decoder layer), got {hint_layer!r}",
+                             field="hint_layer")
+    if hint_lens is not None and not isinstance(hint_lens, TunedLens):
+        raise InvalidRequest(f"hint_lens must be a TunedLens (mirrorspec.models.lens.tuned_lens), got "
+                             f"{type(hint_lens).__name__}", field="hint_lens")
 
 
 def generate(
@@ -501,12 +526,15 @@ def generate(
     """
     # what load_causal_lm gives (the README's way to the demo models): its model, the tokenizer aside
     target, draft = (m.model if isinstance(m, LoadedModel) else m for m in (target, draft))
+    check_generate_arguments(target, params, adaptive, mirror, hint_layer, hint_lens)
     params = params or SamplingParams()
     spec = SpeculationConfig(num_speculative_tokens=num_speculative_tokens, proposal_top_k=proposal_top_k,
                              prompt_lookup=prompt_lookup, draft_confidence=draft_confidence,
                              adaptive=AdaptiveKConfig() if adaptive is True else adaptive or None)
     session = KVSession(target) if isinstance(target, torch.nn.Module) else target
     max_context = int(getattr(getattr(target, "config", None), "max_position_embeddings", 1 << 30))
+    if not isinstance(input_ids, torch.Tensor) and getattr(input_ids, "ndim", 0) >= 1:  # numpy's, as a tokenizer gives
+        input_ids = torch.as_tensor(input_ids)
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dim() > 2 or (input_ids.dim() == 2 and input_ids.shape[0] != 1):
             raise InvalidRequest(f"input_ids must be one prompt, a [n] or [1, n] tensor, got shape "
@@ -529,13 +557,13 @@ def generate(
              if hint_layer is not None and pipeline is not None else None)
     started = time.perf_counter()
     try:
-        verifier = TargetVerifier(session, probe, runner_up=runner_up)
-        for event in decode_windows(drafter, verifier, prompt, params, spec, seed, stats,
-                                    pipeline):
-            tokens += event.tokens
-            if on_tokens is not None:
-                on_tokens(event.tokens)
-            finish = event.finish_reason or finish
+        with drafter.serving_one_request() if drafter is not None else nullcontext():
+            verifier = TargetVerifier(session, probe, runner_up=runner_up)
+            for event in decode_windows(drafter, verifier, prompt, params, spec, seed, stats, pipeline):
+                tokens += event.tokens
+                if on_tokens is not None:
+                    on_tokens(event.tokens)
+                finish = event.finish_reason or finish
     finally:
         if pipeline is not None:
             pipeline.close()

@@ -142,6 +142,17 @@ def test_pass_cost_follows_the_table_then_grows_linearly():
         AdaptiveKConfig(pass_costs=(0.5,))
 
 
+@pytest.mark.parametrize("kwargs", [{"decay": "0.5"}, {"pass_costs": None}, {"pass_costs": "1.1"},
+                                    {"probe_k": 1.5}, {"prior_accepted": True}])
+def test_fields_of_the_wrong_type_are_named_not_met_by_a_bare_type_error(kwargs):
+    """A str decay or a None table met "'<' not supported" or "'NoneType' is not iterable" (a user's review)."""
+    name = next(iter(kwargs))
+    with pytest.raises(InvalidRequest, match=f"AdaptiveKConfig.{name} must be") as err:
+        AdaptiveKConfig(**kwargs)
+    assert err.value.field == "adaptive"
+    assert hash(AdaptiveKConfig(pass_costs=[1.1, 1.2])) == hash(AdaptiveKConfig(pass_costs=(1.1, 1.2)))
+
+
 def test_on_the_measured_cpu_costs_a_weak_draft_is_switched_off():
     # a 2-9 token pass costs ~1.1-1.2 steps there: alpha ~0.35 (the demo draft on MT-Bench) pays
     # for short windows, alpha 0.15 pays for none, and n-gram copying (alpha ~0.75, free drafts)

@@ -3,11 +3,12 @@
 import dataclasses
 import json
 import random
+import re
 
 import pytest
 import torch
 
-from mirrorspec import InvalidRequest, OutOfRange, SamplingParams, generate
+from mirrorspec import InvalidRequest, OutOfRange, SamplingParams, SpeculationConfig, generate
 from mirrorspec.drafting import DraftModelDrafter, NgramDrafter
 from mirrorspec.models import encode_prompt
 from support import load, save_tiny_llama
@@ -237,6 +238,63 @@ def test_a_prompt_that_is_not_token_ids_is_refused_naming_input_ids(tiny_target,
     with pytest.raises(InvalidRequest, match="must be a sequence of integer token ids") as err:
         generate(tiny_target, None, prompt, SamplingParams(max_new_tokens=2))
     assert err.value.field == "input_ids"
+
+
+def test_bools_are_not_token_ids_and_a_numpy_prompt_is_taken_as_a_tensor_is(tiny_target):
+    """[True, False] ran as ids 1 and 0; a [1, n] array (``return_tensors="np"``) was told to
+    encode its text first, where a [1, n] tensor passed (a user's review)."""
+    import numpy as np
+
+    params = SamplingParams(max_new_tokens=3)
+    with pytest.raises(InvalidRequest, match="must be a sequence of integer token ids") as err:
+        generate(tiny_target, None, [True, False], params)
+    assert err.value.field == "input_ids"
+    expected = generate(tiny_target, None, [1, 2, 3], params).token_ids
+    for prompt in (np.array([[1, 2, 3]]), np.array([1, 2, 3], dtype=np.int32)):
+        assert generate(tiny_target, None, prompt, params).token_ids == expected
+    with pytest.raises(InvalidRequest, match="must be one prompt"):
+        generate(tiny_target, None, np.zeros((2, 3), dtype=np.int64), params)
+
+
+@pytest.mark.parametrize("kwargs, field, says", [
+    ({"target": "demo-target"}, "target", "target must be a loaded model"),
+    ({"target": None}, "target", "got NoneType"),
+    ({"params": {"temperature": 0.7}}, "params", "params must be a mirrorspec.SamplingParams"),
+    ({"params": SpeculationConfig()}, "params", "got SpeculationConfig"),
+    ({"adaptive": "yes"}, "adaptive", "adaptive must be True, False, None or AdaptiveKConfig(...)"),
+    ({"mirror": 1}, "mirror", "mirror must be True, False, None or MirrorConfig(...), got 1"),
+    ({"mirror": True, "hint_layer": "1"}, "hint_layer", "hint_layer must be an int"),
+    ({"mirror": True, "hint_layer": 1, "hint_lens": "tuned"}, "hint_lens", "hint_lens must be a TunedLens"),
+])
+def test_arguments_of_the_wrong_kind_are_named_before_decoding(tiny_target, tiny_draft, kwargs, field, says):
+    """Each met a bare AttributeError or TypeError deep inside ("'str' object has no attribute
+    'vocab_size'", "'dict' object has no attribute 'stop_token_ids'"; a user's review)."""
+    call = {"target": tiny_target, "draft": tiny_draft, "input_ids": [1, 2], "params": SamplingParams(), **kwargs}
+    with pytest.raises(InvalidRequest, match=re.escape(says)) as err:
+        generate(**call)
+    assert err.value.field == field
+
+
+def test_a_drafter_drafting_for_one_call_refuses_a_second_at_once_and_serves_it_after(tiny_target, tiny_draft):
+    """One Drafter shared by threads: three of four calls failed inside torch, and the fourth
+    drafted other tokens than alone (a user's review). A call made while another drafts with it
+    (here from the first's own callback, deterministically) is refused naming the draft."""
+    drafter = DraftModelDrafter(tiny_draft)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    refused = []
+
+    def second_call(tokens):
+        if not refused:
+            with pytest.raises(InvalidRequest, match="is drafting for another request right now") as err:
+                generate(tiny_target, drafter, [3, 1], params, seed=5)
+            refused.append(err.value.field)
+
+    first = generate(tiny_target, drafter, [1, 2], params, seed=4, on_tokens=second_call)
+    assert refused == ["draft"]
+    alone = generate(tiny_target, DraftModelDrafter(tiny_draft), [1, 2], params, seed=4)
+    assert first.token_ids == alone.token_ids
+    again = generate(tiny_target, drafter, [3, 1], params, seed=5)  # free again
+    assert again.token_ids == generate(tiny_target, DraftModelDrafter(tiny_draft), [3, 1], params, seed=5).token_ids
 
 
 @pytest.mark.parametrize("shape", [(2, 3), (1, 1, 3)])

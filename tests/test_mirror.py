@@ -396,6 +396,16 @@ def test_a_resumed_request_probes_where_the_shared_schedule_says_not_at_once():
     assert [second.should_branch() for _ in range(20)] == [False] * 3 + [True] + [False] * 15 + [True]
 
 
+@pytest.mark.parametrize("kwargs, says", [({"alternatives": 2.5}, "alternatives must be an int"),
+                                          ({"max_branches": "4"}, "max_branches must be an int"),
+                                          ({"use_hints": 1}, "use_hints must be True or False")])
+def test_mirror_fields_of_the_wrong_type_are_named(kwargs, says):
+    """alternatives=2.5 was taken, then met "slice indices must be integers" mid-request (a user's review)."""
+    with pytest.raises(InvalidRequest, match=f"MirrorConfig.{says}") as err:
+        MirrorConfig(**kwargs)
+    assert err.value.field == "mirror"
+
+
 def test_a_history_keeps_what_was_learnt_only_and_a_bounded_number_of_configurations():
     """A request that ended before its first window, or whose windows the target ran, learnt
     nothing: it must not put back the state it started from over what another request learnt."""

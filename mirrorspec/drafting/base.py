@@ -8,13 +8,15 @@ read it. That keeps "commit verified tokens, then draft" a single call for local
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
 
-from mirrorspec.config import DRAFT_MODEL_STEP_COST, SamplingParams
+from mirrorspec.config import DRAFT_MODEL_STEP_COST, InvalidRequest, SamplingParams
 from mirrorspec.sampling import ProposalRows
 
 
@@ -114,6 +116,21 @@ class Drafter(ABC):
         without them (looked-up tokens). Called during the verify, off the critical path, so a
         strategy that has to run its model for them costs the window nothing. Empty = no opinion."""
         return RankedTokens()
+
+    @contextmanager
+    def serving_one_request(self) -> Iterator[None]:
+        """A drafter holds one sequence's state (its KV cache): two requests drafting with it at once
+        corrupted each other's caches, and failed inside torch or drafted other tokens. The second
+        is refused instead, naming the draft."""
+        busy = self.__dict__.setdefault("_serving", threading.Lock())  # atomic: subclasses need no __init__ call
+        if not busy.acquire(blocking=False):
+            raise InvalidRequest(f"this {type(self).__name__} is drafting for another request right now (it holds "
+                                 f"one sequence's KV cache): give each concurrent generate() a Drafter of its own, "
+                                 f"or pass the draft model, which gets one per call", field="draft")
+        try:
+            yield
+        finally:
+            busy.release()
 
     def release(self) -> None:
         """Drop per-sequence state (KV caches) once the request is over."""

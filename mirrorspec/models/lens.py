@@ -99,6 +99,9 @@ def hinted_decoder(model: torch.nn.Module, layer: int) -> tuple[Sequence[torch.n
     if layers is None or norm is None:
         raise InvalidRequest(f"early-exit hints need a decoder with .layers and .norm; "
                              f"{type(model).__name__} has none", field="hint_layer")
+    if len(layers) < 2:  # "must be in [1, 0]" named a range with nothing in it
+        raise InvalidRequest(f"this {len(layers)}-layer target has no layer before its last to read early-exit hints "
+                             f"from; leave hint_layer out", field="hint_layer")
     if not 1 <= layer < len(layers):
         raise InvalidRequest(f"hint_layer must be in [1, {len(layers) - 1}] for this {len(layers)}-layer "
                              f"target, got {layer}", field="hint_layer")

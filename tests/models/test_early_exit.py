@@ -91,3 +91,10 @@ def test_hint_prob_is_zero_outside_its_top_tokens():
 def test_a_layer_without_layers_after_it_is_refused_by_name(tiny_dir, layer):
     with pytest.raises(InvalidRequest, match=r"hint_layer must be in \[1, 1\]"):
         EarlyExitProbe(load(tiny_dir["target16"]), layer=layer)
+
+
+def test_a_one_layer_target_is_said_to_have_no_layer_to_read_hints_from(tiny_dir):
+    """It was told "hint_layer must be in [1, 0]", a range with nothing in it (a user's review)."""
+    with pytest.raises(InvalidRequest, match="this 1-layer target has no layer before its last") as err:
+        EarlyExitProbe(load(tiny_dir["target"]), layer=1)
+    assert err.value.field == "hint_layer"
