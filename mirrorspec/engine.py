@@ -493,8 +493,9 @@ def generate(
         draft: an HF causal LM (or ``load_causal_lm``'s) sharing the target's tokenizer, a
             ``Drafter``, ``"ngram"``, or ``None`` for target-only decoding (the baseline). A
             ``Drafter`` passed in belongs to the caller and keeps its state (KV cache) afterwards;
-            call its ``release()``.
-        input_ids: the prompt, a list of ids or a ``[1, n]`` / ``[n]`` tensor.
+            call its ``release()``. It drafts for one call at a time: a second call while one runs
+            is refused (a model passed in gets a drafter of its own per call).
+        input_ids: the prompt, a list of ids or a ``[1, n]`` / ``[n]`` tensor or array.
         params: temperature / top_k / top_p / max_new_tokens / stop_token_ids. Greedy by default.
         num_speculative_tokens: K, drafts per window; 0 means target-only.
         seed: makes sampled output reproducible; a fresh one is drawn (and returned) if omitted.
