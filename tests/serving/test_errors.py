@@ -51,7 +51,7 @@ def test_the_health_watch_streams_through_the_interceptor(stack, server):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     port = {"front": stack.front.port, "target": stack.targets[0].port, "drafter": stack.drafters[0].port}[server]
-    call = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{port}")).Watch(
-        health_pb2.HealthCheckRequest(service=""), timeout=10)
-    assert next(call).status == health_pb2.HealthCheckResponse.SERVING
-    call.cancel()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # left open, its thread lived to the suite's end
+        call = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        assert next(call).status == health_pb2.HealthCheckResponse.SERVING
+        call.cancel()
