@@ -82,6 +82,7 @@ def cancelled_after_one_window(stub, session: str) -> None:
     windows.put(target_pb2.VerifyRequest(session_id=session, context_length=3))
     next(stream)
     stream.cancel()
+    windows.put(None)  # as WindowStream.close does: gRPC's thread feeding the stream waited on the queue for good
 
 
 def test_a_session_outlives_its_ended_stream_only_by_another_call(target):
