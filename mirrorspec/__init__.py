@@ -23,6 +23,7 @@ __all__ = [
     "GenerationResult",
     "GenerationStats",
     "InvalidRequest",
+    "NotAFrontDoor",
     "OutOfRange",
     "SamplingParams",
     "SpeculationConfig",
@@ -34,7 +35,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     """The gRPC clients, imported on first use: the in-process API needs no gRPC stack."""
-    if name in ("Client", "AsyncClient"):
+    if name in ("Client", "AsyncClient", "NotAFrontDoor"):
         from mirrorspec import client
 
         return getattr(client, name)

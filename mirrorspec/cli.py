@@ -173,9 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-speculate", action="store_true", help="target-only decoding (the baseline)")
     gen.add_argument("--adaptive", action="store_true",
                      help="with --local: choose K per window in [0, --k] from acceptance (off where it does not pay)")
-    gen.add_argument("--mirror", action="store_true",
-                     help="draft the next window while the target verifies this one (same output; "
-                          "without --local: asks the server for it)")
+    mirror = gen.add_mutually_exclusive_group()
+    mirror.add_argument("--mirror", action="store_true",
+                        help="draft the next window while the target verifies this one (same output; "
+                             "without --local: asks the server for it)")
+    mirror.add_argument("--no-mirror", action="store_true",
+                        help="without --local: asks a server started with --mirror to draft this request in turn "
+                             "(the default with --local)")
     gen.add_argument("--no-runner-up", action="store_true",
                      help="with --local: verify chains only. By default windows also offer the draft's runner-up "
                           "for their first draft, in the same target pass (same output distribution)")
@@ -512,7 +516,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
     check_target(args.server, "server")
     options = dict(raw=args.raw, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, k=0 if args.no_speculate else args.k,
-                   mirror=True if args.mirror else None)
+                   mirror=True if args.mirror else False if args.no_mirror else None)
     try:
         with Client(args.server, timeout_s=args.timeout) as client:
             if args.json:

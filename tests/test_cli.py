@@ -386,6 +386,27 @@ def test_generate_server_json_prints_every_stats_field_zeros_too(padded_pair, ca
     assert stats["drafter_fallback"] is False and stats["windows"] == 4 and "windows_on_target" in stats
 
 
+def test_generate_server_no_mirror_turns_a_servers_mirror_default_off_for_its_request(padded_pair, capsys):
+    """A server started with --mirror drafted every request mirror-style: generate had --mirror to
+    ask for it and nothing to decline it (a user's review of the README)."""
+    from served_stack import start_stack
+
+    from mirrorspec.config import MirrorConfig
+
+    s = start_stack(padded_pair["target"], padded_pair["draft"], mirror=MirrorConfig())
+    stats = {}
+    try:
+        for flags in ((), ("--no-mirror",)):
+            main(["generate", "--server", s.address, "w1 w2 w3", "--max-tokens", "12", "--json", *flags])
+            stats[flags] = json.loads(capsys.readouterr().out)["stats"]
+    finally:
+        s.stop()
+    assert stats[()]["mirror_windows"] > 0 and stats[("--no-mirror",)]["mirror_windows"] == 0
+    with pytest.raises(SystemExit):
+        main(["generate", "--server", "127.0.0.1:1", "hi", "--mirror", "--no-mirror"])
+    assert "not allowed with argument --mirror" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("max_tokens, room", [(None, 128 - 120), ("8", 8)])
 def test_generate_local_cuts_its_default_max_tokens_to_the_room_the_prompt_leaves(padded_pair, capsys,
                                                                                    max_tokens, room):

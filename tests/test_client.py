@@ -17,6 +17,7 @@ def test_the_clients_are_importable_from_the_package():
     from mirrorspec import client
 
     assert (mirrorspec.Client, mirrorspec.AsyncClient) == (client.Client, client.AsyncClient)
+    assert mirrorspec.NotAFrontDoor is client.NotAFrontDoor  # what the clients raise for a drafter's address
     with pytest.raises(AttributeError, match="no attribute 'Clinet'"):
         mirrorspec.Clinet  # noqa: B018
 
