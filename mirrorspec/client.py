@@ -115,9 +115,10 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *,
     """A GenerateRequest from Python values: a str is a user message (or raw text with raw=True),
     a list of ints is token ids, a list of {"role", "content"} dicts is a chat. ``stop`` and
     ``stop_token_ids`` take one value or a list, as OpenAI's API does. ``max_tokens``, ``k`` and
-    ``mirror`` left as None take the server's defaults. Values a request cannot carry (a negative count, a seed past
-    2**64, a top_p of 0, which the wire reads as "off") raise ``InvalidRequest`` naming the
-    argument, not protobuf's bare "Value out of range"; the server checks everything else."""
+    ``mirror`` left as None take the server's defaults. Values a request cannot carry (a negative
+    count, a seed past 2**64, a top_p of 0 or a max_tokens of 0, which the wire reads as unset)
+    raise ``InvalidRequest`` naming the argument, not protobuf's bare "Value out of range"; the
+    server checks everything else."""
     seed = check_seed(seed)
     check_prompt(prompt)
     for name, value in (("temperature", temperature), ("top_p", top_p)):
