@@ -17,8 +17,8 @@ from decimal import Decimal
 
 import grpc
 
-from mirrorspec.config import (InvalidRequest, check_address, check_seed, check_text, check_unsigned, is_integer,
-                               is_real)
+from mirrorspec.config import (InvalidRequest, as_scalar, check_address, check_seed, check_text, check_unsigned,
+                               is_integer, is_real)
 from mirrorspec.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 CHANNEL_OPTIONS = [
@@ -124,8 +124,7 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *,
     for name, value in (("temperature", temperature), ("top_p", top_p)):
         if not (is_real(value) or isinstance(value, Decimal)):
             raise InvalidRequest(f"{name} must be a number, got {value!r}", field=name)
-    if getattr(mirror, "ndim", None) == 0 and callable(getattr(mirror, "item", None)):
-        mirror = mirror.item()  # numpy's bool, a 0-d tensor
+    mirror = as_scalar(mirror)  # numpy's bool, a 0-d tensor
     if mirror is not None and not isinstance(mirror, bool):
         raise InvalidRequest(f"mirror must be True, False or None (the server's default), got {mirror!r}",
                              field="mirror")
@@ -142,8 +141,7 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *,
                       else _listed(stop_token_ids, "stop_token_ids", "token ids"))
     if max_tokens is not None and is_integer(max_tokens) and max_tokens == 0:  # the wire reads 0 as unset
         raise InvalidRequest("max_tokens must be >= 1, or None for the server's default; got 0", field="max_tokens")
-    if getattr(timeline, "ndim", None) == 0 and callable(getattr(timeline, "item", None)):
-        timeline = timeline.item()
+    timeline = as_scalar(timeline)
     if not isinstance(timeline, bool):
         raise InvalidRequest(f"timeline must be True or False, got {timeline!r}", field="timeline")
     if top_p == 0:  # the server refuses the rest of what lies outside (0, 1]; this it would read as unset

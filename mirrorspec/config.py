@@ -68,11 +68,15 @@ def is_integer(value) -> bool:
     return True
 
 
+def as_scalar(value):
+    """A 0-d torch tensor or numpy value as the Python scalar it holds; anything else as it is."""
+    return value.item() if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)) else value
+
+
 def is_real(value) -> bool:
     """A real number (ints, floats, numpy's, a 0-d torch tensor or numpy array), not a bool nor a
     string: what a caller computed a temperature with is taken as it comes."""
-    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
-        value = value.item()
+    value = as_scalar(value)
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
