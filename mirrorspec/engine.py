@@ -26,6 +26,7 @@ from mirrorspec.config import (
     OutOfRange,
     SamplingParams,
     SpeculationConfig,
+    as_scalar,
     check_seed,
     check_shared_vocabulary,
     is_integer,
@@ -446,9 +447,12 @@ def make_drafter(draft: torch.nn.Module | Drafter | str | None, proposal_top_k: 
     raise InvalidRequest(f"draft must be an HF causal LM, a Drafter, 'ngram' or None; got {draft!r}", field="draft")
 
 
-def check_generate_arguments(target, params, adaptive, mirror, hint_layer, hint_lens) -> None:
+def check_generate_arguments(target, params, adaptive, mirror, hint_layer, hint_lens, runner_up) -> tuple:
     """Arguments of the wrong kind met a bare AttributeError or TypeError deep in the decoding loop
-    ("'str' object has no attribute 'vocab_size'"), naming nothing the caller wrote."""
+    ("'str' object has no attribute 'vocab_size'"), naming nothing the caller wrote. Gives back
+    ``adaptive``, ``mirror`` and ``runner_up`` with a numpy or 0-d tensor bool as the bool it holds
+    (a flag computed with numpy was refused, and a str ``runner_up`` such as "no" switched it on)."""
+    adaptive, mirror, runner_up = (as_scalar(flag) for flag in (adaptive, mirror, runner_up))
     if not isinstance(target, torch.nn.Module) and not callable(getattr(target, "logits_for", None)):
         raise InvalidRequest(f"target must be a loaded model (transformers' from_pretrained, or "
                              f"mirrorspec.models.load_causal_lm('demo-target')), got {type(target).__name__} "
@@ -465,6 +469,9 @@ def check_generate_arguments(target, params, adaptive, mirror, hint_layer, hint_
     if hint_lens is not None and not isinstance(hint_lens, TunedLens):
         raise InvalidRequest(f"hint_lens must be a TunedLens (mirrorspec.models.lens.tuned_lens), got "
                              f"{type(hint_lens).__name__}", field="hint_lens")
+    if not isinstance(runner_up, bool):
+        raise InvalidRequest(f"runner_up must be True or False, got {runner_up!r}", field="runner_up")
+    return adaptive, mirror, runner_up
 
 
 def generate(
@@ -527,7 +534,8 @@ def generate(
     """
     # what load_causal_lm gives (the README's way to the demo models): its model, the tokenizer aside
     target, draft = (m.model if isinstance(m, LoadedModel) else m for m in (target, draft))
-    check_generate_arguments(target, params, adaptive, mirror, hint_layer, hint_lens)
+    adaptive, mirror, runner_up = check_generate_arguments(target, params, adaptive, mirror, hint_layer, hint_lens,
+                                                           runner_up)
     params = params or SamplingParams()
     spec = SpeculationConfig(num_speculative_tokens=num_speculative_tokens, proposal_top_k=proposal_top_k,
                              prompt_lookup=prompt_lookup, draft_confidence=draft_confidence,

@@ -5,6 +5,7 @@ import json
 import random
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -214,7 +215,6 @@ def test_bad_input_is_a_clear_error(tiny_target, prompt, params, k, error, field
 
 
 def test_k_is_a_plain_int_whatever_integer_it_came_as_and_never_a_bool_or_a_fraction():
-    import numpy as np
 
     from mirrorspec.config import SpeculationConfig
 
@@ -243,7 +243,6 @@ def test_a_prompt_that_is_not_token_ids_is_refused_naming_input_ids(tiny_target,
 def test_bools_are_not_token_ids_and_a_numpy_prompt_is_taken_as_a_tensor_is(tiny_target):
     """[True, False] ran as ids 1 and 0; a [1, n] array (``return_tensors="np"``) was told to
     encode its text first, where a [1, n] tensor passed (a user's review)."""
-    import numpy as np
 
     params = SamplingParams(max_new_tokens=3)
     with pytest.raises(InvalidRequest, match="must be a sequence of integer token ids") as err:
@@ -263,6 +262,8 @@ def test_bools_are_not_token_ids_and_a_numpy_prompt_is_taken_as_a_tensor_is(tiny
     ({"params": SpeculationConfig()}, "params", "got SpeculationConfig"),
     ({"adaptive": "yes"}, "adaptive", "adaptive must be True, False, None or AdaptiveKConfig(...)"),
     ({"mirror": 1}, "mirror", "mirror must be True, False, None or MirrorConfig(...), got 1"),
+    ({"mirror": torch.tensor(1)}, "mirror", "MirrorConfig(...), got 1"),
+    ({"runner_up": "no"}, "runner_up", "runner_up must be True or False, got 'no'"),
     ({"mirror": True, "hint_layer": "1"}, "hint_layer", "hint_layer must be an int"),
     ({"mirror": True, "hint_layer": 1, "hint_lens": "tuned"}, "hint_lens", "hint_lens must be a TunedLens"),
 ])
@@ -273,6 +274,22 @@ def test_arguments_of_the_wrong_kind_are_named_before_decoding(tiny_target, tiny
     with pytest.raises(InvalidRequest, match=re.escape(says)) as err:
         generate(**call)
     assert err.value.field == field
+
+
+def test_flags_computed_with_numpy_or_torch_are_taken_as_the_bools_they_hold(tiny_target, tiny_draft):
+    """``mirror=np.bool_(True)`` was refused as not a bool, and a str ``runner_up`` ("no") switched
+    the runner-up on, as any non-empty value did."""
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    plain = generate(tiny_target, tiny_draft, [1, 2], params, seed=3, mirror=True, adaptive=True, runner_up=True)
+    computed = generate(tiny_target, tiny_draft, [1, 2], params, seed=3, mirror=np.bool_(True),
+                        adaptive=torch.tensor(True), runner_up=np.array(True))
+    def windows(result):
+        return [getattr(result.stats, name) for name in ("windows", "drafted", "accepted", "mirror_windows")]
+
+    assert computed.token_ids == plain.token_ids and windows(computed) == windows(plain)
+    assert plain.stats.mirror_windows > 0
+    off = generate(tiny_target, tiny_draft, [1, 2], params, seed=3, mirror=np.bool_(False), runner_up=np.False_)
+    assert off.stats.mirror_windows == 0
 
 
 def test_a_drafter_drafting_for_one_call_refuses_a_second_at_once_and_serves_it_after(tiny_target, tiny_draft):
