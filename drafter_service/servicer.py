@@ -85,7 +85,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         prompt = validate_prompt(request.prompt_ids, vocab_size, 1 << 31, replace(params, max_new_tokens=1),
                                  field="prompt_ids")
         session_id = self.sessions.open(DraftSession(SequenceState(prompt, params, int(request.seed)),
-                                                     self._new_drafter(request.caller_looks_up), vocab_size))
+                                                     self._new_drafter(request.caller_looks_up), vocab_size),
+                                        request.session_id)
         self.sessions.orphan(session_id)  # until its first call (SessionStore)
         return drafter_pb2.OpenDraftSessionResponse(session_id=session_id)
 

@@ -10,9 +10,11 @@ one would have: moving never changes the output.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -46,6 +48,9 @@ log = logging.getLogger(__name__)
 # means the replica went away.
 _REPLICA_GONE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 _SESSION_GONE = grpc.StatusCode.NOT_FOUND
+# an open's answers that say the replica opened nothing: any other failure may come after it did
+_REFUSED_BEFORE_OPENING = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT,
+                                     grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.UNIMPLEMENTED})
 
 
 @dataclass
@@ -124,7 +129,7 @@ class PooledSession:
                         f"replicas' --max-sessions") from None
                 raise
             try:
-                response = self._open_on(replica, self.open_request(context, params))
+                response = self._open_on(replica, self.open_request(context, params), session_id=uuid.uuid4().hex)
             except _Unresponsive:
                 log.warning("%s replica %s stopped answering during an open; opening elsewhere", self.pool.name,
                             replica.address)
@@ -149,18 +154,26 @@ class PooledSession:
             self.pool.holds(replica, response.session_id)
             return
 
-    def _open_on(self, replica: Replica, request):
-        """``OpenSession`` on ``replica``, for up to the request's deadline while the replica
-        answers its health check SERVING (asked each ``probe_open_after_s`` the open runs);
-        ``_Unresponsive`` once it does not."""
+    def _open_on(self, replica: Replica, request, session_id: str):
+        """``OpenSession`` on ``replica`` as ``session_id``, for up to the request's deadline while
+        the replica answers its health check SERVING (asked each ``probe_open_after_s`` the open
+        runs); ``_Unresponsive`` once it does not. An open that fails where the replica may have
+        opened the session all the same (a deadline that passed as it did) has that id closed."""
+        request.session_id = session_id
         call = replica.stub.OpenSession.future(request, timeout=self.timeout_s)
-        while True:
-            try:
-                return call.result(timeout=self.probe_open_after_s)
-            except grpc.FutureTimeoutError:
-                if not replica.answers_serving(self.probe_timeout_s):
-                    call.cancel()
-                    raise _Unresponsive(replica.address) from None
+        try:
+            while True:
+                try:
+                    return call.result(timeout=self.probe_open_after_s)
+                except grpc.FutureTimeoutError:
+                    if not replica.answers_serving(self.probe_timeout_s):
+                        call.cancel()
+                        raise _Unresponsive(replica.address) from None
+        except (grpc.RpcError, _Unresponsive) as err:
+            if not (isinstance(err, grpc.RpcError) and err.code() in _REFUSED_BEFORE_OPENING):
+                with contextlib.suppress(ValueError):  # the front door stopped: its channel is closed
+                    start_close(replica.stub, session_id, self.probe_timeout_s)
+            raise
 
     def call(self, context: Sequence[int], rpc: Callable[[Replica, str, int, list[int]], object],
              window_timeout_s: float | None = None):

@@ -121,7 +121,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                                  field="prompt_ids")
         session = TargetSession(SequenceState(prompt, params, int(request.seed)),
                                 TargetVerifier(self.new_session(), self.probe, runner_up=True))
-        session_id = self.sessions.open(session)
+        session_id = self.sessions.open(session, request.session_id)
         if request.defer_prefill:  # the first Verify scores the prompt (its last chunk) with its window, in one pass
             session.prefill_deferred = True
             self.sessions.orphan(session_id)  # until its first call (SessionStore)

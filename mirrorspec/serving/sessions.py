@@ -35,7 +35,15 @@ class SessionStore(Generic[S]):
     session; a front door that crashed never will, and its sessions held their slots for the whole
     ``ttl_s`` (ten minutes), so a restarted front door found its replicas full. A live caller's
     session evicted all the same (one idle longer, e.g. a drafter's while speculation is paused)
-    costs a reopen: the caller replays it from its token log on NOT_FOUND."""
+    costs a reopen: the caller replays it from its token log on NOT_FOUND.
+
+    A caller may choose the id it opens with (``open(state, session_id)``), so a caller whose open
+    failed with the session perhaps opened (its deadline passed as this replica opened it: the
+    answer was dropped, and the session held a slot for ``orphan_ttl_s``, a review's find) can close
+    it all the same. A close for an id not held is remembered for ``orphan_ttl_s``, and an open with
+    that id is refused: the close of an abandoned open may overtake the open itself."""
+
+    max_id_chars = 64
 
     def __init__(self, max_sessions: int = 64, ttl_s: float = 600.0,
                  on_evict: Callable[[S], None] | None = None, clock: Callable[[], float] = time.monotonic,
@@ -46,19 +54,36 @@ class SessionStore(Generic[S]):
         self._on_evict = on_evict or (lambda state: None)
         self._clock = clock
         self._entries: dict[str, _Entry[S]] = {}
+        self._closed_unopened: dict[str, float] = {}  # id -> when a close came for it, held by no session
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def open(self, state: S) -> str:
+    def open(self, state: S, session_id: str = "") -> str:
+        """``session_id``: the caller's choice of id (empty: a fresh one is made here)."""
         self.evict_expired()
+        self._check_new_id(session_id)
         if len(self._entries) >= self.max_sessions:
             raise SessionLimitReached(
                 f"this replica already holds {self.max_sessions} sessions (its --max-sessions); "
                 f"close finished sessions or retry on another replica")
-        session_id = uuid.uuid4().hex
+        session_id = session_id or uuid.uuid4().hex
         self._entries[session_id] = _Entry(state, self._clock(), self.ttl_s)
         return session_id
+
+    def _check_new_id(self, session_id: str) -> None:
+        if not session_id:
+            return
+        if len(session_id) > self.max_id_chars or not session_id.isascii() or not session_id.isprintable():
+            raise InvalidRequest(f"session_id must be at most {self.max_id_chars} printable ASCII characters "
+                                 f"(a random hex id, e.g. uuid4().hex), or empty for the replica to choose one",
+                                 field="session_id")
+        if session_id in self._entries:
+            raise InvalidRequest(f"session {session_id!r} is already open here; open each session with a fresh "
+                                 f"random id", field="session_id")
+        if self._closed_unopened.pop(session_id, None) is not None:
+            raise InvalidRequest(f"session {session_id!r} was closed before it opened (its caller gave up on the "
+                                 f"open); open with a fresh id", field="session_id")
 
     def get(self, session_id: str) -> S:
         entry = self._entries.get(session_id)
@@ -78,13 +103,27 @@ class SessionStore(Generic[S]):
         entry = self._entries.pop(session_id, None)
         if entry is not None:
             self._on_evict(entry.state)
+        elif session_id and len(session_id) <= self.max_id_chars:  # its open may be on its way: refuse it
+            self._forget_old_closes()
+            if len(self._closed_unopened) < self.max_remembered_closes:
+                self._closed_unopened[session_id] = self._clock()
         return entry is not None
+
+    @property
+    def max_remembered_closes(self) -> int:
+        return 16 * self.max_sessions + 1024
+
+    def _forget_old_closes(self) -> None:
+        cutoff = self._clock() - self.orphan_ttl_s  # an open later than that left an orphan, evicted as one
+        while self._closed_unopened and next(iter(self._closed_unopened.values())) < cutoff:
+            del self._closed_unopened[next(iter(self._closed_unopened))]
 
     def evict_expired(self) -> int:
         now = self._clock()
         stale = [sid for sid, e in self._entries.items() if now - e.last_used > e.ttl_s]
         for sid in stale:
             self.close(sid)
+        self._forget_old_closes()
         return len(stale)
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from mirrorspec.v1 import common_pb2 as mirrorspec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmirrorspec/v1/drafter.proto\x12\rmirrorspec.v1\x1a\x1amirrorspec/v1/common.proto\"\x9e\x01\n\x17OpenDraftSessionRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12-\n\x06params\x18\x02 \x01(\x0b\x32\x1d.mirrorspec.v1.SamplingParams\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x17\n\x0f\x63\x61ller_looks_up\x18\x04 \x01(\x08\x12\x19\n\x11target_vocab_size\x18\x05 \x01(\r\".\n\x18OpenDraftSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xbf\x01\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommit_tokens\x18\x02 \x03(\r\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\t\n\x01k\x18\x04 \x01(\r\x12\x11\n\x04keep\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rbranch_tokens\x18\x06 \x03(\r\x12\x14\n\x0c\x62ranch_forks\x18\x07 \x03(\r\x12\x18\n\x10own_token_branch\x18\x08 \x01(\x08\x42\x07\n\x05_keep\"/\n\x11TokenAlternatives\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"\x9d\x01\n\rDraftResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12.\n\x01q\x18\x02 \x01(\x0b\x32#.mirrorspec.v1.ProposalDistribution\x12\x14\n\x0c\x64raft_time_s\x18\x03 \x01(\x01\x12\x36\n\x0c\x61lternatives\x18\x04 \x03(\x0b\x32 .mirrorspec.v1.TokenAlternatives\"\x91\x01\n\x15\x44raftBranchesResponse\x12,\n\x06\x64rafts\x18\x01 \x03(\x0b\x32\x1c.mirrorspec.v1.DraftResponse\x12\x14\n\x0c\x64raft_time_s\x18\x02 \x01(\x01\x12\x0e\n\x06\x66orked\x18\x03 \x01(\x08\x12\x16\n\town_token\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x0c\n\n_own_token\"\xd8\x01\n\x0b\x44rafterInfo\x12\x10\n\x08strategy\x18\x01 \x01(\t\x12.\n\x05model\x18\x02 \x01(\x0b\x32\x1f.mirrorspec.v1.ModelDescription\x12\x15\n\ropen_sessions\x18\x03 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x04 \x01(\r\x12\x16\n\x0eproposal_top_k\x18\x05 \x01(\r\x12\x15\n\rprompt_lookup\x18\x06 \x01(\r\x12\x11\n\tstep_cost\x18\x07 \x01(\x01\x12\x18\n\x10\x64raft_confidence\x18\x08 \x01(\x01\x32\xb9\x04\n\x0e\x44rafterService\x12^\n\x0bOpenSession\x12&.mirrorspec.v1.OpenDraftSessionRequest\x1a\'.mirrorspec.v1.OpenDraftSessionResponse\x12\x42\n\x05\x44raft\x12\x1b.mirrorspec.v1.DraftRequest\x1a\x1c.mirrorspec.v1.DraftResponse\x12M\n\x0c\x44raftWindows\x12\x1b.mirrorspec.v1.DraftRequest\x1a\x1c.mirrorspec.v1.DraftResponse(\x01\x30\x01\x12R\n\rDraftBranches\x12\x1b.mirrorspec.v1.DraftRequest\x1a$.mirrorspec.v1.DraftBranchesResponse\x12G\n\nRankTokens\x12\x1b.mirrorspec.v1.DraftRequest\x1a\x1c.mirrorspec.v1.DraftResponse\x12W\n\x0c\x43loseSession\x12\".mirrorspec.v1.CloseSessionRequest\x1a#.mirrorspec.v1.CloseSessionResponse\x12>\n\x04Info\x12\x1a.mirrorspec.v1.InfoRequest\x1a\x1a.mirrorspec.v1.DrafterInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmirrorspec/v1/drafter.proto\x12\rmirrorspec.v1\x1a\x1amirrorspec/v1/common.proto\"\xb2\x01\n\x17OpenDraftSessionRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12-\n\x06params\x18\x02 \x01(\x0b\x32\x1d.mirrorspec.v1.SamplingParams\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x17\n\x0f\x63\x61ller_looks_up\x18\x04 \x01(\x08\x12\x19\n\x11target_vocab_size\x18\x05 \x01(\r\x12\x12\n\nsession_id\x18\x06 \x01(\t\".\n\x18OpenDraftSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xbf\x01\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommit_tokens\x18\x02 \x03(\r\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\t\n\x01k\x18\x04 \x01(\r\x12\x11\n\x04keep\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rbranch_tokens\x18\x06 \x03(\r\x12\x14\n\x0c\x62ranch_forks\x18\x07 \x03(\r\x12\x18\n\x10own_token_branch\x18\x08 \x01(\x08\x42\x07\n\x05_keep\"/\n\x11TokenAlternatives\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"\x9d\x01\n\rDraftResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12.\n\x01q\x18\x02 \x01(\x0b\x32#.mirrorspec.v1.ProposalDistribution\x12\x14\n\x0c\x64raft_time_s\x18\x03 \x01(\x01\x12\x36\n\x0c\x61lternatives\x18\x04 \x03(\x0b\x32 .mirrorspec.v1.TokenAlternatives\"\x91\x01\n\x15\x44raftBranchesResponse\x12,\n\x06\x64rafts\x18\x01 \x03(\x0b\x32\x1c.mirrorspec.v1.DraftResponse\x12\x14\n\x0c\x64raft_time_s\x18\x02 \x01(\x01\x12\x0e\n\x06\x66orked\x18\x03 \x01(\x08\x12\x16\n\town_token\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x0c\n\n_own_token\"\xd8\x01\n\x0b\x44rafterInfo\x12\x10\n\x08strategy\x18\x01 \x01(\t\x12.\n\x05model\x18\x02 \x01(\x0b\x32\x1f.mirrorspec.v1.ModelDescription\x12\x15\n\ropen_sessions\x18\x03 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x04 \x01(\r\x12\x16\n\x0eproposal_top_k\x18\x05 \x01(\r\x12\x15\n\rprompt_lookup\x18\x06 \x01(\r\x12\x11\n\tstep_cost\x18\x07 \x01(\x01\x12\x18\n\x10\x64raft_confidence\x18\x08 \x01(\x01\x32\xb9\x04\n\x0e\x44rafterService\x12^\n\x0bOpenSession\x12&.mirrorspec.v1.OpenDraftSessionRequest\x1a\'.mirrorspec.v1.OpenDraftSessionResponse\x12\x42\n\x05\x44raft\x12\x1b.mirrorspec.v1.DraftRequest\x1a\x1c.mirrorspec.v1.DraftResponse\x12M\n\x0c\x44raftWindows\x12\x1b.mirrorspec.v1.DraftRequest\x1a\x1c.mirrorspec.v1.DraftResponse(\x01\x30\x01\x12R\n\rDraftBranches\x12\x1b.mirrorspec.v1.DraftRequest\x1a$.mirrorspec.v1.DraftBranchesResponse\x12G\n\nRankTokens\x12\x1b.mirrorspec.v1.DraftRequest\x1a\x1c.mirrorspec.v1.DraftResponse\x12W\n\x0c\x43loseSession\x12\".mirrorspec.v1.CloseSessionRequest\x1a#.mirrorspec.v1.CloseSessionResponse\x12>\n\x04Info\x12\x1a.mirrorspec.v1.InfoRequest\x1a\x1a.mirrorspec.v1.DrafterInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,19 +33,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mirrorspec.v1.drafter_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_OPENDRAFTSESSIONREQUEST']._serialized_start=75
-  _globals['_OPENDRAFTSESSIONREQUEST']._serialized_end=233
-  _globals['_OPENDRAFTSESSIONRESPONSE']._serialized_start=235
-  _globals['_OPENDRAFTSESSIONRESPONSE']._serialized_end=281
-  _globals['_DRAFTREQUEST']._serialized_start=284
-  _globals['_DRAFTREQUEST']._serialized_end=475
-  _globals['_TOKENALTERNATIVES']._serialized_start=477
-  _globals['_TOKENALTERNATIVES']._serialized_end=524
-  _globals['_DRAFTRESPONSE']._serialized_start=527
-  _globals['_DRAFTRESPONSE']._serialized_end=684
-  _globals['_DRAFTBRANCHESRESPONSE']._serialized_start=687
-  _globals['_DRAFTBRANCHESRESPONSE']._serialized_end=832
-  _globals['_DRAFTERINFO']._serialized_start=835
-  _globals['_DRAFTERINFO']._serialized_end=1051
-  _globals['_DRAFTERSERVICE']._serialized_start=1054
-  _globals['_DRAFTERSERVICE']._serialized_end=1623
+  _globals['_OPENDRAFTSESSIONREQUEST']._serialized_end=253
+  _globals['_OPENDRAFTSESSIONRESPONSE']._serialized_start=255
+  _globals['_OPENDRAFTSESSIONRESPONSE']._serialized_end=301
+  _globals['_DRAFTREQUEST']._serialized_start=304
+  _globals['_DRAFTREQUEST']._serialized_end=495
+  _globals['_TOKENALTERNATIVES']._serialized_start=497
+  _globals['_TOKENALTERNATIVES']._serialized_end=544
+  _globals['_DRAFTRESPONSE']._serialized_start=547
+  _globals['_DRAFTRESPONSE']._serialized_end=704
+  _globals['_DRAFTBRANCHESRESPONSE']._serialized_start=707
+  _globals['_DRAFTBRANCHESRESPONSE']._serialized_end=852
+  _globals['_DRAFTERINFO']._serialized_start=855
+  _globals['_DRAFTERINFO']._serialized_end=1071
+  _globals['_DRAFTERSERVICE']._serialized_start=1074
+  _globals['_DRAFTERSERVICE']._serialized_end=1643
 # @@protoc_insertion_point(module_scope)

@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenDraftSessionRequest(_message.Message):
-    __slots__ = ("prompt_ids", "params", "seed", "caller_looks_up", "target_vocab_size")
+    __slots__ = ("prompt_ids", "params", "seed", "caller_looks_up", "target_vocab_size", "session_id")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     CALLER_LOOKS_UP_FIELD_NUMBER: _ClassVar[int]
     TARGET_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     seed: int
     caller_looks_up: bool
     target_vocab_size: int
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., caller_looks_up: _Optional[bool] = ..., target_vocab_size: _Optional[int] = ...) -> None: ...
+    session_id: str
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., caller_looks_up: _Optional[bool] = ..., target_vocab_size: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class OpenDraftSessionResponse(_message.Message):
     __slots__ = ("session_id",)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from mirrorspec.v1 import common_pb2 as mirrorspec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amirrorspec/v1/target.proto\x12\rmirrorspec.v1\x1a\x1amirrorspec/v1/common.proto\"\x82\x01\n\x18OpenTargetSessionRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12-\n\x06params\x18\x02 \x01(\x0b\x32\x1d.mirrorspec.v1.SamplingParams\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x15\n\rdefer_prefill\x18\x04 \x01(\x08\"G\n\x19OpenTargetSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0eprefill_time_s\x18\x02 \x01(\x01\"\xcd\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommit_tokens\x18\x02 \x03(\r\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x03(\r\x12.\n\x01q\x18\x05 \x01(\x0b\x32#.mirrorspec.v1.ProposalDistribution\x12\r\n\x05hints\x18\x06 \x01(\x08\x12\x16\n\trunner_up\x18\x07 \x01(\rH\x00\x88\x01\x01\x42\x0c\n\n_runner_up\"\x9d\x01\n\x07Verdict\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\r\x12+\n\tnext_kind\x18\x03 \x01(\x0e\x32\x18.mirrorspec.v1.TokenKind\x12\x15\n\rverify_time_s\x18\x04 \x01(\x01\x12\x16\n\trunner_up\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x0c\n\n_runner_up\"%\n\x07HintRow\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"D\n\rEarlyExitHint\x12\r\n\x05layer\x18\x01 \x01(\r\x12$\n\x04rows\x18\x02 \x03(\x0b\x32\x16.mirrorspec.v1.HintRow\"r\n\x0eVerifyResponse\x12)\n\x07verdict\x18\x01 \x01(\x0b\x32\x16.mirrorspec.v1.VerdictH\x00\x12,\n\x04hint\x18\x02 \x01(\x0b\x32\x1c.mirrorspec.v1.EarlyExitHintH\x00\x42\x07\n\x05\x65vent\"\xf6\x02\n\x11RunWindowsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommit_tokens\x18\x02 \x03(\r\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x17\n\x0f\x64rafter_address\x18\x04 \x01(\t\x12\x1a\n\x12\x64rafter_session_id\x18\x05 \x01(\t\x12\x1e\n\x16\x64rafter_context_length\x18\x06 \x01(\r\x12\t\n\x01k\x18\x07 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x08 \x01(\r\x12\x11\n\trunner_up\x18\t \x01(\x08\x12\x17\n\x0f\x64raft_timeout_s\x18\n \x01(\x01\x12\x14\n\x0cmax_branches\x18\x0b \x01(\r\x12\x1b\n\x13\x62ranch_alternatives\x18\x0c \x01(\r\x12*\n\x08\x61\x64\x61ptive\x18\r \x01(\x0b\x32\x18.mirrorspec.v1.AdaptiveK\x12\x1b\n\x13\x62ranch_every_window\x18\x0e \x01(\x08\"\xee\x01\n\tAdaptiveK\x12\x12\n\ndraft_cost\x18\x01 \x01(\x01\x12\x12\n\npass_costs\x18\x02 \x03(\x01\x12\x1b\n\x13pass_cost_per_token\x18\x03 \x01(\x01\x12\x16\n\x0eprior_accepted\x18\x04 \x01(\x01\x12\x16\n\x0eprior_rejected\x18\x05 \x01(\x01\x12\r\n\x05\x64\x65\x63\x61y\x18\x06 \x01(\x01\x12\x13\n\x0bprobe_every\x18\x07 \x01(\r\x12\x0f\n\x07probe_k\x18\x08 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\t \x01(\x01\x12\x10\n\x08rejected\x18\n \x01(\x01\x12\x13\n\x0bwindows_off\x18\x0b \x01(\r\"\xfc\x01\n\x0cWindowResult\x12\'\n\x07verdict\x18\x01 \x01(\x0b\x32\x16.mirrorspec.v1.Verdict\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x13\n\x0bnum_drafted\x18\x03 \x01(\r\x12\x14\n\x0c\x64raft_time_s\x18\x04 \x01(\x01\x12\x14\n\x0c\x64raft_call_s\x18\x05 \x01(\x01\x12\x15\n\rdrafter_error\x18\x06 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x07 \x01(\r\x12\x18\n\x10\x62ranches_drafted\x18\x08 \x01(\r\x12\x12\n\nbranch_hit\x18\t \x01(\x08\x12\x15\n\rbranch_time_s\x18\n \x01(\x01\"\xb6\x01\n\nTargetInfo\x12.\n\x05model\x18\x01 \x01(\x0b\x32\x1f.mirrorspec.v1.ModelDescription\x12\x15\n\ropen_sessions\x18\x02 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x03 \x01(\r\x12\x1e\n\x16max_speculative_tokens\x18\x04 \x01(\r\x12\x12\n\nhint_layer\x18\x05 \x01(\r\x12\x17\n\x0fruns_adaptive_k\x18\x06 \x01(\x08\x32\xb2\x04\n\rTargetService\x12`\n\x0bOpenSession\x12\'.mirrorspec.v1.OpenTargetSessionRequest\x1a(.mirrorspec.v1.OpenTargetSessionResponse\x12G\n\x06Verify\x12\x1c.mirrorspec.v1.VerifyRequest\x1a\x1d.mirrorspec.v1.VerifyResponse0\x01\x12\x44\n\x0cVerifyWindow\x12\x1c.mirrorspec.v1.VerifyRequest\x1a\x16.mirrorspec.v1.Verdict\x12I\n\rVerifyWindows\x12\x1c.mirrorspec.v1.VerifyRequest\x1a\x16.mirrorspec.v1.Verdict(\x01\x30\x01\x12M\n\nRunWindows\x12 .mirrorspec.v1.RunWindowsRequest\x1a\x1b.mirrorspec.v1.WindowResult0\x01\x12W\n\x0c\x43loseSession\x12\".mirrorspec.v1.CloseSessionRequest\x1a#.mirrorspec.v1.CloseSessionResponse\x12=\n\x04Info\x12\x1a.mirrorspec.v1.InfoRequest\x1a\x19.mirrorspec.v1.TargetInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amirrorspec/v1/target.proto\x12\rmirrorspec.v1\x1a\x1amirrorspec/v1/common.proto\"\x96\x01\n\x18OpenTargetSessionRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12-\n\x06params\x18\x02 \x01(\x0b\x32\x1d.mirrorspec.v1.SamplingParams\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x15\n\rdefer_prefill\x18\x04 \x01(\x08\x12\x12\n\nsession_id\x18\x05 \x01(\t\"G\n\x19OpenTargetSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0eprefill_time_s\x18\x02 \x01(\x01\"\xcd\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommit_tokens\x18\x02 \x03(\r\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x03(\r\x12.\n\x01q\x18\x05 \x01(\x0b\x32#.mirrorspec.v1.ProposalDistribution\x12\r\n\x05hints\x18\x06 \x01(\x08\x12\x16\n\trunner_up\x18\x07 \x01(\rH\x00\x88\x01\x01\x42\x0c\n\n_runner_up\"\x9d\x01\n\x07Verdict\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\r\x12+\n\tnext_kind\x18\x03 \x01(\x0e\x32\x18.mirrorspec.v1.TokenKind\x12\x15\n\rverify_time_s\x18\x04 \x01(\x01\x12\x16\n\trunner_up\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x0c\n\n_runner_up\"%\n\x07HintRow\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"D\n\rEarlyExitHint\x12\r\n\x05layer\x18\x01 \x01(\r\x12$\n\x04rows\x18\x02 \x03(\x0b\x32\x16.mirrorspec.v1.HintRow\"r\n\x0eVerifyResponse\x12)\n\x07verdict\x18\x01 \x01(\x0b\x32\x16.mirrorspec.v1.VerdictH\x00\x12,\n\x04hint\x18\x02 \x01(\x0b\x32\x1c.mirrorspec.v1.EarlyExitHintH\x00\x42\x07\n\x05\x65vent\"\xf6\x02\n\x11RunWindowsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rcommit_tokens\x18\x02 \x03(\r\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x17\n\x0f\x64rafter_address\x18\x04 \x01(\t\x12\x1a\n\x12\x64rafter_session_id\x18\x05 \x01(\t\x12\x1e\n\x16\x64rafter_context_length\x18\x06 \x01(\r\x12\t\n\x01k\x18\x07 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x08 \x01(\r\x12\x11\n\trunner_up\x18\t \x01(\x08\x12\x17\n\x0f\x64raft_timeout_s\x18\n \x01(\x01\x12\x14\n\x0cmax_branches\x18\x0b \x01(\r\x12\x1b\n\x13\x62ranch_alternatives\x18\x0c \x01(\r\x12*\n\x08\x61\x64\x61ptive\x18\r \x01(\x0b\x32\x18.mirrorspec.v1.AdaptiveK\x12\x1b\n\x13\x62ranch_every_window\x18\x0e \x01(\x08\"\xee\x01\n\tAdaptiveK\x12\x12\n\ndraft_cost\x18\x01 \x01(\x01\x12\x12\n\npass_costs\x18\x02 \x03(\x01\x12\x1b\n\x13pass_cost_per_token\x18\x03 \x01(\x01\x12\x16\n\x0eprior_accepted\x18\x04 \x01(\x01\x12\x16\n\x0eprior_rejected\x18\x05 \x01(\x01\x12\r\n\x05\x64\x65\x63\x61y\x18\x06 \x01(\x01\x12\x13\n\x0bprobe_every\x18\x07 \x01(\r\x12\x0f\n\x07probe_k\x18\x08 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\t \x01(\x01\x12\x10\n\x08rejected\x18\n \x01(\x01\x12\x13\n\x0bwindows_off\x18\x0b \x01(\r\"\xfc\x01\n\x0cWindowResult\x12\'\n\x07verdict\x18\x01 \x01(\x0b\x32\x16.mirrorspec.v1.Verdict\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x13\n\x0bnum_drafted\x18\x03 \x01(\r\x12\x14\n\x0c\x64raft_time_s\x18\x04 \x01(\x01\x12\x14\n\x0c\x64raft_call_s\x18\x05 \x01(\x01\x12\x15\n\rdrafter_error\x18\x06 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x07 \x01(\r\x12\x18\n\x10\x62ranches_drafted\x18\x08 \x01(\r\x12\x12\n\nbranch_hit\x18\t \x01(\x08\x12\x15\n\rbranch_time_s\x18\n \x01(\x01\"\xb6\x01\n\nTargetInfo\x12.\n\x05model\x18\x01 \x01(\x0b\x32\x1f.mirrorspec.v1.ModelDescription\x12\x15\n\ropen_sessions\x18\x02 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x03 \x01(\r\x12\x1e\n\x16max_speculative_tokens\x18\x04 \x01(\r\x12\x12\n\nhint_layer\x18\x05 \x01(\r\x12\x17\n\x0fruns_adaptive_k\x18\x06 \x01(\x08\x32\xb2\x04\n\rTargetService\x12`\n\x0bOpenSession\x12\'.mirrorspec.v1.OpenTargetSessionRequest\x1a(.mirrorspec.v1.OpenTargetSessionResponse\x12G\n\x06Verify\x12\x1c.mirrorspec.v1.VerifyRequest\x1a\x1d.mirrorspec.v1.VerifyResponse0\x01\x12\x44\n\x0cVerifyWindow\x12\x1c.mirrorspec.v1.VerifyRequest\x1a\x16.mirrorspec.v1.Verdict\x12I\n\rVerifyWindows\x12\x1c.mirrorspec.v1.VerifyRequest\x1a\x16.mirrorspec.v1.Verdict(\x01\x30\x01\x12M\n\nRunWindows\x12 .mirrorspec.v1.RunWindowsRequest\x1a\x1b.mirrorspec.v1.WindowResult0\x01\x12W\n\x0c\x43loseSession\x12\".mirrorspec.v1.CloseSessionRequest\x1a#.mirrorspec.v1.CloseSessionResponse\x12=\n\x04Info\x12\x1a.mirrorspec.v1.InfoRequest\x1a\x19.mirrorspec.v1.TargetInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,27 +33,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mirrorspec.v1.target_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_OPENTARGETSESSIONREQUEST']._serialized_start=74
-  _globals['_OPENTARGETSESSIONREQUEST']._serialized_end=204
-  _globals['_OPENTARGETSESSIONRESPONSE']._serialized_start=206
-  _globals['_OPENTARGETSESSIONRESPONSE']._serialized_end=277
-  _globals['_VERIFYREQUEST']._serialized_start=280
-  _globals['_VERIFYREQUEST']._serialized_end=485
-  _globals['_VERDICT']._serialized_start=488
-  _globals['_VERDICT']._serialized_end=645
-  _globals['_HINTROW']._serialized_start=647
-  _globals['_HINTROW']._serialized_end=684
-  _globals['_EARLYEXITHINT']._serialized_start=686
-  _globals['_EARLYEXITHINT']._serialized_end=754
-  _globals['_VERIFYRESPONSE']._serialized_start=756
-  _globals['_VERIFYRESPONSE']._serialized_end=870
-  _globals['_RUNWINDOWSREQUEST']._serialized_start=873
-  _globals['_RUNWINDOWSREQUEST']._serialized_end=1247
-  _globals['_ADAPTIVEK']._serialized_start=1250
-  _globals['_ADAPTIVEK']._serialized_end=1488
-  _globals['_WINDOWRESULT']._serialized_start=1491
-  _globals['_WINDOWRESULT']._serialized_end=1743
-  _globals['_TARGETINFO']._serialized_start=1746
-  _globals['_TARGETINFO']._serialized_end=1928
-  _globals['_TARGETSERVICE']._serialized_start=1931
-  _globals['_TARGETSERVICE']._serialized_end=2493
+  _globals['_OPENTARGETSESSIONREQUEST']._serialized_end=224
+  _globals['_OPENTARGETSESSIONRESPONSE']._serialized_start=226
+  _globals['_OPENTARGETSESSIONRESPONSE']._serialized_end=297
+  _globals['_VERIFYREQUEST']._serialized_start=300
+  _globals['_VERIFYREQUEST']._serialized_end=505
+  _globals['_VERDICT']._serialized_start=508
+  _globals['_VERDICT']._serialized_end=665
+  _globals['_HINTROW']._serialized_start=667
+  _globals['_HINTROW']._serialized_end=704
+  _globals['_EARLYEXITHINT']._serialized_start=706
+  _globals['_EARLYEXITHINT']._serialized_end=774
+  _globals['_VERIFYRESPONSE']._serialized_start=776
+  _globals['_VERIFYRESPONSE']._serialized_end=890
+  _globals['_RUNWINDOWSREQUEST']._serialized_start=893
+  _globals['_RUNWINDOWSREQUEST']._serialized_end=1267
+  _globals['_ADAPTIVEK']._serialized_start=1270
+  _globals['_ADAPTIVEK']._serialized_end=1508
+  _globals['_WINDOWRESULT']._serialized_start=1511
+  _globals['_WINDOWRESULT']._serialized_end=1763
+  _globals['_TARGETINFO']._serialized_start=1766
+  _globals['_TARGETINFO']._serialized_end=1948
+  _globals['_TARGETSERVICE']._serialized_start=1951
+  _globals['_TARGETSERVICE']._serialized_end=2513
 # @@protoc_insertion_point(module_scope)

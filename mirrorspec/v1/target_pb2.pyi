@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenTargetSessionRequest(_message.Message):
-    __slots__ = ("prompt_ids", "params", "seed", "defer_prefill")
+    __slots__ = ("prompt_ids", "params", "seed", "defer_prefill", "session_id")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     DEFER_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     seed: int
     defer_prefill: bool
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., defer_prefill: _Optional[bool] = ...) -> None: ...
+    session_id: str
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., defer_prefill: _Optional[bool] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class OpenTargetSessionResponse(_message.Message):
     __slots__ = ("session_id", "prefill_time_s")

@@ -145,7 +145,7 @@ def test_concurrent_requests_spread_over_target_replicas(pooled):
     opened = {}
     for server in pooled.targets:
         store = server.servicer.sessions
-        store.open = (lambda open_, port: lambda state: opened.setdefault(port, []).append(1) or open_(state))(
+        store.open = (lambda open_, port: lambda *args: opened.setdefault(port, []).append(1) or open_(*args))(
             store.open, server.port)
     with Client(pooled.address) as client:
         threads = [threading.Thread(target=client.generate, args=([i, 3, 1],), kwargs=dict(max_tokens=100))

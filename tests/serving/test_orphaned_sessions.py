@@ -228,3 +228,33 @@ def test_a_window_stream_carries_one_session_and_refuses_a_second(tiny_dir, serv
         assert stub.Info(common_pb2.InfoRequest()).open_sessions == 0  # the first orphaned, the second never called
     finally:
         server.stop()
+
+
+def test_an_open_the_front_door_gave_up_on_is_closed_where_it_opened_late(tiny_dir, monkeypatch):
+    """A drafter busy past a request's deadline opened its session after the front door had given
+    up on the open: the answer naming the session was dropped, and the session held a slot for the
+    orphan TTL (a review's 1-59 ms deadlines left one behind in 4 of 40 requests; on a target at
+    its --max-sessions, valid requests were refused for a minute). The front door chooses the id
+    it opens with, and closes that id when an open fails."""
+    from drafter_service.servicer import DrafterServicer
+    from mirrorspec.client import Client
+    from mirrorspec.v1 import drafter_pb2_grpc
+    from served_stack import start_stack
+
+    opened = []
+    open_session = DrafterServicer.OpenSession
+
+    async def busy_then_open(self, request, context):
+        time.sleep(1.0)  # the drafter's event loop busy (no await between): the deadline passes meanwhile
+        opened.append(await open_session(self, request, context))
+        return opened[-1]
+
+    monkeypatch.setattr(DrafterServicer, "OpenSession", busy_then_open)
+    stack = start_stack(tiny_dir["target16"], tiny_dir["draft16"])
+    try:
+        with Client(stack.address, timeout_s=0.5) as client:  # target-only once the drafter's open fails
+            assert len(client.generate([3, 1, 4, 1, 5], max_tokens=8).token_ids) == 8
+        drafter = drafter_pb2_grpc.DrafterServiceStub(grpc.insecure_channel(f"127.0.0.1:{stack.drafter.port}"))
+        assert until_no_sessions(drafter, within_s=10) == 0 and len(opened) == 1 and opened[0].session_id
+    finally:
+        stack.stop()

@@ -39,6 +39,38 @@ def test_an_orphaned_session_goes_after_the_short_ttl_unless_called_again():
     assert store.evict_expired() == 2 and sorted(evicted) == ["kept", "orphan", "revived"]
 
 
+def test_a_caller_chosen_id_is_taken_once_and_a_close_that_overtakes_its_open_refuses_the_open():
+    """A front door whose open failed as the replica opened the session (a deadline that passed
+    then) closes the id it chose; the close may reach the replica before the open does."""
+    now = [0.0]
+    store = SessionStore(max_sessions=2, orphan_ttl_s=30, clock=lambda: now[0])
+    assert store.open("a", "cafe01") == "cafe01" and store.get("cafe01") == "a"
+    with pytest.raises(InvalidRequest, match="is already open here") as err:
+        store.open("b", "cafe01")
+    assert err.value.field == "session_id"
+    for bad in ("x" * 65, "caf\u00e9", "a\nb"):
+        with pytest.raises(InvalidRequest, match="at most 64 printable ASCII"):
+            store.open("b", bad)
+    assert not store.close("beef02")  # its open has not arrived yet
+    with pytest.raises(InvalidRequest, match="was closed before it opened"):
+        store.open("b", "beef02")
+    assert len(store) == 1 and store.open("b", "beef02") == "beef02"  # the refusal used the close up
+    assert store.close("cafe01") and store.close("beef02") and len(store) == 0
+    assert not store.close("dead03")
+    now[0] = 31  # a close older than the orphan TTL is forgotten: an open after it left an orphan
+    store.evict_expired()
+    assert store.open("c", "dead03") == "dead03"
+
+
+def test_the_closes_remembered_for_opens_yet_to_come_are_bounded():
+    store = SessionStore(max_sessions=1, clock=lambda: 0.0)
+    for i in range(store.max_remembered_closes + 10):
+        store.close(f"id{i}")
+    assert store.open("late", f"id{store.max_remembered_closes + 5}")  # past the bound: not remembered
+    with pytest.raises(InvalidRequest, match="closed before it opened"):
+        store.open("early", "id0")
+
+
 def test_sequence_commit_checks_the_callers_view():
     seq = SequenceState([1, 2], SamplingParams(), seed=0)
     seq.commit([3, 4], expected_length=4)
