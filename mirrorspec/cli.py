@@ -32,6 +32,7 @@ from mirrorspec.config import (
     DEFAULT_DRAFT_QUANTIZE,
     QUANTIZATIONS,
     InvalidRequest,
+    MAX_WAIT_S,
     PREFILL_CHUNK_HELP,
     MirrorConfig,
     SamplingParams,
@@ -194,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = commands.add_parser("serve", help="serve on Ray (a local one by default): drafter and target replicas "
                                             "as actors, and the orchestrator's front door")
-    srv.add_argument("--address", default=None,
+    srv.add_argument("--address", default=None, type=ray_address,
                      help="join this Ray cluster ('auto' = the one on this machine) instead of starting a local one")
     srv.add_argument("--in-process", action="store_true",
                      help="no Ray: the three servers as threads of this process (one replica each)")
@@ -267,14 +268,14 @@ def build_parser() -> argparse.ArgumentParser:
     scale = commands.add_parser("scale", help="grow or shrink a pool of a deployment on Ray (drains on the way down)")
     scale.add_argument("pool", choices=["drafter", "target"], help="which pool")
     scale.add_argument("replicas", type=int, help="replicas wanted")
-    scale.add_argument("--address", default="auto", help="the Ray cluster ('auto' = the local Ray of a running "
+    scale.add_argument("--address", default="auto", type=ray_address, help="the Ray cluster ('auto' = the local Ray of a running "
                                                           "`serve --name NAME`, else the one on this machine)")
     scale.add_argument("--name", default="mirrorspec", help="deployment name")
     scale.add_argument("--wait", type=float, default=300.0, help="seconds to wait for new replicas to serve")
     scale.set_defaults(handler=cmd_scale, subparser=scale)
 
     status = commands.add_parser("status", help="a deployment's replicas: state, node, resources, sessions")
-    status.add_argument("--address", default="auto", help="the Ray cluster ('auto' = the local Ray of a running "
+    status.add_argument("--address", default="auto", type=ray_address, help="the Ray cluster ('auto' = the local Ray of a running "
                                                            "`serve --name NAME`, else the one on this machine)")
     status.add_argument("--name", default="mirrorspec", help="deployment name")
     status.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -282,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     stop = commands.add_parser("stop", help="stop a deployment on Ray gracefully: no new requests, those in "
                                             "flight finish, then its replicas and controller go")
-    stop.add_argument("--address", default="auto", help="the Ray cluster ('auto' = the local Ray of a running "
+    stop.add_argument("--address", default="auto", type=ray_address, help="the Ray cluster ('auto' = the local Ray of a running "
                                                          "`serve --name NAME`, else the one on this machine)")
     stop.add_argument("--name", default="mirrorspec", help="deployment name")
     stop.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
@@ -670,7 +671,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_max_sessions(args.max_sessions)
     check_stall_timeout(args.stall_timeout_s)
     check_prefill_chunk(args.prefill_chunk_tokens)
-    check_finite_amount(args.shutdown_grace, "shutdown_grace")
+    check_wait(args.shutdown_grace, "shutdown_grace")
     for field in ("port", "metrics_port"):  # the front door listens here, on a local Ray as on a cluster's head
         check_port_free(args.host, getattr(args, field), field)
     if args.metrics_port and args.metrics_port == args.port:
@@ -690,11 +691,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.detach and not args.address:
         raise InvalidRequest("needs --address: a local Ray ends with this process", field="detach")
     for flag, value in (("replica_cpus", args.replica_cpus), ("drafter_gpus", args.drafter_gpus),
-                        ("target_gpus", args.target_gpus), ("speculation_off_above", args.speculation_off_above),
-                        ("start_timeout", args.start_timeout)):
+                        ("target_gpus", args.target_gpus), ("speculation_off_above", args.speculation_off_above)):
         check_finite_amount(value, flag)
         if value and flag in RESOURCE_FLAGS and round(value, 4) != value:
             raise InvalidRequest(f"Ray counts resources in steps of 0.0001, got {value}", field=flag)
+    check_wait(args.start_timeout, "start_timeout")
     if args.num_cpus is not None and args.num_cpus < 1:
         raise InvalidRequest(f"must be >= 1 (or left out for this machine's), got {args.num_cpus}", field="num_cpus")
     spec = _stack_spec(args, target_gpus=0.0)  # validates counts before Ray starts
@@ -827,6 +828,26 @@ def check_finite_amount(value: float | None, field: str) -> None:
         raise InvalidRequest(f"must be a finite number >= 0, got {value}", field=field)
 
 
+def ray_address(text: str) -> str:
+    """``--address``: an empty one (an unset ``"$HEAD"``) was a cluster's to some checks and a local
+    Ray's to others (a review's find): `serve --address ""` started a local Ray, skipping the checks
+    of one, and waited out --start-timeout for a GPU it would never have."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: give the Ray cluster's head (HOST:6379, or 'auto' for the one on "
+                                         "this machine), or leave --address out")
+    return text.strip()
+
+
+def check_wait(seconds: float | None, field: str) -> None:
+    """A finite wait of at most ``MAX_WAIT_S``: threading's waits and gRPC's deadlines overflow a
+    little past 9.2e9 s, and a stop given ``--shutdown-grace 1e10`` raised inside its replicas,
+    leaving the deployment half stopped (a review's find)."""
+    check_finite_amount(seconds, field)
+    if seconds is not None and seconds > MAX_WAIT_S:
+        raise InvalidRequest(f"must be at most {MAX_WAIT_S:g} seconds (about four months), got {seconds:g}",
+                             field=field)
+
+
 def _local_cpus(args: argparse.Namespace, spec) -> int:
     """A local Ray big enough for what was asked (CPUs are Ray's accounting, threads are ours)."""
     return args.num_cpus or max(len(os.sched_getaffinity(0)), math.ceil(_cpus_wanted(spec)))
@@ -952,7 +973,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
     from cluster.spec import check_replicas
 
     check_replicas(args.pool, args.replicas, "replicas")
-    check_finite_amount(args.wait, "wait")
+    check_wait(args.wait, "wait")
     local = join_deployment_ray(args)
     from cluster.deploy import ask_controller
 
@@ -1026,7 +1047,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
     or from another shell: the front door refuses new requests, those in flight get
     ``--shutdown-grace`` to finish, then the controller stops every replica and itself. A `serve`
     still waiting on the deployment sees it gone and exits."""
-    check_finite_amount(args.shutdown_grace, "shutdown_grace")
+    check_wait(args.shutdown_grace, "shutdown_grace")
     join_deployment_ray(args)
     from cluster.deploy import find_controller
 

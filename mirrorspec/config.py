@@ -465,10 +465,15 @@ def check_prefill_chunk(tokens: int) -> int:
     return operator.index(tokens)
 
 
+# the longest wait a flag may ask for: threading's waits and gRPC's int64-nanosecond deadlines
+# overflow a little past 9.2e9 s, as tracebacks
+MAX_WAIT_S = 1e7
+
+
 def check_stall_timeout(seconds: float) -> float:
-    if not 0 < seconds < math.inf:
-        raise InvalidRequest(f"stall_timeout_s must be a positive number of seconds, got {seconds}",
-                             field="stall_timeout_s")
+    if not 0 < seconds <= MAX_WAIT_S:
+        raise InvalidRequest(f"stall_timeout_s must be a positive number of seconds, at most {MAX_WAIT_S:g}, "
+                             f"got {seconds}", field="stall_timeout_s")
     return seconds
 
 

@@ -80,6 +80,16 @@ from support import save_tiny_llama
     (["serve", "--num-cpus", "1", "--replica-cpus", "1"], "--num-cpus"),
     (["serve", "--replica-cpus", "0.00001"], "--replica-cpus"),  # a Ray ValueError traceback before
     (["scale", "drafter", "3", "--wait", "nan"], "--wait"),  # after the scale was applied, before
+    # past threading's and gRPC's reach (~9.2e9 s): tracebacks inside the actors, and a stop given
+    # one left its deployment half stopped, its front door closed and shown "serving" (review of stop 60)
+    (["scale", "drafter", "3", "--wait", "1e10"], "--wait"),
+    (["stop", "--shutdown-grace", "1e10"], "--shutdown-grace"),
+    (["serve", "--start-timeout", "1e10"], "--start-timeout"),
+    (["serve", "--in-process", "--shutdown-grace", "2e7"], "--shutdown-grace"),
+    (["serve", "--stall-timeout", "1e10"], "--stall-timeout"),
+    # an unset "$HEAD": a local Ray to some checks, a cluster to others (review of stop 60)
+    (["serve", "--address", ""], "argument --address"),
+    (["status", "--address", " "], "argument --address"),
     (["serve", "--tp", "2", "--hint-layer", "20"], "--hint-layer"),
     (["serve", "--speculation-off-above", "-1"], "--speculation-off-above"),
     (["generate", "hi", "--hint-layer", "20"], "--hint-layer"),
