@@ -65,10 +65,13 @@ def encode_proposal(rows: ProposalRows) -> tuple[bytes, bytes | None]:
 
 
 def decode_proposal(probs_frame: bytes, ids_frame: bytes | None, *, num_tokens: int, vocab_size: int,
-                    draft_tokens: list[int] | None = None, dense_width: int | None = None) -> ProposalRows:
+                    draft_tokens: list[int] | None = None, min_dense_width: int | None = None) -> ProposalRows:
     """A validated q: one row per draft token, a proper distribution in each row, containing the draft.
-    Ids lie in the vocabulary; dense rows are ``dense_width`` wide (default: the vocabulary's), a
-    draft's table where it is narrower (one tokenizer padded to two sizes).
+    Ids lie in the vocabulary; dense rows are as wide as the vocabulary, or from ``min_dense_width``
+    (a draft's table, where it is narrower: one tokenizer padded to two sizes) up to it: a replica's
+    own lookup may copy an id past its table into a window, and joined with the model's dense rows
+    (``ProposalRows.stack``) the window is that much wider (review of stop 60). Ids past a row's
+    width have no mass.
 
     The checks run in numpy: a q is a few rows, where each torch op's dispatch would cost more
     than its arithmetic, and this runs on every window's critical path, twice (front door, target)."""
@@ -101,9 +104,10 @@ def decode_proposal(probs_frame: bytes, ids_frame: bytes | None, *, num_tokens: 
                                  field="q")
         if ((ids < 0) | (ids >= vocab_size)).any():
             raise InvalidRequest(f"q.ids must lie in [0, {vocab_size})", field="q")
-    elif num_tokens and probs.shape[1] != (dense_width or vocab_size):
-        raise InvalidRequest(f"dense q.probs must have {dense_width or vocab_size} columns (the "
-                             f"{'draft table' if dense_width else 'vocabulary'}), got {probs.shape[1]}", field="q")
+    elif num_tokens and not (min_dense_width or vocab_size) <= probs.shape[1] <= vocab_size:
+        wanted = (f"{vocab_size} columns (the vocabulary)" if (min_dense_width or vocab_size) >= vocab_size else
+                  f"{min_dense_width} (the draft table) to {vocab_size} (the vocabulary) columns")
+        raise InvalidRequest(f"dense q.probs must have {wanted}, got {probs.shape[1]}", field="q")
     if draft_tokens:
         _check_drafts_have_mass(draft_tokens, probs, ids, vocab_size)
     return ProposalRows(probs=torch.from_numpy(probs), ids=None if ids is None else torch.from_numpy(ids))

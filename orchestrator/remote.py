@@ -507,7 +507,8 @@ class RemoteDrafter(Drafter):
             raise InvalidRequest(f"the drafter answered {len(drafts)} branches for {len(branch_tokens)} asked",
                                  field="branch_tokens")
         forked = bool(fork_points) and response.forked
-        proposals = [proposal_from_proto(d.tokens, d.q, self.vocab_size, d.alternatives, dense_width=self.draft_vocab)
+        proposals = [proposal_from_proto(d.tokens, d.q, self.vocab_size, d.alternatives,
+                                         min_dense_width=self.draft_vocab)
                      .widened(self.vocab_size) for d in drafts]
         if any(len(p) > k for p in proposals):  # the target would refuse the window: fall back instead
             raise InvalidRequest(f"the drafter answered {max(len(p) for p in proposals)} drafts for k={k}",

@@ -248,7 +248,10 @@ class DraftStream:
 
     def _checked(self, response: drafter_pb2.DraftResponse, k: int) -> Proposal:
         try:
-            proposal = proposal_from_proto(response.tokens, response.q, self._vocab_size, response.alternatives)
+            # dense rows as narrow as the drafter's table, which this target is not told (the front door
+            # checked the pair): every dense row is refused one way only, past the vocabulary
+            proposal = proposal_from_proto(response.tokens, response.q, self._vocab_size, response.alternatives,
+                                           min_dense_width=1)
         except InvalidRequest as err:
             raise DraftCallFailed(f"INVALID_ARGUMENT: the drafter's answer: {err}") from None
         if len(proposal) > k:

@@ -53,16 +53,27 @@ def test_malformed_q_is_rejected_with_a_reason(probs, ids, num_tokens, message):
 def test_dense_rows_of_a_narrower_draft_table_are_checked_against_its_width():
     """A draft whose table has 3 rows where the target's vocabulary has 5: its dense rows are 3
     wide, its sparse ids (a lookup's copies) may be any target id, and a draft token past the
-    dense width has no mass (an IndexError in the mass check, had the width not been read)."""
+    dense width has no mass (an IndexError in the mass check, had the width not been read). A
+    lookup's copy of id 3 joined with dense model rows makes them 4 wide (``ProposalRows.stack``:
+    refused, it turned a replica's drafting off; review of stop 60)."""
     dense, _ = encode_proposal(ProposalRows(probs=torch.tensor([[0.5, 0.3, 0.2]])))
-    rows = decode_proposal(dense, None, num_tokens=1, vocab_size=5, draft_tokens=[1], dense_width=3)
+    rows = decode_proposal(dense, None, num_tokens=1, vocab_size=5, draft_tokens=[1], min_dense_width=3)
     torch.testing.assert_close(rows.widened(5).probs, torch.tensor([[0.5, 0.3, 0.2, 0.0, 0.0]]))
     with pytest.raises(InvalidRequest, match="a draft token has zero probability under its own q row"):
-        decode_proposal(dense, None, num_tokens=1, vocab_size=5, draft_tokens=[4], dense_width=3)
+        decode_proposal(dense, None, num_tokens=1, vocab_size=5, draft_tokens=[4], min_dense_width=3)
     with pytest.raises(InvalidRequest, match=r"dense q.probs must have 5 columns \(the vocabulary\), got 3"):
         decode_proposal(dense, None, num_tokens=1, vocab_size=5, draft_tokens=[1])
     probs, ids = encode_proposal(ProposalRows.one_hot([4]))
-    assert decode_proposal(probs, ids, num_tokens=1, vocab_size=5, draft_tokens=[4], dense_width=3).ids.tolist() == [[4]]
+    assert decode_proposal(probs, ids, num_tokens=1, vocab_size=5, draft_tokens=[4],
+                           min_dense_width=3).ids.tolist() == [[4]]
+    joined, _ = encode_proposal(ProposalRows.stack([ProposalRows.one_hot([3]), ProposalRows(probs=torch.tensor(
+        [[0.5, 0.3, 0.2]]))]))
+    rows = decode_proposal(joined, None, num_tokens=2, vocab_size=5, draft_tokens=[3, 0], min_dense_width=3)
+    torch.testing.assert_close(rows.widened(5).probs, torch.tensor([[0, 0, 0, 1.0, 0], [0.5, 0.3, 0.2, 0, 0]]))
+    for width in (2, 6):
+        narrow_or_wide, _ = encode_proposal(ProposalRows(probs=torch.full((1, width), 1 / width)))
+        with pytest.raises(InvalidRequest, match=r"must have 3 \(the draft table\) to 5 \(the vocabulary\) columns"):
+            decode_proposal(narrow_or_wide, None, num_tokens=1, vocab_size=5, draft_tokens=[0], min_dense_width=3)
 
 
 def test_a_q_row_off_by_more_than_rounding_is_divided_by_its_sum_and_one_within_it_kept_bit_for_bit():

@@ -39,9 +39,10 @@ def proposal_to_proto(rows: ProposalRows) -> common_pb2.ProposalDistribution:
 
 
 def proposal_from_proto(tokens, q: common_pb2.ProposalDistribution, vocab_size: int,
-                        alternatives=(), dense_width: int | None = None) -> Proposal:
+                        alternatives=(), min_dense_width: int | None = None) -> Proposal:
     """``alternatives``: repeated ``TokenAlternatives`` (a drafter's runner-ups), if sent;
-    ``dense_width``: of dense q rows, where a draft's table is narrower than ``vocab_size``."""
+    ``min_dense_width``: the narrowest dense q rows taken, where a draft's table is narrower than
+    ``vocab_size`` (``decode_proposal``)."""
     tokens = tuple(int(t) for t in tokens)
     if not tokens:
         return Proposal.empty()
@@ -49,7 +50,7 @@ def proposal_from_proto(tokens, q: common_pb2.ProposalDistribution, vocab_size: 
         raise InvalidRequest(f"{len(tokens)} draft tokens came without their q; send q with one row per draft",
                              field="q")
     rows = decode_proposal(q.probs.frame, q.ids.frame or None, num_tokens=len(tokens), vocab_size=vocab_size,
-                           draft_tokens=list(tokens), dense_width=dense_width)
+                           draft_tokens=list(tokens), min_dense_width=min_dense_width)
     ranked = ranked_from_proto(alternatives)
     outside = sorted({t for row in ranked.ids for t in row if not 0 <= t < vocab_size})
     if outside:  # a runner-up among them would reach the target's verify

@@ -1528,6 +1528,27 @@ def test_a_narrower_drafter_that_looks_up_itself_may_copy_the_targets_padding_id
     assert not served.stats.drafter_fallback and served.stats.drafted > 0
 
 
+@pytest.mark.parametrize("windows_on_target", [False, True], ids=["front door", "on target"])
+def test_a_narrower_drafters_dense_q_is_taken_sampled_with_its_own_lookup_and_on_the_target(padded_pair,
+                                                                                           windows_on_target):
+    """Sampled, so q goes dense (greedy q is one-hot, sparse): a target running the windows refused
+    the draft table's 12 columns and sent each run back to the front door, and a replica's own lookup
+    that copied padding id 13 into a window made its dense rows 14 wide, which the front door refused
+    and turned drafting off for (review of stop 60). Both still served exact output, target-only."""
+    prompt = [1, 1, 13, 14, 1, 1, 13]
+    s = start_stack(padded_pair["target"], padded_pair["draft"], proposal_top_k=0, quantize="none", prompt_lookup=1,
+                    front_door_lookup=False, windows_on_target=windows_on_target)
+    try:
+        with Client(s.address) as client:
+            served = [client.generate(prompt, max_tokens=24, k=4, temperature=1.0, seed=seed) for seed in range(4)]
+    finally:
+        s.stop()
+    assert all(len(c.token_ids) == 24 and not c.stats.drafter_fallback for c in served)
+    assert sum(c.stats.drafted for c in served) > 0 and sum(c.stats.accepted for c in served) > 0
+    if windows_on_target:
+        assert all(c.stats.windows_on_target == c.stats.windows for c in served)
+
+
 def test_a_front_door_refuses_a_narrower_drafter_whose_tokenizer_is_not_the_targets(padded_pair):
     with pytest.raises(InvalidRequest, match=r"the draft's vocabulary \(12 ids\) differs from the target's \(16\), "
                                              r"and their tokenizers are not known to be one") as err:
