@@ -194,6 +194,11 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                              f"max_speculative_tokens), got {request.k}", field="k")
         if request.max_new_tokens < 1:
             raise OutOfRange("max_new_tokens must be at least 1: the tokens this run may commit", field="max_new_tokens")
+        room = self.loaded.max_context - request.context_length
+        if request.max_new_tokens > room:  # refused up front: the run used to stop when the context was full
+            raise OutOfRange(f"max_new_tokens={request.max_new_tokens} would pass the context window of "
+                             f"{self.loaded.max_context} after the context's {request.context_length} tokens: "
+                             f"at most {max(room, 0)}", field="max_new_tokens")
         address = check_address(request.drafter_address, "drafter_address")
         if not request.drafter_session_id:
             raise InvalidRequest("drafter_session_id is empty; open a session on the drafter first",
@@ -312,8 +317,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             proposal = with_runner_up(proposal, request.runner_up, self.vocab_size)
         async with session.lock:
             seq = session.sequence
-            if len(seq.context) + len(commit) + len(proposal) + 1 > self.loaded.max_context:
-                raise OutOfRange(f"the window would pass the context window of {self.loaded.max_context}",
+            room = self.loaded.max_context - len(seq.context) - len(commit) - 1  # for drafts, past the next token
+            if room < 0:
+                raise OutOfRange(f"committing {len(commit)} tokens to the session's {len(seq.context)} leaves no room "
+                                 f"for a next token in the context window of {self.loaded.max_context}: the answer "
+                                 f"has reached the model's context; end the request", field="commit_tokens")
+            if len(proposal) > room:
+                raise OutOfRange(f"{len(proposal)} draft tokens would pass the context window of "
+                                 f"{self.loaded.max_context}: send at most {room} after this commit",
                                  field="draft_tokens")
             seq.commit(commit, int(request.context_length))
             if session.prefill_deferred:

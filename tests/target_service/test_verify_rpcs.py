@@ -167,3 +167,31 @@ def test_runner_up_windows_over_the_wire_decode_what_the_target_alone_does(targe
             hits[kind] += stats.runner_up_hits
     pool.close()
     assert all(hits.values()), hits
+
+
+def test_a_window_or_run_past_the_context_window_is_refused_up_front_naming_what_to_lower(targets):
+    """A window whose commit fills the context was blamed on draft_tokens (there were none), and a
+    RunWindows asking for more tokens than the context holds ran until it was full, then failed
+    with its tokens committed (a review's hostile client)."""
+    stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(targets["current"]))
+    params = common_pb2.SamplingParams(temperature=0.0, max_new_tokens=1)
+    session = stub.OpenSession(target_pb2.OpenTargetSessionRequest(prompt_ids=[3, 1, 4], params=params)).session_id
+    cases = [  # the tiny target's context window: 128
+        (dict(commit_tokens=[1] * 125, context_length=128), "commit_tokens", "leaves no room for a next token"),
+        (dict(commit_tokens=[1] * 124, context_length=127, draft_tokens=[2], q=sparse_q([2])), "draft_tokens",
+         "1 draft tokens would pass the context window of 128: send at most 0"),
+    ]
+    for fields, field, says in cases:
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.VerifyWindow(target_pb2.VerifyRequest(session_id=session, **fields))
+        assert refused.value.code() == grpc.StatusCode.OUT_OF_RANGE and says in refused.value.details()
+        assert dict(refused.value.trailing_metadata())["mirrorspec-field"] == field
+    with pytest.raises(grpc.RpcError) as refused:
+        next(stub.RunWindows(target_pb2.RunWindowsRequest(
+            session_id=session, context_length=3, drafter_address="127.0.0.1:1", drafter_session_id="d",
+            drafter_context_length=3, k=2, max_new_tokens=2**32 - 1)))
+    assert refused.value.code() == grpc.StatusCode.OUT_OF_RANGE
+    assert "max_new_tokens=4294967295 would pass the context window of 128 after the context's 3 tokens: at most " \
+           "125" in refused.value.details()
+    # the session was left as it was: a window that fits is verified
+    assert stub.VerifyWindow(target_pb2.VerifyRequest(session_id=session, context_length=3)).next_token < 16
