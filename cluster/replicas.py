@@ -26,6 +26,12 @@ def _bind_host(spec: StackSpec) -> str:
     return ray.util.get_node_ip_address() if spec.replica_host == "auto" else spec.replica_host
 
 
+def dialable(host: str) -> str:
+    """A wildcard bind (the clusters' front doors listen on 0.0.0.0) is no address to dial: the
+    banner and `status` said 0.0.0.0:50051 (a review's find). This node's IP is."""
+    return ray.util.get_node_ip_address() if host in ("0.0.0.0", "::", "") else host
+
+
 def _node() -> str:
     return ray.get_runtime_context().get_node_id()
 
@@ -218,7 +224,7 @@ class FrontDoor:
             self.server.stop(grace=grace_s)
 
     def address(self) -> str:
-        return f"{self.host}:{self.server.port}"
+        return f"{dialable(self.host)}:{self.server.port}"
 
     def stats(self) -> dict:
         servicer = self.server.servicer

@@ -92,7 +92,7 @@ class SpecDecodeMetrics:
         requests = sum(sample.value for metric in self.requests.collect() for sample in metric.samples
                        if sample.name.endswith("_total"))
         return {"requests": int(requests), "draft_tokens": int(drafted), "accepted_tokens": int(accepted),
-                "acceptance_rate": accepted / drafted if drafted else 0.0}
+                "acceptance_rate": accepted / drafted if drafted else None}  # `status`: "-", not "every draft rejected"
 
     def text(self) -> str:
         return generate_latest(self.registry).decode()

@@ -60,3 +60,15 @@ def test_a_spec_refuses_a_prefill_chunk_below_one_token(tiny_dir):
     with pytest.raises(InvalidRequest, match="prefill_chunk_tokens must be a whole number") as err:
         spec(tiny_dir, prefill_chunk_tokens=0)
     assert err.value.field == "prefill_chunk_tokens"
+
+
+def test_a_front_door_bound_to_every_interface_is_shown_at_its_nodes_address(monkeypatch):
+    """The clusters' front doors listen on 0.0.0.0, and the banner and `status` gave that as the
+    address to dial (a review's find)."""
+    import ray
+
+    from cluster.replicas import dialable
+
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.7")
+    assert [dialable(h) for h in ("0.0.0.0", "::", "127.0.0.1", "head.example")] == [
+        "10.0.0.7", "10.0.0.7", "127.0.0.1", "head.example"]

@@ -58,6 +58,17 @@ def test_num_drafts_counts_windows_that_carried_drafts_only():
     metrics.observe(RequestOutcome(stats=stats))
     assert metrics.num_drafts._value.get() == 2
     assert metrics.num_draft_tokens._value.get() == 5 and metrics.num_accepted_tokens._value.get() == 4
+    assert metrics.summary()["acceptance_rate"] == 0.8
+
+
+def test_a_front_door_that_drafted_nothing_yet_has_no_acceptance_rate_for_status():
+    """`status` showed 0.00 before any request: every draft rejected, at a glance (a review's find)."""
+    from mirrorspec.cli import format_status
+
+    summary = SpecDecodeMetrics().summary()
+    assert summary["acceptance_rate"] is None and summary["requests"] == 0
+    row = format_status([{"replica": "front-door", "pool": "orchestrator", **summary}]).splitlines()[1]
+    assert row.split()[-2:] == ["0", "-"]  # requests, acceptance
 
 
 def test_refused_requests_windows_and_runner_up_wins_reach_the_metrics(tiny_dir, near_draft16_dir):
