@@ -40,6 +40,10 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> None:
 
 
 LOCAL_RAY_TRIES = 2
+# a local Ray's slots per role (each replica, each target rank takes one): more than any deployment
+# asks, so its CPUs are its one limit, as `serve` checks and `scale` says. They were its CPUs: with
+# --num-cpus 2 --replica-cpus 0.25, a third drafter waited for good (a review's find).
+LOCAL_ROLE_SLOTS = 100_000
 
 
 def _start_local_ray(cpus: int) -> None:
@@ -51,7 +55,7 @@ def _start_local_ray(cpus: int) -> None:
     for attempt in range(1, LOCAL_RAY_TRIES + 1):
         before = {child.pid for child in psutil.Process().children(recursive=True)}
         try:
-            ray.init(address="local", num_cpus=cpus, resources={pool: cpus for pool in POOLS},
+            ray.init(address="local", num_cpus=cpus, resources={pool: LOCAL_ROLE_SLOTS for pool in POOLS},
                      include_dashboard=False, namespace=CONTROLLER_NAMESPACE, log_to_driver=False,
                      logging_level=logging.ERROR)
             return

@@ -10,7 +10,7 @@ import pytest
 import ray
 from support import wait_until
 
-from cluster.deploy import connect
+from cluster.deploy import LOCAL_ROLE_SLOTS, connect
 from cluster.local_ray import announced_local_ray, local_ray_file, use_announced_ray
 
 pytestmark = pytest.mark.slow
@@ -26,6 +26,9 @@ def test_serve_starts_a_local_ray_of_its_own_where_another_is_announced_and_stat
     connect(num_cpus=1)
     try:
         assert ray.cluster_resources()["CPU"] == 1
+        # each replica (each target rank) takes one of its role's slots: a local Ray's slots were its
+        # CPUs, so --num-cpus 2 --replica-cpus 0.25 placed 2 of 3 drafters, and scale blamed the CPUs
+        assert ray.cluster_resources()["drafter"] == ray.cluster_resources()["target"] == LOCAL_ROLE_SLOTS > 256 * 8
         gcs = ray.get_runtime_context().gcs_address
         assert use_announced_ray("auto", "mine") == "auto" and os.environ["RAY_ADDRESS"] == "127.0.0.1:1"
         with announced_local_ray("mine", gcs):
