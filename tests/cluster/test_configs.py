@@ -91,7 +91,7 @@ def local_role_resources(config):
     """Local provider: the role -> resources map in the worker start command's `case`."""
     roles = {}
     for command in config["worker_start_ray_commands"]:
-        for role, rest in re.findall(r"(\w+)\)\s*ray start\b([^;]*);;", command):
+        for role, rest in re.findall(r"(\w+)\)\s*(?:\w+=\w+\s+)*ray start\b([^;]*);;", command):
             roles[role] = advertised(parse_ray_start(shlex.split(rest)))
     return roles
 
@@ -243,6 +243,19 @@ def test_checkout_is_synced_from_the_repo_root(config):
     assert (ROOT / config["file_mounts"]["~/mirrorspec"]).resolve() == ROOT
     assert 'name = "mirrorspec"' in (ROOT / "pyproject.toml").read_text()
     assert ".gitignore" in config["rsync_filter"]  # keeps .venv and caches off the nodes
+
+
+def test_every_node_starts_ray_with_the_token_of_the_machine_running_ray_up(config):
+    """Left to Ray 2.60, a head started where a token was kept turned token authentication on, and
+    workers without the token could not join (nor does `ray start --address` send a token it has
+    unless RAY_AUTH_MODE says so). Every node gets the launching machine's token, and every
+    `ray start` runs with RAY_AUTH_MODE=token (a review's find)."""
+    if config["provider"]["type"] == "fake_multinode":
+        return  # its one `ray start` is the user's, by hand (its header)
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    commands = config["head_start_ray_commands"] + config["worker_start_ray_commands"]
+    starts = [m for command in commands for m in re.finditer(r"(\S+\s+)?ray start\b", command)]
+    assert len(starts) >= 2 and all(m.group(1) and m.group(1).strip() == "RAY_AUTH_MODE=token" for m in starts)
 
 
 def test_fake_provider_head_type_matches():

@@ -241,3 +241,28 @@ def test_a_controller_that_does_not_stop_is_killed_and_its_replicas_are_stopped_
         assert states["w-drafter-1"] == "REMOVED"
     finally:
         ray.shutdown()
+
+
+def test_a_ray_head_that_wants_this_machines_token_is_joined_at_its_address(monkeypatch):
+    """`ray start --head` turns token authentication on where a token is kept (any local ray.init
+    writes one), and Ray sends the token only to a cluster it finds itself ("auto"): `serve
+    --address HOST:6379` spent 20 s on InvalidAuthToken, then said no Ray ran there (a review's
+    find). A head with authentication off takes the token too (tried by hand, Ray 2.60)."""
+    from ray._private.authentication.authentication_token_setup import _get_default_token_path, generate_and_save_token
+    from support import free_port
+
+    if not _get_default_token_path().exists():
+        generate_and_save_token()
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    port = free_port()
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+    subprocess.run([ray_cli, "start", "--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
+                    "--disable-usage-stats"], env=env, check=True, capture_output=True, timeout=120)
+    try:
+        connect(f"127.0.0.1:{port}")
+        assert ray.cluster_resources()["CPU"] == 1
+    finally:
+        ray.shutdown()
+        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        os.environ.pop("RAY_AUTH_MODE", None)
