@@ -18,8 +18,11 @@ Every `ray start` in the configs is parsed by Ray's own `ray start` command line
 
 import copy
 import json
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -256,6 +259,23 @@ def test_every_node_starts_ray_with_the_token_of_the_machine_running_ray_up(conf
     commands = config["head_start_ray_commands"] + config["worker_start_ray_commands"]
     starts = [m for command in commands for m in re.finditer(r"(\S+\s+)?ray start\b", command)]
     assert len(starts) >= 2 and all(m.group(1) and m.group(1).strip() == "RAY_AUTH_MODE=token" for m in starts)
+
+
+def test_setup_first_checks_the_image_can_take_the_wheels_and_says_why_not(config, tmp_path):
+    """Ray's default AWS image (Ubuntu 18.04: glibc 2.27, an old Python) cannot install torch 2.13,
+    and `ray up` failed halfway through pip (a review's find). The check passes on this machine
+    and, with a Python 3.10 in its place, stops naming what the image lacks."""
+    if config["provider"]["type"] == "fake_multinode":
+        return
+    check = config["setup_commands"][0]
+    assert "pip" not in check and subprocess.run(["bash", "-c", check], timeout=60).returncode == 0
+    old_python = tmp_path / "python3"
+    old_python.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import sys; sys.version_info = (3, 10, 12); "
+                          f"exec(sys.argv[2])' \"$@\"\n")
+    old_python.chmod(0o755)
+    failed = subprocess.run(["bash", "-c", check], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"})
+    assert failed.returncode == 1 and "mirrorspec needs Python >= 3.11" in failed.stderr
 
 
 def test_fake_provider_head_type_matches():
