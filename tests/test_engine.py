@@ -12,6 +12,7 @@ import torch
 from mirrorspec import InvalidRequest, OutOfRange, SamplingParams, SpeculationConfig, generate
 from mirrorspec.drafting import DraftModelDrafter, NgramDrafter
 from mirrorspec.models import encode_prompt
+from mirrorspec.sampling import NonFiniteLogits
 from support import load, save_tiny_llama
 
 
@@ -274,6 +275,70 @@ def test_arguments_of_the_wrong_kind_are_named_before_decoding(tiny_target, tiny
     with pytest.raises(InvalidRequest, match=re.escape(says)) as err:
         generate(**call)
     assert err.value.field == field
+
+
+class PoisonedTarget:
+    """The tiny target, but its logits after ``poison`` are NaN (a float16 pass that overflowed)."""
+
+    def __init__(self, model, poison: int):
+        from support import MemoSession
+
+        self.memo, self.poison, self.vocab_size = MemoSession(model), poison, int(model.config.vocab_size)
+
+    def next_logits(self, context):
+        row = self.memo.next_logits(context)
+        return torch.full_like(row, float("nan")) if context[-1] == self.poison else row
+
+    def logits_for(self, context, num_positions):
+        n = len(context)
+        return torch.stack([self.next_logits(context[: n - num_positions + i + 1]) for i in range(num_positions)])
+
+    def rollback(self, length):
+        pass
+
+    def close(self):
+        pass
+
+
+class WrongThenPoison(DraftModelDrafter):
+    """Drafts a token the target does not take, then ``poison``: the row after it is never read."""
+
+    def __init__(self, target: PoisonedTarget, poison: int):
+        self.target, self.poison = target, poison
+
+    def propose(self, context, k, params, seed):
+        from mirrorspec.drafting import Proposal
+        from mirrorspec.sampling import ProposalRows
+
+        wrong = next(t for t in range(self.target.vocab_size)
+                     if t not in (int(self.target.next_logits(list(context)).argmax()), self.poison))
+        tokens = [wrong, self.poison][:k]
+        return Proposal(tuple(tokens), ProposalRows.one_hot(tokens))
+
+    def release(self):
+        pass
+
+
+def test_a_broken_row_past_a_rejected_draft_fails_nothing_and_one_the_target_reads_is_refused(tiny_target):
+    """Target-only decoding never computes the row after a draft the target rejects; NaN there (a
+    float16 overflow on a draft the target would not write) failed the whole window (a review's
+    find). Greedy, the output is target-only's, and sampled windows decide on (the statistical tests
+    hold the distribution); a NaN row the target itself reaches is refused as before."""
+    prompt, params = [1, 2], SamplingParams(max_new_tokens=12)
+    plain = generate(tiny_target, None, prompt, params).token_ids
+    poison = next(t for t in range(tiny_target.config.vocab_size) if t not in plain)
+    target = PoisonedTarget(tiny_target, poison)
+    assert generate(target, WrongThenPoison(target, poison), prompt, params, num_speculative_tokens=2).token_ids == plain
+    sampled, finished = SamplingParams(max_new_tokens=12, temperature=1.0), 0
+    for seed in range(8):
+        try:  # a sampled window may pass the poison (the target writes it too): its next row is read, refused
+            finished += len(generate(target, WrongThenPoison(target, poison), prompt, sampled, seed=seed,
+                                     num_speculative_tokens=2).token_ids) == 12
+        except NonFiniteLogits:
+            pass
+    assert finished > 0  # every window drafts the poison: before, every request failed at its first
+    with pytest.raises(NonFiniteLogits, match="logits hold NaN"):
+        generate(PoisonedTarget(tiny_target, plain[3]), None, prompt, params)
 
 
 def test_flags_computed_with_numpy_or_torch_are_taken_as_the_bools_they_hold(tiny_target, tiny_draft):

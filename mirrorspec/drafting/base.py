@@ -44,6 +44,11 @@ class Proposal:
         """This proposal with q over ``vocab_size`` ids (``ProposalRows.widened``)."""
         return self if self.q is None else replace(self, q=self.q.widened(vocab_size))
 
+    def first(self, n: int) -> Proposal:
+        """The first ``n`` drafts, with their q rows and alternatives."""
+        q = None if self.q is None else ProposalRows(self.q.probs[:n], None if self.q.ids is None else self.q.ids[:n])
+        return Proposal(self.tokens[:n], q, self.alternatives[:n], self.alternative_probs[:n])
+
     def token_tensor(self, device: torch.device | str | None = None) -> torch.Tensor:
         """# -> [1, k] int64"""
         return torch.tensor([self.tokens], dtype=torch.int64, device=device)
