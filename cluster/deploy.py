@@ -26,7 +26,6 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> None:
         return
     if address:
         _check_reachable(address)
-        _send_this_machines_token(address)
         try:
             ray.init(address=address, namespace=CONTROLLER_NAMESPACE, log_to_driver=False, logging_level=logging.ERROR)
         except AuthenticationError as err:  # it runs, and wants a token: Ray's message says where to put it
@@ -35,27 +34,20 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> None:
         except (ConnectionError, RuntimeError, ValueError) as err:
             raise InvalidRequest(f"cannot join the Ray cluster at {address!r} ({err}); is one running? "
                                  f"`mirrorspec serve` starts a local one, `ray start --head` or "
-                                 f"`ray up cluster/<config>.yaml` a real one", field="address") from None
+                                 f"`ray up cluster/<config>.yaml` a real one{_token_hint()}", field="address") from None
         return
     _start_local_ray(num_cpus or len(os.sched_getaffinity(0)))
 
 
-def _send_this_machines_token(address: str) -> None:
-    """Ray turns token authentication on for a cluster `ray start --head` starts where a token is
-    kept (``~/.ray/auth_token``, which any local ``ray.init`` writes), but sends this machine's
-    token only to a Ray it finds by itself ("auto"), never to an address named: `serve --address
-    HOST:6379` spent 20 s on InvalidAuthToken, then said no Ray ran there (a review's find). Where
-    ``RAY_AUTH_MODE`` is unset and a token is kept here, it is sent as for "auto"; a cluster with
-    authentication off takes it all the same (tried: Ray 2.60)."""
-    if address == "auto":
-        return
-    try:
-        from ray._private.authentication.authentication_token_setup import (
-            maybe_enable_token_auth_if_token_available,
-        )
-    except ImportError:  # a Ray from before token authentication
-        return
-    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+def _token_hint() -> str:
+    """A head that `ray start --head` started where a token was kept (any local ``ray.init`` writes
+    one) wants it, and Ray sends a token to a named address only where RAY_AUTH_MODE=token says so
+    (deliberately: a mistyped host would get it). Refused, it retried for 20 s and failed as if no
+    Ray ran there (a review's find)."""
+    if os.environ.get("RAY_AUTH_MODE") or not os.path.exists(os.path.expanduser("~/.ray/auth_token")):
+        return ""
+    return ("; if it runs with token authentication, send this machine's token (~/.ray/auth_token, "
+            "the cluster's own): run with RAY_AUTH_MODE=token")
 
 
 LOCAL_RAY_TRIES = 2

@@ -2,7 +2,7 @@
 
 import argparse
 
-from mirrorspec.cli import check_finite_amount
+from mirrorspec.cli import check_wait
 from mirrorspec.config import AdaptiveKConfig, InvalidRequest, MirrorConfig, refuse_setting
 from mirrorspec.serving.server import run_until_terminated
 from orchestrator.servicer import OrchestratorConfig, serve
@@ -34,7 +34,7 @@ parser.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECON
                          "(default 30; a second signal stops at once)")
 args = parser.parse_args()
 try:
-    check_finite_amount(args.shutdown_grace, "shutdown_grace")
+    check_wait(args.shutdown_grace, "shutdown_grace")
     config = OrchestratorConfig(target=args.target, drafter=args.drafter, host=args.host, port=args.port,
                                 num_speculative_tokens=args.k, metrics_port=args.metrics_port,
                                 adaptive=AdaptiveKConfig() if args.adaptive else None,

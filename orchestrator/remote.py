@@ -50,7 +50,8 @@ _REPLICA_GONE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLE
 _SESSION_GONE = grpc.StatusCode.NOT_FOUND
 # an open's answers that say the replica opened nothing: any other failure may come after it did
 _REFUSED_BEFORE_OPENING = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT,
-                                     grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.UNIMPLEMENTED})
+                                     grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.UNIMPLEMENTED,
+                                     grpc.StatusCode.ALREADY_EXISTS})
 
 
 @dataclass

@@ -195,10 +195,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if request.max_new_tokens < 1:
             raise OutOfRange("max_new_tokens must be at least 1: the tokens this run may commit", field="max_new_tokens")
         room = self.loaded.max_context - request.context_length
+        if room < 1:
+            raise OutOfRange(f"context_length {request.context_length} leaves no room for a token in the context "
+                             f"window of {self.loaded.max_context}: the answer has reached the model's context; end "
+                             f"the request", field="context_length")
         if request.max_new_tokens > room:  # refused up front: the run used to stop when the context was full
             raise OutOfRange(f"max_new_tokens={request.max_new_tokens} would pass the context window of "
                              f"{self.loaded.max_context} after the context's {request.context_length} tokens: "
-                             f"at most {max(room, 0)}", field="max_new_tokens")
+                             f"at most {room}", field="max_new_tokens")
         address = check_address(request.drafter_address, "drafter_address")
         if not request.drafter_session_id:
             raise InvalidRequest("drafter_session_id is empty; open a session on the drafter first",

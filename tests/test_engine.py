@@ -264,7 +264,7 @@ def test_bools_are_not_token_ids_and_a_numpy_prompt_is_taken_as_a_tensor_is(tiny
     ({"adaptive": "yes"}, "adaptive", "adaptive must be True, False, None or AdaptiveKConfig(...)"),
     ({"mirror": 1}, "mirror", "mirror must be True, False, None or MirrorConfig(...), got 1"),
     ({"mirror": torch.tensor(1)}, "mirror", "MirrorConfig(...), got 1"),
-    ({"runner_up": "no"}, "runner_up", "runner_up must be True or False, got 'no'"),
+    ({"runner_up": "no"}, "runner_up", "runner_up must be True, False or None, got 'no'"),
     ({"mirror": True, "hint_layer": "1"}, "hint_layer", "hint_layer must be an int"),
     ({"mirror": True, "hint_layer": 1, "hint_lens": "tuned"}, "hint_lens", "hint_lens must be a TunedLens"),
 ])
@@ -312,7 +312,7 @@ class WrongThenPoison(DraftModelDrafter):
 
         wrong = next(t for t in range(self.target.vocab_size)
                      if t not in (int(self.target.next_logits(list(context)).argmax()), self.poison))
-        tokens = [wrong, self.poison][:k]
+        tokens = [wrong, self.poison, wrong][:k]  # at K=3 the window is decided on its first 2 drafts
         return Proposal(tuple(tokens), ProposalRows.one_hot(tokens))
 
     def release(self):
@@ -328,12 +328,13 @@ def test_a_broken_row_past_a_rejected_draft_fails_nothing_and_one_the_target_rea
     plain = generate(tiny_target, None, prompt, params).token_ids
     poison = next(t for t in range(tiny_target.config.vocab_size) if t not in plain)
     target = PoisonedTarget(tiny_target, poison)
-    assert generate(target, WrongThenPoison(target, poison), prompt, params, num_speculative_tokens=2).token_ids == plain
+    for k in (2, 3):
+        assert generate(target, WrongThenPoison(target, poison), prompt, params, num_speculative_tokens=k).token_ids == plain
     sampled, finished = SamplingParams(max_new_tokens=12, temperature=1.0), 0
     for seed in range(8):
         try:  # a sampled window may pass the poison (the target writes it too): its next row is read, refused
             finished += len(generate(target, WrongThenPoison(target, poison), prompt, sampled, seed=seed,
-                                     num_speculative_tokens=2).token_ids) == 12
+                                     num_speculative_tokens=3).token_ids) == 12
         except NonFiniteLogits:
             pass
     assert finished > 0  # every window drafts the poison: before, every request failed at its first
@@ -355,6 +356,8 @@ def test_flags_computed_with_numpy_or_torch_are_taken_as_the_bools_they_hold(tin
     assert plain.stats.mirror_windows > 0
     off = generate(tiny_target, tiny_draft, [1, 2], params, seed=3, mirror=np.bool_(False), runner_up=np.False_)
     assert off.stats.mirror_windows == 0
+    assert generate(tiny_target, tiny_draft, [1, 2], params, seed=3, runner_up=None).token_ids == generate(
+        tiny_target, tiny_draft, [1, 2], params, seed=3).token_ids  # passed through as None: off, as mirror's
 
 
 def test_a_drafter_drafting_for_one_call_refuses_a_second_at_once_and_serves_it_after(tiny_target, tiny_draft):

@@ -46,7 +46,7 @@ class Proposal:
 
     def first(self, n: int) -> Proposal:
         """The first ``n`` drafts, with their q rows and alternatives."""
-        q = None if self.q is None else ProposalRows(self.q.probs[:n], None if self.q.ids is None else self.q.ids[:n])
+        q = None if self.q is None else self.q.first(n)
         return Proposal(self.tokens[:n], q, self.alternatives[:n], self.alternative_probs[:n])
 
     def token_tensor(self, device: torch.device | str | None = None) -> torch.Tensor:

@@ -36,6 +36,10 @@ class ProposalRows:
     def is_sparse(self) -> bool:
         return self.ids is not None
 
+    def first(self, n: int) -> ProposalRows:
+        """The rows of the first ``n`` drafts."""
+        return ProposalRows(self.probs[:n], None if self.ids is None else self.ids[:n])
+
     def dense(self, vocab_size: int, device: torch.device | str | None = None) -> torch.Tensor:
         """# -> [k, vocab] float32"""
         probs = self.widened(vocab_size).probs.to(device=device, dtype=torch.float32)

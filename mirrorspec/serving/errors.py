@@ -30,6 +30,10 @@ class SessionNotFound(KeyError):
                 f"open a new one with OpenSession")
 
 
+class SessionIdTaken(RuntimeError):
+    """An open with a caller's id that is open already, or was closed before its open came."""
+
+
 class SessionLimitReached(RuntimeError):
     """The replica holds as many sessions as it is configured for."""
 
@@ -56,6 +60,8 @@ def status_for(err: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.NOT_FOUND
     if isinstance(err, SessionLimitReached):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(err, SessionIdTaken):
+        return grpc.StatusCode.ALREADY_EXISTS
     if isinstance(err, ContextMismatch):
         return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(err, (NoReplicaAvailable, ReplicaLost)):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from mirrorspec.config import InvalidRequest, SamplingParams
-from mirrorspec.serving.errors import ContextMismatch, SessionLimitReached, SessionNotFound
+from mirrorspec.serving.errors import ContextMismatch, SessionIdTaken, SessionLimitReached, SessionNotFound
 
 S = TypeVar("S")
 
@@ -74,16 +74,19 @@ class SessionStore(Generic[S]):
     def _check_new_id(self, session_id: str) -> None:
         if not session_id:
             return
-        if len(session_id) > self.max_id_chars or not session_id.isascii() or not session_id.isprintable():
+        if not self._well_formed(session_id):
             raise InvalidRequest(f"session_id must be at most {self.max_id_chars} printable ASCII characters "
                                  f"(a random hex id, e.g. uuid4().hex), or empty for the replica to choose one",
                                  field="session_id")
         if session_id in self._entries:
-            raise InvalidRequest(f"session {session_id!r} is already open here; open each session with a fresh "
-                                 f"random id", field="session_id")
+            raise SessionIdTaken(f"session {session_id!r} is already open here; open each session with a fresh "
+                                 f"random id")
         if self._closed_unopened.pop(session_id, None) is not None:
-            raise InvalidRequest(f"session {session_id!r} was closed before it opened (its caller gave up on the "
-                                 f"open); open with a fresh id", field="session_id")
+            raise SessionIdTaken(f"session {session_id!r} was closed before it opened (its caller gave up on the "
+                                 f"open); open with a fresh id")
+
+    def _well_formed(self, session_id: str) -> bool:
+        return len(session_id) <= self.max_id_chars and session_id.isascii() and session_id.isprintable()
 
     def get(self, session_id: str) -> S:
         entry = self._entries.get(session_id)
@@ -103,8 +106,9 @@ class SessionStore(Generic[S]):
         entry = self._entries.pop(session_id, None)
         if entry is not None:
             self._on_evict(entry.state)
-        elif session_id and len(session_id) <= self.max_id_chars:  # its open may be on its way: refuse it
+        elif session_id and self._well_formed(session_id):  # its open may be on its way: refuse it
             self._forget_old_closes()
+            self._closed_unopened.pop(session_id, None)  # kept in the order of the closes, oldest first
             if len(self._closed_unopened) < self.max_remembered_closes:
                 self._closed_unopened[session_id] = self._clock()
         return entry is not None

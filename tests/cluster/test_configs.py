@@ -268,7 +268,8 @@ def test_setup_first_checks_the_image_can_take_the_wheels_and_says_why_not(confi
     if config["provider"]["type"] == "fake_multinode":
         return
     check = config["setup_commands"][0]
-    assert "pip" not in check and subprocess.run(["bash", "-c", check], timeout=60).returncode == 0
+    this_python = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}  # 3.11+
+    assert "pip" not in check and subprocess.run(["bash", "-c", check], env=this_python, timeout=60).returncode == 0
     old_python = tmp_path / "python3"
     old_python.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import sys; sys.version_info = (3, 10, 12); "
                           f"exec(sys.argv[2])' \"$@\"\n")

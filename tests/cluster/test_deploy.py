@@ -1,6 +1,7 @@
 """Finding the Ray to use: a local one of its own for `serve`, and that one again for `status`
 and `scale`, whatever else runs on the machine."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -243,16 +244,17 @@ def test_a_controller_that_does_not_stop_is_killed_and_its_replicas_are_stopped_
         ray.shutdown()
 
 
-def test_a_ray_head_that_wants_this_machines_token_is_joined_at_its_address(monkeypatch):
+def test_a_ray_head_that_wants_a_token_is_joined_with_ray_auth_mode_token_and_the_refusal_says_so(monkeypatch):
     """`ray start --head` turns token authentication on where a token is kept (any local ray.init
-    writes one), and Ray sends the token only to a cluster it finds itself ("auto"): `serve
+    writes one), and Ray sends a token to a named address only with RAY_AUTH_MODE=token: `serve
     --address HOST:6379` spent 20 s on InvalidAuthToken, then said no Ray ran there (a review's
-    find). A head with authentication off takes the token too (tried by hand, Ray 2.60)."""
+    find). The refusal names the setting; with it, the head is joined."""
     from ray._private.authentication.authentication_token_setup import _get_default_token_path, generate_and_save_token
+    from mirrorspec.config import InvalidRequest
     from support import free_port
 
     if not _get_default_token_path().exists():
-        generate_and_save_token()
+        generate_and_save_token()  # what any local ray.init does
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     port = free_port()
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
@@ -260,9 +262,27 @@ def test_a_ray_head_that_wants_this_machines_token_is_joined_at_its_address(monk
     subprocess.run([ray_cli, "start", "--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
                     "--disable-usage-stats"], env=env, check=True, capture_output=True, timeout=120)
     try:
-        connect(f"127.0.0.1:{port}")
-        assert ray.cluster_resources()["CPU"] == 1
+        with pytest.raises(InvalidRequest, match="run with RAY_AUTH_MODE=token") as refused:
+            connect(f"127.0.0.1:{port}")
+        assert refused.value.field == "address"
+        # as told (a process of its own: Ray reads RAY_AUTH_MODE once per process)
+        joined = subprocess.run([sys.executable, "-c", f"from cluster.deploy import connect; import ray; "
+                                 f"connect('127.0.0.1:{port}'); print(ray.cluster_resources()['CPU'])"],
+                                env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True, text=True, timeout=120)
+        assert joined.returncode == 0 and joined.stdout.split()[-1] == "1.0", joined.stderr[-2000:]
     finally:
         ray.shutdown()
-        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
-        os.environ.pop("RAY_AUTH_MODE", None)
+        stop_ray_on_port(port)
+
+
+def stop_ray_on_port(port: int) -> None:
+    """The processes of the Ray that `ray start --head --port=PORT` left running, and theirs (not
+    `ray stop`, which stops every Ray of this user on the machine)."""
+    marks = (f":{port}", f"={port}")
+    heads = [p for p in psutil.process_iter(["cmdline"])
+             if any(mark in arg for arg in p.info["cmdline"] or () for mark in marks)]
+    procs = {p.pid: p for head in heads for p in [head, *head.children(recursive=True)]}.values()
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(list(procs), timeout=30)

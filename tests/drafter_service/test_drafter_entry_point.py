@@ -41,6 +41,8 @@ def test_a_model_that_does_not_load_names_model_and_exits_2(service, args, tmp_p
     ("target_service", ["--port", "-2"], "--port", "[0, 65535]"),
     ("orchestrator", ["--target", "127.0.0.1:5", "--k", "99"], "--k", "in [0, 16]"),  # not after 60 s of waiting
     ("orchestrator", ["--target", "127.0.0.1:5", "--metrics-port", "70000"], "--metrics-port", "[0, 65535]"),
+    # an OverflowError at the first SIGTERM, past threading's reach (review of stop 60)
+    ("orchestrator", ["--target", "127.0.0.1:5", "--shutdown-grace", "1e10"], "--shutdown-grace", "at most 1e+07"),
 ])
 def test_the_other_services_name_a_bad_setting_before_they_start(service, args, flag, needle):
     out = subprocess.run([sys.executable, "-m", service, *args], capture_output=True, text=True, timeout=120)

@@ -2,7 +2,7 @@ import pytest
 
 from mirrorspec import SamplingParams
 from mirrorspec.config import InvalidRequest
-from mirrorspec.serving.errors import ContextMismatch, SessionLimitReached, SessionNotFound
+from mirrorspec.serving.errors import ContextMismatch, SessionIdTaken, SessionLimitReached, SessionNotFound
 from mirrorspec.serving.sessions import SequenceState, SessionStore
 
 
@@ -45,14 +45,13 @@ def test_a_caller_chosen_id_is_taken_once_and_a_close_that_overtakes_its_open_re
     now = [0.0]
     store = SessionStore(max_sessions=2, orphan_ttl_s=30, clock=lambda: now[0])
     assert store.open("a", "cafe01") == "cafe01" and store.get("cafe01") == "a"
-    with pytest.raises(InvalidRequest, match="is already open here") as err:
+    with pytest.raises(SessionIdTaken, match="is already open here"):  # ALREADY_EXISTS
         store.open("b", "cafe01")
-    assert err.value.field == "session_id"
     for bad in ("x" * 65, "caf\u00e9", "a\nb"):
         with pytest.raises(InvalidRequest, match="at most 64 printable ASCII"):
             store.open("b", bad)
     assert not store.close("beef02")  # its open has not arrived yet
-    with pytest.raises(InvalidRequest, match="was closed before it opened"):
+    with pytest.raises(SessionIdTaken, match="was closed before it opened"):
         store.open("b", "beef02")
     assert len(store) == 1 and store.open("b", "beef02") == "beef02"  # the refusal used the close up
     assert store.close("cafe01") and store.close("beef02") and len(store) == 0
@@ -67,8 +66,22 @@ def test_the_closes_remembered_for_opens_yet_to_come_are_bounded():
     for i in range(store.max_remembered_closes + 10):
         store.close(f"id{i}")
     assert store.open("late", f"id{store.max_remembered_closes + 5}")  # past the bound: not remembered
-    with pytest.raises(InvalidRequest, match="closed before it opened"):
+    with pytest.raises(SessionIdTaken, match="closed before it opened"):
         store.open("early", "id0")
+
+
+def test_a_close_remembered_again_moves_to_the_back_and_ids_no_open_would_take_are_not_remembered():
+    now = [0.0]
+    store = SessionStore(max_sessions=1, orphan_ttl_s=30, clock=lambda: now[0])
+    store.close("a")
+    now[0] = 10
+    store.close("b")
+    now[0] = 20
+    store.close("a")  # again, later: it must outlive b, which the scan from the oldest then finds first
+    store.close("caf\u00e9" * 20)  # an open would refuse it anyway: it takes no room
+    now[0] = 45  # b's close is 35 s old, a's last 25 s
+    store.evict_expired()
+    assert list(store._closed_unopened) == ["a"]
 
 
 def test_sequence_commit_checks_the_callers_view():

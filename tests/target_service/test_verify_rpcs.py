@@ -193,5 +193,11 @@ def test_a_window_or_run_past_the_context_window_is_refused_up_front_naming_what
     assert refused.value.code() == grpc.StatusCode.OUT_OF_RANGE
     assert "max_new_tokens=4294967295 would pass the context window of 128 after the context's 3 tokens: at most " \
            "125" in refused.value.details()
+    with pytest.raises(grpc.RpcError) as refused:  # told "at most 0" before, which the check above refuses
+        next(stub.RunWindows(target_pb2.RunWindowsRequest(
+            session_id=session, context_length=128, drafter_address="127.0.0.1:1", drafter_session_id="d",
+            drafter_context_length=3, k=2, max_new_tokens=1)))
+    assert "context_length 128 leaves no room for a token" in refused.value.details()
+    assert dict(refused.value.trailing_metadata())["mirrorspec-field"] == "context_length"
     # the session was left as it was: a window that fits is verified
     assert stub.VerifyWindow(target_pb2.VerifyRequest(session_id=session, context_length=3)).next_token < 16
