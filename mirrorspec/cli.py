@@ -862,13 +862,16 @@ def interrupted_by_termination():
     """SIGTERM and SIGHUP (a service manager's stop, a closed terminal) raise KeyboardInterrupt
     inside, as Ctrl-C does. ``deploy`` tears its detached controller down on any exception; killed
     by the default handlers instead, a deployment still starting stayed on the cluster, and the next
-    ``serve`` found its name taken."""
+    ``serve`` found its name taken. A signal the process was started ignoring stays ignored: the
+    `ray up` configs start `serve --detach` under nohup, to outlive the SSH session that starts it,
+    and its SIGHUP would have torn the deployment down (a review's find)."""
     import signal
 
     def interrupt(*_):
         raise KeyboardInterrupt
 
-    before = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    before = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)
+              if signal.getsignal(sig) != signal.SIG_IGN}
     try:
         yield
     finally:

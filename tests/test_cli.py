@@ -653,6 +653,25 @@ def test_a_termination_signal_while_a_deployment_starts_interrupts_it_like_ctrl_
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)) == before
 
 
+def test_a_sighup_the_process_was_started_ignoring_stays_ignored_while_a_deployment_starts():
+    """The `ray up` configs start `serve --detach` under nohup, to outlive the SSH session that
+    starts it: taking over SIGHUP there would have torn the deployment down as that session closed."""
+    import os
+    import signal
+
+    from mirrorspec.cli import interrupted_by_termination
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with interrupted_by_termination():
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.2)  # nothing raised
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
 def test_a_serving_process_ends_its_wait_on_sigterm_and_sighup_so_it_tears_down(sig):
     """A closed terminal (SIGHUP) used to kill `serve` while it served, before its teardown, which
