@@ -3,8 +3,10 @@ and `scale`, whatever else runs on the machine."""
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import psutil
 import pytest
@@ -250,7 +252,6 @@ def test_a_ray_head_that_wants_a_token_is_joined_with_ray_auth_mode_token_and_th
     --address HOST:6379` spent 20 s on InvalidAuthToken, then said no Ray ran there (a review's
     find). The refusal names the setting; with it, the head is joined."""
     from ray._private.authentication.authentication_token_setup import _get_default_token_path, generate_and_save_token
-    from mirrorspec.config import InvalidRequest
     from support import free_port
 
     if not _get_default_token_path().exists():
@@ -258,21 +259,24 @@ def test_a_ray_head_that_wants_a_token_is_joined_with_ray_auth_mode_token_and_th
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     port = free_port()
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
+    # a Ray directory of its own: the head writes its address there ("ray_current_cluster"), which in
+    # Ray's shared one sent later `--address auto` lookups to this head once it was gone
+    private = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}, "RAY_TMPDIR": private}
     subprocess.run([ray_cli, "start", "--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
                     "--disable-usage-stats"], env=env, check=True, capture_output=True, timeout=120)
-    try:
-        with pytest.raises(InvalidRequest, match="run with RAY_AUTH_MODE=token") as refused:
-            connect(f"127.0.0.1:{port}")
-        assert refused.value.field == "address"
-        # as told (a process of its own: Ray reads RAY_AUTH_MODE once per process)
+    try:  # each in a process of its own: Ray reads RAY_AUTH_MODE once a process, and a local ray.init sets it
+        refused = subprocess.run([sys.executable, "-m", "mirrorspec", "status", "--address", f"127.0.0.1:{port}"],
+                                 env=env, capture_output=True, text=True, timeout=180)
+        assert refused.returncode == 2 and "error: --address: cannot join the Ray cluster" in refused.stderr
+        assert "run with RAY_AUTH_MODE=token" in refused.stderr
         joined = subprocess.run([sys.executable, "-c", f"from cluster.deploy import connect; import ray; "
                                  f"connect('127.0.0.1:{port}'); print(ray.cluster_resources()['CPU'])"],
                                 env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True, text=True, timeout=120)
         assert joined.returncode == 0 and joined.stdout.split()[-1] == "1.0", joined.stderr[-2000:]
     finally:
-        ray.shutdown()
         stop_ray_on_port(port)
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def stop_ray_on_port(port: int) -> None:
