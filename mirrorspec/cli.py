@@ -268,23 +268,26 @@ def build_parser() -> argparse.ArgumentParser:
     scale = commands.add_parser("scale", help="grow or shrink a pool of a deployment on Ray (drains on the way down)")
     scale.add_argument("pool", choices=["drafter", "target"], help="which pool")
     scale.add_argument("replicas", type=int, help="replicas wanted")
-    scale.add_argument("--address", default="auto", type=ray_address, help="the Ray cluster ('auto' = the local Ray of a running "
-                                                          "`serve --name NAME`, else the one on this machine)")
+    scale.add_argument("--address", default="auto", type=ray_address,
+                       help="the Ray cluster ('auto' = the local Ray of a running `serve --name NAME`, else the one on "
+                            "this machine)")
     scale.add_argument("--name", default="mirrorspec", help="deployment name")
     scale.add_argument("--wait", type=float, default=300.0, help="seconds to wait for new replicas to serve")
     scale.set_defaults(handler=cmd_scale, subparser=scale)
 
     status = commands.add_parser("status", help="a deployment's replicas: state, node, resources, sessions")
-    status.add_argument("--address", default="auto", type=ray_address, help="the Ray cluster ('auto' = the local Ray of a running "
-                                                           "`serve --name NAME`, else the one on this machine)")
+    status.add_argument("--address", default="auto", type=ray_address,
+                        help="the Ray cluster ('auto' = the local Ray of a running `serve --name NAME`, else the one on "
+                             "this machine)")
     status.add_argument("--name", default="mirrorspec", help="deployment name")
     status.add_argument("--json", action="store_true", help="print the rows as JSON")
     status.set_defaults(handler=cmd_status, subparser=status)
 
     stop = commands.add_parser("stop", help="stop a deployment on Ray gracefully: no new requests, those in "
                                             "flight finish, then its replicas and controller go")
-    stop.add_argument("--address", default="auto", type=ray_address, help="the Ray cluster ('auto' = the local Ray of a running "
-                                                         "`serve --name NAME`, else the one on this machine)")
+    stop.add_argument("--address", default="auto", type=ray_address,
+                      help="the Ray cluster ('auto' = the local Ray of a running `serve --name NAME`, else the one on "
+                           "this machine)")
     stop.add_argument("--name", default="mirrorspec", help="deployment name")
     stop.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                       help="how long requests in flight have to finish before the replicas stop (default 30; "

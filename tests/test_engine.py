@@ -329,7 +329,8 @@ def test_a_broken_row_past_a_rejected_draft_fails_nothing_and_one_the_target_rea
     poison = next(t for t in range(tiny_target.config.vocab_size) if t not in plain)
     target = PoisonedTarget(tiny_target, poison)
     for k in (2, 3):
-        assert generate(target, WrongThenPoison(target, poison), prompt, params, num_speculative_tokens=k).token_ids == plain
+        drafter = WrongThenPoison(target, poison)
+        assert generate(target, drafter, prompt, params, num_speculative_tokens=k).token_ids == plain
     sampled, finished = SamplingParams(max_new_tokens=12, temperature=1.0), 0
     for seed in range(8):
         try:  # a sampled window may pass the poison (the target writes it too): its next row is read, refused
