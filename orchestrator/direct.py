@@ -155,7 +155,7 @@ def _run(remote: RemoteDrafter, verifier: RemoteVerifier, context: list[int], pa
         max_new_tokens=params.max_new_tokens, runner_up=runner_up, draft_timeout_s=draft_timeout_s,
         max_branches=mirror.max_branches if mirror else 0, branch_alternatives=mirror.alternatives if mirror else 0,
         branch_every_window=bool(mirror and not mirror.stop_at_verdict),
-        adaptive=adaptive_to_proto(policy) if policy else None)
+        adaptive=adaptive_to_proto(policy) if policy else None, draft_vocab_size=remote.draft_vocab)
     # the whole run has the client's deadline only: a long generation outlives any one call's
     call = target.stub.RunWindows(request, timeout=None if client_deadline is None
                                   else max(client_deadline - time.monotonic(), 0.001))

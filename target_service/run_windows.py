@@ -183,11 +183,14 @@ class DraftStream:
     messages, each sending the tokens committed since the last."""
 
     def __init__(self, stub: drafter_pb2_grpc.DrafterServiceStub, session_id: str, held: int, vocab_size: int,
-                 timeout_s: float):
+                 timeout_s: float, draft_vocab_size: int = 1):
+        """``draft_vocab_size``: the drafter's table width, as the front door checked the pair; 1 where
+        the caller did not say (any dense width to the vocabulary)."""
         self._stub = stub
         self._session_id = session_id
         self._held = held  # how many tokens of the context the drafter session holds
         self._vocab_size = vocab_size
+        self._draft_vocab_size = draft_vocab_size
         self._timeout_s = timeout_s
         self._call = None
         # DraftBranches may ask for the own-token branch alone: a drafter built before
@@ -248,10 +251,9 @@ class DraftStream:
 
     def _checked(self, response: drafter_pb2.DraftResponse, k: int) -> Proposal:
         try:
-            # dense rows as narrow as the drafter's table, which this target is not told (the front door
-            # checked the pair): every dense row is refused one way only, past the vocabulary
+            # dense rows from the drafter's table width to the vocabulary: the front door's rule
             proposal = proposal_from_proto(response.tokens, response.q, self._vocab_size, response.alternatives,
-                                           min_dense_width=1)
+                                           min_dense_width=self._draft_vocab_size)
         except InvalidRequest as err:
             raise DraftCallFailed(f"INVALID_ARGUMENT: the drafter's answer: {err}") from None
         if len(proposal) > k:

@@ -216,11 +216,14 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if request.max_branches > MAX_BRANCHES:
             raise OutOfRange(f"max_branches must be in [0, {MAX_BRANCHES}], got {request.max_branches}",
                              field="max_branches")
+        if request.draft_vocab_size > self.vocab_size:
+            raise OutOfRange(f"draft_vocab_size must be at most this target's vocabulary ({self.vocab_size}; 0 = "
+                             f"not sent), got {request.draft_vocab_size}", field="draft_vocab_size")
         policy = adaptive_from_proto(request.adaptive, request.k) if request.HasField("adaptive") else None
         commit = check_token_ids(request.commit_tokens, self.vocab_size, "commit_tokens")
         drafts = DraftStream(await self.drafters.acquire(address), request.drafter_session_id,
                              request.drafter_context_length, self.vocab_size,
-                             request.draft_timeout_s or DRAFT_HUNG_AFTER_S)
+                             request.draft_timeout_s or DRAFT_HUNG_AFTER_S, request.draft_vocab_size or 1)
         try:
             with orphaned_at_end(self.sessions) as streamed:
                 streamed.carry(request.session_id)

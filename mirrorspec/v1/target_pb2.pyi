@@ -86,7 +86,7 @@ class VerifyResponse(_message.Message):
     def __init__(self, verdict: _Optional[_Union[Verdict, _Mapping]] = ..., hint: _Optional[_Union[EarlyExitHint, _Mapping]] = ...) -> None: ...
 
 class RunWindowsRequest(_message.Message):
-    __slots__ = ("session_id", "commit_tokens", "context_length", "drafter_address", "drafter_session_id", "drafter_context_length", "k", "max_new_tokens", "runner_up", "draft_timeout_s", "max_branches", "branch_alternatives", "adaptive", "branch_every_window")
+    __slots__ = ("session_id", "commit_tokens", "context_length", "drafter_address", "drafter_session_id", "drafter_context_length", "k", "max_new_tokens", "runner_up", "draft_timeout_s", "max_branches", "branch_alternatives", "adaptive", "branch_every_window", "draft_vocab_size")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COMMIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,7 @@ class RunWindowsRequest(_message.Message):
     BRANCH_ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
     BRANCH_EVERY_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     commit_tokens: _containers.RepeatedScalarFieldContainer[int]
     context_length: int
@@ -115,7 +116,8 @@ class RunWindowsRequest(_message.Message):
     branch_alternatives: int
     adaptive: AdaptiveK
     branch_every_window: bool
-    def __init__(self, session_id: _Optional[str] = ..., commit_tokens: _Optional[_Iterable[int]] = ..., context_length: _Optional[int] = ..., drafter_address: _Optional[str] = ..., drafter_session_id: _Optional[str] = ..., drafter_context_length: _Optional[int] = ..., k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., runner_up: _Optional[bool] = ..., draft_timeout_s: _Optional[float] = ..., max_branches: _Optional[int] = ..., branch_alternatives: _Optional[int] = ..., adaptive: _Optional[_Union[AdaptiveK, _Mapping]] = ..., branch_every_window: _Optional[bool] = ...) -> None: ...
+    draft_vocab_size: int
+    def __init__(self, session_id: _Optional[str] = ..., commit_tokens: _Optional[_Iterable[int]] = ..., context_length: _Optional[int] = ..., drafter_address: _Optional[str] = ..., drafter_session_id: _Optional[str] = ..., drafter_context_length: _Optional[int] = ..., k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., runner_up: _Optional[bool] = ..., draft_timeout_s: _Optional[float] = ..., max_branches: _Optional[int] = ..., branch_alternatives: _Optional[int] = ..., adaptive: _Optional[_Union[AdaptiveK, _Mapping]] = ..., branch_every_window: _Optional[bool] = ..., draft_vocab_size: _Optional[int] = ...) -> None: ...
 
 class AdaptiveK(_message.Message):
     __slots__ = ("draft_cost", "pass_costs", "pass_cost_per_token", "prior_accepted", "prior_rejected", "decay", "probe_every", "probe_k", "accepted", "rejected", "windows_off")

@@ -500,6 +500,7 @@ def _run(stack, **fields):
     (dict(adaptive=adaptive_proto(accepted=float("nan"))), grpc.StatusCode.INVALID_ARGUMENT,
      "accepted and rejected counts must be finite and >= 0"),
     (dict(adaptive=adaptive_proto(pass_costs=[0.5])), grpc.StatusCode.INVALID_ARGUMENT, "pass_costs are in one-token"),
+    (dict(draft_vocab_size=17), grpc.StatusCode.OUT_OF_RANGE, "draft_vocab_size must be at most this target's"),
 ])
 def test_bad_run_requests_get_clear_statuses(stack, change, code, needle):
     target_session, drafter_session = _opened(stack)

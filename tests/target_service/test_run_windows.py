@@ -4,9 +4,12 @@ import asyncio
 
 import grpc
 import pytest
+import torch
 
 from drafter_service.servicer import DrafterConfig
 from drafter_service.servicer import serve as serve_drafter
+from mirrorspec.sampling.proposal import ProposalRows
+from mirrorspec.serving.convert import proposal_to_proto
 from mirrorspec.serving.server import BackgroundServer
 from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from target_service.run_windows import DraftCallFailed, DrafterLinks, DraftStream
@@ -54,6 +57,23 @@ def test_a_draft_stream_whose_drafter_went_away_fails_the_next_draft_with_a_stat
             await stream.draft([0, 1, 2, proposal.tokens[0]], 2)
 
     with_a_draft_stream(tiny_dir, body)
+
+
+@pytest.mark.parametrize("draft_vocab_size, widths_taken", [(12, [12, 14, 16]), (1, [8, 12, 14, 16]), (16, [16])])
+def test_a_draft_streams_dense_rows_are_taken_from_the_drafters_table_width_to_the_vocabulary(
+        draft_vocab_size, widths_taken):
+    """The front door's rule (``RemoteDrafter.draft_vocab``), sent in ``draft_vocab_size``: a target
+    running the windows used to take any width (it was not told the drafter's), 1 where unsent."""
+    stream = DraftStream(None, "s", held=3, vocab_size=16, timeout_s=5.0, draft_vocab_size=draft_vocab_size)
+    for width in (8, 12, 14, 16, 17):
+        q = torch.zeros(1, width)
+        q[0, 3] = 1.0
+        response = drafter_pb2.DraftResponse(tokens=[3], q=proposal_to_proto(ProposalRows(probs=q)))
+        if width in widths_taken:
+            assert stream._checked(response, k=2).tokens == (3,)
+        else:
+            with pytest.raises(DraftCallFailed, match="^INVALID_ARGUMENT: the drafter's answer: .*columns"):
+                stream._checked(response, k=2)
 
 
 def test_the_all_accepted_guess_is_the_branch_after_the_drafter_s_own_next_token(tiny_dir):
