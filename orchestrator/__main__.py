@@ -8,8 +8,9 @@ from mirrorspec.serving.server import run_until_terminated
 from orchestrator.servicer import OrchestratorConfig, serve
 
 parser = argparse.ArgumentParser(prog="python -m orchestrator")
-parser.add_argument("--target", required=True, help="host:port of a TargetService")
-parser.add_argument("--drafter", default=None, help="host:port of a DrafterService (omit: target-only)")
+parser.add_argument("--target", required=True, help="host:port of a TargetService, or several comma-separated (a pool)")
+parser.add_argument("--drafter", default=None,
+                    help="host:port of a DrafterService, or several comma-separated (omit: target-only)")
 parser.add_argument("--host", default="127.0.0.1")
 parser.add_argument("--port", type=int, default=50051)
 parser.add_argument("--k", type=int, default=None,
