@@ -50,8 +50,7 @@ class _ServerActor:
 
     def sessions(self) -> int:
         store = self.server.servicer.sessions
-        store.evict_expired()
-        return len(store)
+        return self.server.call(lambda: (store.evict_expired(), len(store))[1], HEALTH_TIMEOUT_S)
 
     def ping(self) -> bool:
         """Raises unless the server answers its gRPC health check: the actor answering is not

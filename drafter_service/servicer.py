@@ -58,6 +58,7 @@ class DraftSession:
     drafter: Drafter
     vocab_size: int  # the ids its context may hold
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    closed: bool = False  # its release is on the lane: no more work for it (ComputeLane.run_for)
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
@@ -66,7 +67,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.loaded = loaded
         self.vocab_size = int(loaded.model.config.vocab_size) if loaded else 1 << 31
         self.sessions: SessionStore[DraftSession] = SessionStore(
-            config.max_sessions, config.session_ttl_s, on_evict=lambda s: self.lane.later(s.drafter.release),
+            config.max_sessions, config.session_ttl_s, on_evict=lambda s: self.lane.close_later(s, s.drafter.release),
             orphan_ttl_s=config.orphaned_session_ttl_s)
         self.lane = lane or ComputeLane("drafter-compute")
         self.step_cost = draft_model_step_cost(loaded.model) if loaded is not None else NgramDrafter.step_cost
@@ -108,7 +109,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             k = self._commit(session, request)
             started = time.perf_counter()
             seq = session.sequence
-            proposal = await self.lane.run(session.drafter.propose, list(seq.context), k, seq.params, seq.seed)
+            proposal = await self.lane.run_for(session, session.drafter.propose, list(seq.context), k, seq.params,
+                                               seq.seed)
         response = _draft_response(proposal)
         response.draft_time_s = time.perf_counter() - started
         return response
@@ -136,13 +138,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             k = self._commit(session, request)
             started = time.perf_counter()
             seq = session.sequence
-            own = await self.lane.run(own_next_token, session.drafter, list(seq.context), seq.seed) \
+            own = await self.lane.run_for(session, own_next_token, session.drafter, list(seq.context), seq.seed) \
                 if request.own_token_branch else None
             if own is not None:  # one more branch, forking at the end of the context
                 branch_tokens.append(own)
                 forks = forks and [*forks, len(seq.context)]
-            proposals = await self.lane.run(session.drafter.propose_branches, list(seq.context), branch_tokens, k,
-                                            seq.params, seq.seed, forks) if branch_tokens else []
+            proposals = await self.lane.run_for(session, session.drafter.propose_branches, list(seq.context),
+                                                branch_tokens, k, seq.params, seq.seed, forks) if branch_tokens else []
         return drafter_pb2.DraftBranchesResponse(drafts=[_draft_response(p) for p in proposals],
                                                  draft_time_s=time.perf_counter() - started,
                                                  forked=forks is not None, own_token=own)
@@ -160,8 +162,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             k = self._commit(session, request)
             seq = session.sequence
             started = time.perf_counter()
-            ranked = await self.lane.run(session.drafter.alternatives_for, list(seq.context[:-k]),
-                                         list(seq.context[-k:])) if k else RankedTokens()
+            ranked = await self.lane.run_for(session, session.drafter.alternatives_for, list(seq.context[:-k]),
+                                             list(seq.context[-k:])) if k else RankedTokens()
         response = drafter_pb2.DraftResponse(draft_time_s=time.perf_counter() - started)
         response.alternatives.extend(ranked_to_proto(ranked))
         return response

@@ -380,7 +380,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if (opened := drafting.result()) is not None:
                 opened.remote.release()
             raise
-        remote = pipeline = None
+        remote = pipeline = events = None
         try:  # from here on the sessions are released whatever happens
             opened = drafting.result()
             remote, drafter = (opened.remote, opened.drafter) if opened is not None else (None, None)
@@ -423,8 +423,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             outcome.network_s = verifier.times.network_s + (remote.times.network_s if remote else 0.0)
             if pipeline is not None:
                 pipeline.close()
-            # both close at once: the answer waits one round trip for them, not two
-            release_together(verifier, remote)
+            try:  # a run on the target ends before its sessions close: it went on drafting for them
+                if events is not None:
+                    events.close()
+            finally:  # both close at once: the answer waits one round trip for them, not two
+                release_together(verifier, remote)
 
     def _with_pool_k(self, prepared: PreparedRequest) -> PreparedRequest:
         """The request's K where it named none: its drafter pool's default, asked here, in its

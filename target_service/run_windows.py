@@ -160,8 +160,13 @@ class DrafterLinks:
         self._channels[address] = channel
         self._runs[address] = self._runs.get(address, 0) + 1
         idle = [a for a in self._channels if a not in self._runs]
-        for stale in idle[:max(len(idle) - self.max_idle, 0)]:
-            await self._channels.pop(stale).close()
+        stale = [self._channels.pop(a) for a in idle[:max(len(idle) - self.max_idle, 0)]]  # before any await
+        try:
+            for old in stale:
+                await old.close()
+        except BaseException:  # the run was cancelled here: it never gets to release its count
+            self.release(address)
+            raise
         return drafter_pb2_grpc.DrafterServiceStub(channel)
 
     def release(self, address: str) -> None:

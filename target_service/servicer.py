@@ -79,6 +79,7 @@ class TargetSession:
     verifier: TargetVerifier
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     prefill_deferred: bool = False  # opened without its prefill: the first window brings it
+    closed: bool = False  # its close is on the lane: no more work for it (ComputeLane.run_for)
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -100,7 +101,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             self.probe = EarlyExitProbe(loaded.model, config.hint_layer, config.hint_top_k, vocab_ids, lens)
         self.new_session = new_session or (lambda: KVSession(loaded.model))
         self.sessions: SessionStore[TargetSession] = SessionStore(
-            config.max_sessions, config.session_ttl_s, on_evict=lambda s: self.lane.later(s.verifier.session.close),
+            config.max_sessions, config.session_ttl_s,
+            on_evict=lambda s: self.lane.close_later(s, s.verifier.session.close),
             orphan_ttl_s=config.orphaned_session_ttl_s)
         self.lane = lane or ComputeLane("target-compute")
         self.drafters = DrafterLinks()  # for RunWindows
@@ -129,7 +131,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         started = time.perf_counter()
         try:
             await self._prefill_all_but_the_last_chunk(session, prompt)
-            await self.lane.run(session.verifier.session.logits_for, prompt, 1)  # the last chunk
+            await self.lane.run_for(session, session.verifier.session.logits_for, prompt, 1)  # the last chunk
         except BaseException:
             self.sessions.close(session_id)
             raise
@@ -146,7 +148,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         keys and values as after one pass: the chunks only split the work."""
         step = self.config.prefill_chunk_tokens
         for end in range(step, len(context), step):
-            await self.lane.run(session.verifier.session.logits_for, context[:end], 1)
+            await self.lane.run_for(session, session.verifier.session.logits_for, context[:end], 1)
 
     async def Verify(self, request, context):
         with orphaned_after(self.sessions, request.session_id):
@@ -160,13 +162,18 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 hints: asyncio.Queue = asyncio.Queue()
                 loop = asyncio.get_running_loop()
                 on_hint = lambda hint: loop.call_soon_threadsafe(hints.put_nowait, hint)  # noqa: E731
-                verifying = asyncio.ensure_future(self.lane.run(
-                    partial(session.verifier.verify, on_hint=on_hint), seq.context, proposal, seq.params, seq.seed))
-                async for hint in _until_done(hints, verifying):
-                    yield target_pb2.VerifyResponse(hint=hint_to_proto(hint))
-                verdict = verifying.result()
+                verifying = asyncio.ensure_future(self.lane.run_for(
+                    session, partial(session.verifier.verify, on_hint=on_hint), list(seq.context), proposal,
+                    seq.params, seq.seed))
+                try:
+                    async for hint in _until_done(hints, verifying):
+                        yield target_pb2.VerifyResponse(hint=hint_to_proto(hint))
+                    verdict = verifying.result()
+                finally:  # a caller gone before its verdict: a verify not yet on the lane never runs there
+                    verifying.cancel()
             else:  # no queue and no extra task per window
-                verdict = await self.lane.run(session.verifier.verify, seq.context, proposal, seq.params, seq.seed)
+                verdict = await self.lane.run_for(session, session.verifier.verify, list(seq.context), proposal,
+                                                  seq.params, seq.seed)
         yield target_pb2.VerifyResponse(verdict=_verdict_to_proto(verdict, time.perf_counter() - started))
 
     async def VerifyWindow(self, request, context):
@@ -176,7 +183,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def _verify_window(self, request) -> target_pb2.Verdict:
         async with self._window(request) as (session, seq, proposal):
             started = time.perf_counter()
-            verdict = await self.lane.run(session.verifier.verify, seq.context, proposal, seq.params, seq.seed)
+            # a copy: a cancelled call's verify may still run on the lane as the next call commits
+            verdict = await self.lane.run_for(session, session.verifier.verify, list(seq.context), proposal,
+                                              seq.params, seq.seed)
         return _verdict_to_proto(verdict, time.perf_counter() - started)
 
     async def VerifyWindows(self, requests, context):
@@ -278,15 +287,17 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             offered = (with_runner_up(proposal, runner_up, self.vocab_size) if runner_up is not None
                        else replace(proposal, alternatives=(), alternative_probs=()))
             started = time.perf_counter()
-            verifying = asyncio.ensure_future(self.lane.run(session.verifier.verify, seq.context, offered, seq.params,
-                                                            seq.seed))
-            branches = branching.start(drafts, seq.context, proposal, runner_up,
-                                       lambda j: self._run_k(request, policy.peek(len(offered), j) if policy
-                                                             else request.k, seq.params, len(seq.context) + j + 1,
-                                                             produced + j + 1))
+            verifying = asyncio.ensure_future(self.lane.run_for(session, session.verifier.verify, seq.context, offered,
+                                                                seq.params, seq.seed))
+            branches = None
             try:
+                branches = branching.start(drafts, seq.context, proposal, runner_up,
+                                           lambda j: self._run_k(request, policy.peek(len(offered), j) if policy
+                                                                 else request.k, seq.params, len(seq.context) + j + 1,
+                                                                 produced + j + 1))
                 verdict = await verifying
             except BaseException:
+                verifying.cancel()  # where branching failed to start, or the caller went: not left on the lane
                 branching.cancel(branches)
                 raise
             verify_s = time.perf_counter() - started
@@ -374,9 +385,12 @@ async def _until_done(queue: asyncio.Queue, task: asyncio.Future) -> AsyncIterat
     puts a hint before it returns, so every hint is queued ahead of the task's completion."""
     while True:
         getter = asyncio.ensure_future(queue.get())
-        done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # asyncio.wait cancels nothing it waits on, a caller's cancel included
+            if not getter.done():
+                getter.cancel()
         if getter not in done:
-            getter.cancel()
             break
         yield getter.result()
     while not queue.empty():

@@ -273,8 +273,9 @@ def follow(model: nn.Module, group=None) -> None:
         if op == "close":
             sessions.pop(key, None)
             continue
-        session = sessions.setdefault(key, KVSession(model))
-        getattr(session, op)(*args)
+        if key not in sessions:  # not setdefault: that built a cache for every operation, to drop it
+            sessions[key] = KVSession(model)
+        getattr(sessions[key], op)(*args)
 
 
 def init_rank(init_method: str, rank: int, world: int, device: torch.device,

@@ -30,6 +30,14 @@ class SessionNotFound(KeyError):
                 f"open a new one with OpenSession")
 
 
+class SessionClosed(SessionNotFound):
+    """A call reached the compute lane after its session was closed (``ComputeLane.run_for``)."""
+
+    def __str__(self) -> str:
+        return ("the session was closed (by its caller, or as it expired) while this call waited for the model; "
+                "open a new one with OpenSession")
+
+
 class SessionIdTaken(RuntimeError):
     """An open with a caller's id that is open already, or was closed before its open came."""
 

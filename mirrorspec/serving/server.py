@@ -18,6 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -25,9 +26,11 @@ from grpc_reflection.v1alpha import reflection
 
 from mirrorspec.client import MIN_KEEPALIVE_S, ping_options
 from mirrorspec.config import InvalidRequest, check_port, refuse_setting
-from mirrorspec.serving.errors import ExceptionToStatusInterceptor
+from mirrorspec.serving.errors import ExceptionToStatusInterceptor, SessionClosed
+from mirrorspec.serving.sessions import SessionStore
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Dense q rows of a 49k vocabulary are ~200 KB each; leave room for K = 16 of them.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -51,7 +54,8 @@ class RunningServer:
     server: grpc.aio.Server
     port: int
     servicers: list[object]
-    watch: asyncio.Task | None = None  # keeps the health status in step with the compute lanes
+    # in the background: the health status kept in step with the compute lanes, expired sessions evicted
+    tasks: tuple[asyncio.Task, ...] = ()
     health: object | None = None  # its health servicer
     names: tuple[str, ...] = ()  # the services it serves
 
@@ -80,8 +84,9 @@ class RunningServer:
         Servicers that can drain (``start_draining``, ``busy``: the front door) refuse new calls
         themselves while the port stays open, and the server stops once they are idle or ``grace``
         has passed; others get gRPC's own graceful stop, which closes the port at once."""
-        if self.watch is not None:
-            self.watch.cancel()
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
         grace = await self._drain(grace)
         await self.server.stop(grace)
         for servicer in self.servicers:
@@ -181,11 +186,33 @@ async def start_grpc_server(services: list[Service], host: str, port: int,
     if stall_timeout_s is None:
         lanes = []
     readiness = [unready for s in services if (unready := getattr(s.servicer, "unready", None)) is not None]
-    watch = None
+    stores = [store for s in services if isinstance(store := getattr(s.servicer, "sessions", None), SessionStore)]
+    tasks = []
     if lanes or readiness:
-        watch = asyncio.get_running_loop().create_task(
-            watch_health(health_servicer, names, lanes, stall_timeout_s or math.inf, readiness))
-    return RunningServer(server, bound, [s.servicer for s in services], watch, health_servicer, tuple(names))
+        tasks.append(watch_health(health_servicer, names, lanes, stall_timeout_s or math.inf, readiness))
+    if stores:
+        tasks.append(evict_expired_sessions(stores))
+    return RunningServer(server, bound, [s.servicer for s in services], tuple(map(_supervised, tasks)),
+                         health_servicer, tuple(names))
+
+
+def _supervised(coroutine) -> asyncio.Task:
+    """A background task whose failure is logged as it happens: one that died unobserved left the
+    health status frozen (a review's find, from reading)."""
+    task = asyncio.get_running_loop().create_task(coroutine)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception() is None
+                           or log.error("background task %s failed", coroutine.__qualname__, exc_info=t.exception()))
+    return task
+
+
+async def evict_expired_sessions(stores: list[SessionStore], every_s: float = 1.0) -> None:
+    """Expired sessions go within a second, whether or not calls come. Stores evicted only as the
+    next session opened (or a load poll came), so on an idle replica a crashed front door's
+    sessions kept their KV caches, GPU memory, until then, not for ``orphan_ttl_s``."""
+    while True:
+        await asyncio.sleep(every_s)
+        for store in stores:
+            store.evict_expired()
 
 
 async def _set_health(health_servicer, names: list[str], serving: bool) -> None:
@@ -266,6 +293,21 @@ class ComputeLane:
         finally:
             self._busy_since = None
 
+    async def run_for(self, session: LaneSession, fn: Callable, *args):
+        """``run`` for a session's work, refused (``SessionClosed``, NOT_FOUND) where the session
+        was closed before the lane reached it. Its close is queued on the lane (``close_later``),
+        so work queued behind it would run on a freed cache: a forward then recomputed the whole
+        context for a session nobody held, and a tensor-parallel target's followers built a cache
+        for it again that no close would free (a review's find: a front door closes its sessions
+        as a stop string ends a request, while the target's window run waits for a draft)."""
+        return await self.run(_unless_closed, session, fn, *args)
+
+    def close_later(self, session: LaneSession, release: Callable[[], object]) -> None:
+        """Close ``session`` for work not yet on the lane, and ``release`` it there after the work
+        already queued (``later``)."""
+        session.closed = True
+        self.later(release)
+
     def later(self, fn: Callable, *args) -> None:
         """Run ``fn`` after the work already queued, without waiting for it: closing a session
         this way frees its cache after its own forwards, never in the middle of one, and never
@@ -278,6 +320,16 @@ class ComputeLane:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class LaneSession(Protocol):
+    closed: bool  # set on the event loop as the session's close is queued; read on the lane
+
+
+def _unless_closed(session: LaneSession, fn: Callable, *args):
+    if session.closed:
+        raise SessionClosed()
+    return fn(*args)
 
 
 def stop_gracefully_on_signals(running: RunningServer, grace_s: float, banner: str) -> list[asyncio.Task]:
@@ -294,7 +346,7 @@ def stop_gracefully_on_signals(running: RunningServer, grace_s: float, banner: s
             stopping.append(loop.create_task(running.stop(grace_s)))
         else:
             log.warning("%s stopping at once", banner)
-            loop.create_task(running.server.stop(None))
+            stopping.append(loop.create_task(running.server.stop(None)))  # held: the loop keeps tasks weakly
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, on_signal)
@@ -327,6 +379,16 @@ class BackgroundServer:
     @property
     def servicer(self):
         return self.running.servicers[0]
+
+    def call(self, fn: Callable[[], T], timeout: float = 5.0) -> T:
+        """``fn()`` run on the server's event loop, from another thread: the servicers' state (a
+        session store) lives on that loop and takes no lock. Counted from a Ray actor's thread, a
+        store's sessions changed under the count ("dictionary changed size during iteration"), and
+        the controller read that replica as empty when it chose one to drain (a review's find)."""
+        async def on_loop() -> T:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(on_loop(), self._loop).result(timeout)
 
     def stop(self, grace: float = 0.5) -> None:
         """Stops the server and its servicers, then the loop's own threads (``asyncio.to_thread``'s

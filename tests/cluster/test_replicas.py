@@ -25,6 +25,31 @@ def test_a_replica_pings_through_its_servers_health_check_and_fails_once_the_ser
         replica.ping()
 
 
+def test_a_replica_counts_its_sessions_on_its_servers_event_loop(tiny_dir):
+    """The store takes no lock: counted from the actor's thread, its sessions changed under the
+    count as the server opened and closed them ("dictionary changed size during iteration")."""
+    import threading
+
+    import grpc
+
+    from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+
+    replica = DrafterReplica(spec(tiny_dir))
+    replica.start()
+    try:
+        store, threads = replica.server.servicer.sessions, []
+        evict = store.evict_expired
+        store.evict_expired = lambda: (threads.append(threading.current_thread()), evict())[1]
+        stub = drafter_pb2_grpc.DrafterServiceStub(grpc.insecure_channel(replica.address()))
+        stub.OpenSession(drafter_pb2.OpenDraftSessionRequest(prompt_ids=[1, 2, 3],
+                                                             params=common_pb2.SamplingParams(max_new_tokens=4)))
+        threads.clear()
+        assert replica.sessions() == 1
+        assert threads and threads[-1] is replica.server._thread
+    finally:
+        replica.stop()
+
+
 def test_a_follower_whose_loop_failed_fails_its_ping_with_the_reason(tiny_dir, monkeypatch):
     """Its process lives on, so only the ping can tell the controller that rank 0 now waits in a
     collective that will never complete. (The loop's failure is planted: a real one would leave

@@ -639,3 +639,37 @@ def test_a_target_s_runs_start_their_branch_policy_from_what_the_last_run_learnt
     [(history, blank), (again, resumed)] = made
     assert history is again is not None
     assert blank == 0 and resumed > 0
+
+
+def test_a_request_the_client_leaves_ends_its_run_on_the_target_before_closing_its_sessions(tiny_dir, monkeypatch,
+                                                                                            slow_verify):
+    """The front door closed the sessions with the target's run still going (its call was cancelled
+    only as the window generator was collected): the run drafted its next window for a closed
+    session, and queued a verify for it (a review's find)."""
+    import orchestrator.servicer as front_door
+
+    order: list[str] = []
+    windows, release = front_door.windows_on_target, front_door.release_together
+
+    def recorded_windows(*args, **kwargs):
+        try:
+            yield from windows(*args, **kwargs)
+        finally:
+            order.append("run cancelled")
+
+    def recorded_release(*holders):
+        order.append("sessions closed")
+        release(*holders)
+
+    monkeypatch.setattr(front_door, "windows_on_target", recorded_windows)
+    monkeypatch.setattr(front_door, "release_together", recorded_release)
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, windows_on_target=True)
+    try:
+        with Client(s.address) as client:
+            stream = client.stream([0, 7, 3], max_tokens=120)
+            assert next(stream).token_ids
+            stream.cancel()
+            wait_until(lambda: "sessions closed" in order, timeout=10)
+    finally:
+        s.stop()
+    assert order[:2] == ["run cancelled", "sessions closed"]

@@ -258,3 +258,32 @@ def test_an_open_the_front_door_gave_up_on_is_closed_where_it_opened_late(tiny_d
         assert until_no_sessions(drafter, within_s=10) == 0 and len(opened) == 1 and opened[0].session_id
     finally:
         stack.stop()
+
+
+def test_an_orphan_on_a_replica_no_call_comes_to_is_evicted_all_the_same(tiny_dir, monkeypatch):
+    """Stores evicted only as a session opened or Info came: on an idle replica a crashed front
+    door's sessions kept their KV caches until the next call, not for the orphan TTL."""
+    import target_service.servicer as target_servicer
+    from mirrorspec.models import KVSession
+
+    closed: list[int] = []
+
+    class Recorded(KVSession):
+        def close(self):
+            closed.append(len(self.tokens))
+            super().close()
+
+    monkeypatch.setattr(target_servicer, "KVSession", Recorded)
+    config = TargetConfig(model=str(tiny_dir["target16"]), orphaned_session_ttl_s=ORPHAN_TTL_S)
+    server = BackgroundServer(lambda: serve(config)).start()
+    try:
+        stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
+        stub.OpenSession(target_pb2.OpenTargetSessionRequest(prompt_ids=[3, 1, 4],
+                                                             params=common_pb2.SamplingParams(max_new_tokens=4)))
+        deadline = time.monotonic() + ORPHAN_TTL_S + 10
+        while not closed and time.monotonic() < deadline:  # no call: Info would evict it itself
+            time.sleep(0.1)
+        assert closed == [3]
+        assert server.call(lambda: len(server.servicer.sessions)) == 0
+    finally:
+        server.stop()

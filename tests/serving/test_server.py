@@ -1,13 +1,16 @@
 """One gRPC server per port: gRPC's default SO_REUSEPORT would let a second server share a port
 in use, and the kernel would split connections between the two."""
 
+import asyncio
 import threading
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
 
 from mirrorspec.config import InvalidRequest
+from mirrorspec.serving.errors import SessionClosed
 from mirrorspec.serving.server import BackgroundServer, ComputeLane, check_health, start_grpc_server
 from support import wait_until
 
@@ -129,6 +132,30 @@ def test_work_put_on_the_lane_for_later_runs_after_what_is_queued_and_at_once_af
     assert order[-1] == "after shutdown"
 
 
+def test_work_for_a_session_still_queued_as_it_closes_is_refused_and_never_runs():
+    """A window queued behind its session's close would run on the freed cache (ComputeLane.run_for)."""
+    lane, session = ComputeLane("test-lane"), SimpleNamespace(closed=False)
+    ran: list[str] = []
+    release = threading.Event()
+
+    async def body():
+        running = asyncio.ensure_future(lane.run_for(session, lambda: (release.wait(30), ran.append("running"))))
+        queued = asyncio.ensure_future(lane.run_for(session, ran.append, "queued"))
+        await asyncio.sleep(0.05)  # both on the lane: one running, one behind it
+        lane.close_later(session, lambda: ran.append("close"))
+        after = asyncio.ensure_future(lane.run_for(session, ran.append, "after"))
+        release.set()
+        await running
+        for refused in (queued, after):
+            with pytest.raises(SessionClosed, match="closed .* while this call waited"):
+                await refused
+
+    asyncio.run(body())
+    lane.shutdown()
+    assert ran == ["running", "close"]
+    assert str(SessionClosed()).endswith("open a new one with OpenSession")
+
+
 def test_grpc_s_completion_queue_shut_down_under_a_pending_read_prints_no_traceback(caplog):
     """At one stop of an in-process stack in four, the loop printed "Exception in callback ...
     PollerCompletionQueue._handle_events: OSError: [Errno 9] Bad file descriptor": grpc takes its
@@ -160,3 +187,22 @@ def test_grpc_s_completion_queue_shut_down_under_a_pending_read_prints_no_traceb
             assert [r.getMessage() for r in caplog.records] == ["Exception in callback f()"]
     finally:
         loop.close()
+
+
+def test_a_background_task_that_fails_says_so_at_once(caplog):
+    """One that died unobserved (the health watch) left the health status frozen."""
+    from mirrorspec.serving.server import _supervised
+
+    async def failing():
+        raise RuntimeError("the hook broke")
+
+    async def body():
+        task = _supervised(failing())
+        await asyncio.sleep(0.05)
+        return task
+
+    with caplog.at_level("ERROR"):
+        task = asyncio.run(body())
+    assert task.done()
+    assert any("background task" in r.getMessage() and "failing" in r.getMessage() and r.exc_info
+               for r in caplog.records)

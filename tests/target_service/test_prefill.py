@@ -27,14 +27,14 @@ class JobLog:
 
     def __init__(self, servicer: TargetServicer):
         self.jobs: list[tuple[str, int]] = []
-        run = servicer.lane.run
+        run_for = servicer.lane.run_for  # a session's work
 
-        async def logged(fn, *args):
+        async def logged(session, fn, *args):
             kind = "verify" if getattr(fn, "__name__", "") == "verify" else "prefix"
             self.jobs.append((kind, len(args[0])))
-            return await run(fn, *args)
+            return await run_for(session, fn, *args)
 
-        servicer.lane.run = logged
+        servicer.lane.run_for = logged
 
 
 @pytest.fixture()

@@ -11,7 +11,7 @@ from drafter_service.servicer import serve as serve_drafter
 from mirrorspec.sampling.proposal import ProposalRows
 from mirrorspec.serving.convert import proposal_to_proto
 from mirrorspec.serving.server import BackgroundServer
-from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from mirrorspec.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, target_pb2, target_pb2_grpc
 from target_service.run_windows import DraftCallFailed, DrafterLinks, DraftStream
 
 
@@ -159,6 +159,27 @@ def test_channels_to_drafters_no_run_uses_are_kept_for_the_last_few_addresses_on
     asyncio.run(run())
 
 
+def test_a_run_cancelled_while_its_link_closes_an_old_channel_leaves_no_run_counted():
+    """A run counted for good kept its address from ever counting as idle: its channel was never
+    closed, against ``max_idle``'s bound (a review's find, from reading)."""
+    class Hanging:
+        async def close(self):
+            await asyncio.Event().wait()
+
+    async def run():
+        links = DrafterLinks(max_idle=0)
+        links._channels["127.0.0.1:1"] = Hanging()  # idle, and closing it hangs
+        acquiring = asyncio.ensure_future(links.acquire("127.0.0.1:2"))
+        await asyncio.sleep(0.05)
+        acquiring.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await acquiring
+        assert links._runs == {}
+        await links.close()
+
+    asyncio.run(run())
+
+
 def test_a_run_branches_only_while_its_branches_pay():
     """Mirror on the target (``Branching``): branching beside a verify that slows the verify and
     never hits is dropped after the first windows, bar a probe now and then (the front door's
@@ -191,3 +212,64 @@ def test_a_run_branches_only_while_its_branches_pay():
     held = WindowVerdict(num_accepted=0, next_token=5, next_kind=TokenKind.RECOVERED)  # the drafter's runner-up
     paying = asyncio.run(windows(held, branched_verify_s=0.030))
     assert sum(paying[20:]) >= 36
+
+
+def test_a_run_whose_session_closes_while_it_waits_for_a_draft_runs_no_forward_for_it_after(tiny_dir, monkeypatch):
+    """A front door closes its sessions as a stop string or a cancel ends a request, while the
+    target's run may be waiting on a draft. The run's next verify was queued behind the close on
+    the compute lane and recomputed the whole context on the freed cache (a review's find; on a
+    tensor-parallel target the followers kept that cache for good)."""
+    import time
+
+    import target_service.servicer as target_servicer
+    from mirrorspec.drafting.draft_model import DraftModelDrafter
+    from mirrorspec.models import KVSession
+    from target_service.servicer import TargetConfig
+    from target_service.servicer import serve as serve_target
+
+    events: list[str] = []
+
+    class Recorded(KVSession):
+        def _extend(self, context, num_positions, runner_up=None):
+            events.append("forward")
+            return super()._extend(context, num_positions, runner_up)
+
+        def close(self):
+            events.append("close")
+            super().close()
+
+    propose = DraftModelDrafter.propose
+
+    def slow_propose(self, *args, **kwargs):
+        time.sleep(0.3)  # a draft model's K steps, as the session closes
+        return propose(self, *args, **kwargs)
+
+    monkeypatch.setattr(target_servicer, "KVSession", Recorded)
+    monkeypatch.setattr(DraftModelDrafter, "propose", slow_propose)
+    target = BackgroundServer(lambda: serve_target(TargetConfig(model=str(tiny_dir["target16"])))).start()
+    drafter = BackgroundServer(lambda: serve_drafter(DrafterConfig(strategy="draft-model", quantize="none",
+                                                                   model=str(tiny_dir["draft16"])))).start()
+    try:
+        targets = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(f"127.0.0.1:{target.port}"))
+        drafters = drafter_pb2_grpc.DrafterServiceStub(grpc.insecure_channel(f"127.0.0.1:{drafter.port}"))
+        prompt, params = [(7 * i + 3) % 16 for i in range(40)], common_pb2.SamplingParams(max_new_tokens=20)
+        target_session = targets.OpenSession(target_pb2.OpenTargetSessionRequest(prompt_ids=prompt,
+                                                                                 params=params)).session_id
+        drafter_session = drafters.OpenSession(drafter_pb2.OpenDraftSessionRequest(prompt_ids=prompt,
+                                                                                   params=params)).session_id
+        run = targets.RunWindows(target_pb2.RunWindowsRequest(
+            session_id=target_session, context_length=len(prompt), drafter_address=f"127.0.0.1:{drafter.port}",
+            drafter_session_id=drafter_session, drafter_context_length=len(prompt), k=3, max_new_tokens=20,
+            draft_timeout_s=5.0), timeout=30)
+        assert next(run).tokens
+        time.sleep(0.1)  # the run waits for its next window's draft
+        assert targets.CloseSession(common_pb2.CloseSessionRequest(session_id=target_session)).existed
+        with pytest.raises(grpc.RpcError) as ended:
+            list(run)
+        assert ended.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "closed" in ended.value.details() or "unknown session" in ended.value.details()
+        time.sleep(0.5)  # anything still queued has run
+    finally:
+        drafter.stop()
+        target.stop()
+    assert "close" in events and "forward" not in events[events.index("close"):]

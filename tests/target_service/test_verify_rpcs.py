@@ -201,3 +201,53 @@ def test_a_window_or_run_past_the_context_window_is_refused_up_front_naming_what
     assert dict(refused.value.trailing_metadata())["mirrorspec-field"] == "context_length"
     # the session was left as it was: a window that fits is verified
     assert stub.VerifyWindow(target_pb2.VerifyRequest(session_id=session, context_length=3)).next_token < 16
+
+
+@pytest.mark.parametrize("hints", [True, False])
+def test_a_verify_whose_caller_gave_up_before_the_lane_reached_it_never_runs(tiny_dir, monkeypatch, hints):
+    """A hinted Verify left its verify queued when its caller went: asyncio.wait cancels nothing it
+    waits on, so the forward ran later on a session whose lock was let go (a review's find)."""
+    import threading
+    import time
+
+    import torch
+
+    import target_service.servicer as target_servicer
+    from mirrorspec.models import KVSession
+    from mirrorspec.sampling.proposal import ProposalRows
+    from mirrorspec.serving.convert import proposal_to_proto
+    from target_service.servicer import serve as serve_target
+
+    forwards: list[int] = []
+
+    class Recorded(KVSession):
+        def _extend(self, context, num_positions, runner_up=None):
+            forwards.append(len(context))
+            return super()._extend(context, num_positions, runner_up)
+
+    monkeypatch.setattr(target_servicer, "KVSession", Recorded)
+    server = BackgroundServer(lambda: serve_target(TargetConfig(model=str(tiny_dir["target16"]), hint_layer=1,
+                                                                hint_lens="logit"))).start()
+    release = threading.Event()
+    try:
+        stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(f"127.0.0.1:{server.port}"))
+        session = stub.OpenSession(target_pb2.OpenTargetSessionRequest(
+            prompt_ids=[1, 2, 3, 4, 5, 6], params=common_pb2.SamplingParams(max_new_tokens=8))).session_id
+        forwards.clear()
+        server.servicer.lane._pool.submit(release.wait, 30)  # another session's long forward holds the lane
+        q = torch.zeros(2, 16)
+        q[0, 3] = q[1, 4] = 1.0
+        request = target_pb2.VerifyRequest(session_id=session, context_length=6, draft_tokens=[3, 4], hints=hints,
+                                           q=proposal_to_proto(ProposalRows(probs=q)))
+        with pytest.raises(grpc.RpcError) as gave_up:
+            list(stub.Verify(request, timeout=0.3)) if hints else stub.VerifyWindow(request, timeout=0.3)
+        assert gave_up.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        time.sleep(0.3)  # the server has seen the caller go
+        release.set()
+        time.sleep(0.5)
+        assert forwards == []
+        verdict = stub.VerifyWindow(request, timeout=30)  # the session serves the caller's retry
+        assert forwards and verdict.num_accepted <= 2
+    finally:
+        release.set()
+        server.stop()
