@@ -65,6 +65,17 @@ def save_word_tokenizer(path: Path, num_words: int, prefix: str = "w") -> Path:
     return path
 
 
+class CountingTokenizer:
+    """Counts the tokens it is asked to decode: the cost of detokenizing, without a clock."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.decoded = tokenizer, 0
+
+    def decode(self, tokens, **kwargs):
+        self.decoded += len(tokens)
+        return self.tokenizer.decode(tokens, **kwargs)
+
+
 def test_device() -> torch.device:
     """Where the tiny models run: CPU unless ``MIRRORSPEC_TEST_DEVICE`` names another device
     (``cuda`` on a GPU machine, to run the statistical tests through the CUDA sampling path)."""

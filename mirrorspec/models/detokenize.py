@@ -2,32 +2,48 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class IncrementalDetokenizer:
-    """Decodes the whole output each time and hands out only the new suffix.
+    """Hands out the text each push of tokens adds, decoding only the tokens since the last delta
+    with the few before them as context (vLLM's prefix/read offsets).
 
-    Decoding everything (not token by token) keeps characters that span tokens intact; a delta is
-    held back while the text ends in U+FFFD, i.e. in the middle of a multi-byte character.
+    Decoding with context (not token by token) keeps characters that span tokens intact and the
+    spaces a tokenizer writes between tokens; a delta is held back while the text ends in U+FFFD,
+    i.e. in the middle of a multi-byte character. Decoding the whole output at every push, as this
+    did, cost O(n^2) over a request: 2.8 s of decoding on a 4k-token answer (a review's find).
     """
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.tokens: list[int] = []
-        self.emitted = ""
+        self.prefix_offset = 0  # where the context decoded before the unread tokens starts
+        self.read_offset = 0  # the tokens before this have been handed out as text
+        self.parts: list[str] = []
 
-    def text_of(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+    def text_of(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
 
-    def push(self, tokens: list[int]) -> str:
+    def unread_text(self, more: Sequence[int] = ()) -> str:
+        """The text the unread tokens, and ``more`` after them, add to what was handed out."""
+        context = self.tokens[self.prefix_offset:self.read_offset]
+        before = self.text_of(context)
+        return self.text_of(context + self.tokens[self.read_offset:] + list(more))[len(before):]
+
+    def push(self, tokens: Sequence[int]) -> str:
         self.tokens += tokens
-        text = self.text_of(self.tokens)
-        if not text.startswith(self.emitted) or text.endswith("\ufffd"):
+        delta = self.unread_text()
+        if not delta or delta.endswith("\ufffd"):
             return ""
-        delta, self.emitted = text[len(self.emitted):], text
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        self.parts.append(delta)
         return delta
 
     def flush(self) -> str:
-        text = self.text_of(self.tokens)
-        delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""
-        self.emitted = text
+        """The rest of the text, held back or not, decoded once in full."""
+        text, emitted = self.text_of(self.tokens), "".join(self.parts)
+        delta = text[len(emitted):] if text.startswith(emitted) else ""
+        self.parts = [text]
+        self.prefix_offset = self.read_offset = len(self.tokens)
         return delta

@@ -518,7 +518,8 @@ def test_an_unset_max_tokens_is_the_default_cut_to_the_room_the_context_window_l
 
 def test_a_stop_string_ends_the_output_with_the_token_that_completes_it(padded_pair):
     """What generation.proto says of ``stop``: the output keeps the stop string (transformers'
-    stop_strings do; OpenAI's API drops it), streamed and unary alike."""
+    stop_strings do; OpenAI's API drops it), streamed and unary alike. Its stats count the tokens
+    sent: the tokens of the window after the cut were counted as committed (a review's find)."""
     s = start_stack(padded_pair["target"], padded_pair["draft"], k=3)
     try:
         with Client(s.address) as client:
@@ -531,6 +532,8 @@ def test_a_stop_string_ends_the_output_with_the_token_that_completes_it(padded_p
             assert list(stopped.token_ids) == list(free.token_ids)[:cut] and stopped.text.endswith(stop)
             chunks = list(client.stream("w1 w2", raw=True, max_tokens=30, stop=stop))
             assert "".join(c.text for c in chunks) == stopped.text and chunks[-1].finish_reason == "stop"
+            for stats in (stopped.stats, chunks[-1].stats):  # the tokens cut off are not counted as sent
+                assert stats.mean_accepted_length * stats.windows == pytest.approx(cut)
     finally:
         s.stop()
 
