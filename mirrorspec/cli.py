@@ -535,9 +535,10 @@ def _generate_remote(args: argparse.Namespace) -> int:
             for chunk in client.stream(args.prompt, **options):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
-                if chunk.finish_reason:
-                    s = chunk.stats
-                    print(f"\n[{chunk.finish_reason}; {speculation_summary(s)}, seed {chunk.seed}]", file=sys.stderr)
+                if chunk.finish_reason:  # the text's line ends, as --local's does, before the summary
+                    print(flush=True)
+                    print(f"[{chunk.finish_reason}; {speculation_summary(chunk.stats)}, seed {chunk.seed}]",
+                          file=sys.stderr)
     except NotAFrontDoor as err:  # the client names its own argument, ``address``
         raise InvalidRequest(str(err), field="server") from None
     except grpc.RpcError as err:

@@ -417,6 +417,24 @@ def test_generate_server_no_mirror_turns_a_servers_mirror_default_off_for_its_re
     assert "not allowed with argument --mirror" in capsys.readouterr().err
 
 
+def test_generate_prints_the_same_lines_from_a_server_as_locally(padded_pair, capsys):
+    """Text from --server ended without its newline, so a shell prompt or the next output began
+    on its last line; --local ended it (a review's find)."""
+    from served_stack import start_stack
+
+    argv = ["w1 w2", "--raw", "--max-tokens", "6"]
+    main(["generate", *argv, "--local", "--target", str(padded_pair["target"]), "--draft", "none", "--threads", "1"])
+    local = capsys.readouterr()
+    s = start_stack(padded_pair["target"], strategy=None)
+    try:
+        main(["generate", *argv, "--server", s.address])
+    finally:
+        s.stop()
+    served = capsys.readouterr()
+    assert served.out == local.out and served.out.endswith("\n") and served.out.count("\n") == 1
+    assert served.err.startswith("[") and local.err.startswith("[")
+
+
 @pytest.mark.parametrize("max_tokens, room", [(None, 128 - 120), ("8", 8)])
 def test_generate_local_cuts_its_default_max_tokens_to_the_room_the_prompt_leaves(padded_pair, capsys,
                                                                                    max_tokens, room):
