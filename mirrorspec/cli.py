@@ -171,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft-quantize", choices=QUANTIZATIONS, default=None,
                      help=f"with --local: {DRAFT_QUANTIZE_HELP} (default {DEFAULT_DRAFT_QUANTIZE}; a server's drafters "
                           "are set with `mirrorspec serve --draft-quantize`)")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="the model's end-of-sequence ids do not end the output: it runs to --max-tokens "
+                          "(fixed-length outputs, for timing)")
     gen.add_argument("--no-speculate", action="store_true", help="target-only decoding (the baseline)")
     gen.add_argument("--adaptive", action="store_true",
                      help="with --local: choose K per window in [0, --k] from acceptance (off where it does not pay)")
@@ -467,7 +470,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     target = load_causal_lm(args.target, dtype=args.dtype, device=args.device)
     draft = None if args.no_speculate or args.draft == "none" else _load_draft(args)
     ids = encode_prompt(target.tokenizer, args.prompt, chat=not args.raw)
-    params = dataclasses.replace(params, stop_token_ids=target.stop_token_ids())
+    params = dataclasses.replace(params, stop_token_ids=() if args.ignore_eos else target.stop_token_ids())
     if args.max_tokens is None:  # the default, cut to the room the prompt leaves, as a server cuts its own: a
         # long prompt was refused naming --max-tokens, which the user had not given (user review of stop 55)
         params = dataclasses.replace(params, max_new_tokens=max(min(params.max_new_tokens,
@@ -519,7 +522,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
 
     check_target(args.server, "server")
     options = dict(raw=args.raw, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, k=0 if args.no_speculate else args.k,
+                   top_p=args.top_p, seed=args.seed, k=0 if args.no_speculate else args.k, ignore_eos=args.ignore_eos,
                    mirror=True if args.mirror else False if args.no_mirror else None)
     try:
         with Client(args.server, timeout_s=args.timeout) as client:

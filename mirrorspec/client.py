@@ -111,11 +111,12 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *,
                   max_tokens: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                   seed: int | None = None, stop: str | Sequence[str] = (), stop_token_ids: int | Sequence[int] = (),
                   k: int | None = None, mirror: bool | None = None,
-                  timeline: bool = False) -> generation_pb2.GenerateRequest:
+                  timeline: bool = False, ignore_eos: bool = False) -> generation_pb2.GenerateRequest:
     """A GenerateRequest from Python values: a str is a user message (or raw text with raw=True),
     a list of ints is token ids, a list of {"role", "content"} dicts is a chat. ``stop`` and
     ``stop_token_ids`` take one value or a list, as OpenAI's API does. ``max_tokens``, ``k`` and
-    ``mirror`` left as None take the server's defaults. Values a request cannot carry (a negative
+    ``mirror`` left as None take the server's defaults; ``ignore_eos`` runs the output past the
+    model's EOS (to max_tokens, or a stop the request names). Values a request cannot carry (a negative
     count, a seed past 2**64, a top_p of 0 or a max_tokens of 0, which the wire reads as unset)
     raise ``InvalidRequest`` naming the argument, not protobuf's bare "Value out of range"; the
     server checks everything else."""
@@ -141,9 +142,10 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *,
                       else _listed(stop_token_ids, "stop_token_ids", "token ids"))
     if max_tokens is not None and is_integer(max_tokens) and max_tokens == 0:  # the wire reads 0 as unset
         raise InvalidRequest("max_tokens must be >= 1, or None for the server's default; got 0", field="max_tokens")
-    timeline = as_scalar(timeline)
-    if not isinstance(timeline, bool):
-        raise InvalidRequest(f"timeline must be True or False, got {timeline!r}", field="timeline")
+    timeline, ignore_eos = as_scalar(timeline), as_scalar(ignore_eos)
+    for name, value in (("timeline", timeline), ("ignore_eos", ignore_eos)):
+        if not isinstance(value, bool):
+            raise InvalidRequest(f"{name} must be True or False, got {value!r}", field=name)
     if top_p == 0:  # the server refuses the rest of what lies outside (0, 1]; this it would read as unset
         raise InvalidRequest("top_p must be in (0, 1] (1 = off), got 0, which the wire reads as unset (off)",
                              field="top_p")
@@ -173,7 +175,7 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *,
         request.num_speculative_tokens = k
     if mirror is not None:
         request.mirror = mirror
-    request.timeline = timeline
+    request.timeline, request.ignore_eos = timeline, ignore_eos
     return request
 
 

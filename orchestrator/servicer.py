@@ -275,7 +275,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     def prepare(self, request) -> PreparedRequest:
         params = params_from_proto(request.params, default_max_new_tokens=self.config.default_max_new_tokens)
-        params = replace(params, stop_token_ids=tuple(sorted(set(params.stop_token_ids) | set(self.eos_ids))))
+        eos_ids = () if request.ignore_eos else self.eos_ids
+        params = replace(params, stop_token_ids=tuple(sorted(set(params.stop_token_ids) | set(eos_ids))))
         k_named = request.HasField("num_speculative_tokens")
         k = request.num_speculative_tokens if k_named else drafters_default_k(self.config, self.drafter_info)
         spec = SpeculationConfig(num_speculative_tokens=int(k), max_speculative_tokens=self.config.max_speculative_tokens,

@@ -449,6 +449,33 @@ def test_generate_local_cuts_its_default_max_tokens_to_the_room_the_prompt_leave
     assert out["finish_reason"] != "length" or len(out["token_ids"]) == room
 
 
+def test_ignore_eos_runs_the_output_past_the_models_eos_locally_and_from_a_server(tmp_path, capsys):
+    """vLLM's ignore_eos: fixed-length outputs, to time decoding rather than where a model stops."""
+    from served_stack import start_stack
+    from support import save_word_tokenizer
+
+    def tiny_target(name, eos):  # the same weights (the seed), with or without an EOS id in its config
+        return save_word_tokenizer(save_tiny_llama(tmp_path / name, seed=2, vocab=16, layers=2, eos_token_id=eos), 16)
+
+    def generated(*flags):
+        main(["generate", "w1 w2", "--raw", "--max-tokens", "20", "--json", *flags])
+        out = json.loads(capsys.readouterr().out)
+        return out["token_ids"], out["finish_reason"]
+
+    local = ["--local", "--draft", "none", "--threads", "1", "--target"]
+    free, _ = generated(*local, str(tiny_target("free", None)))
+    target = tiny_target("eos", free[5])
+    stop = free[:free.index(free[5]) + 1]
+    assert generated(*local, str(target)) == (stop, "stop")
+    assert generated(*local, str(target), "--ignore-eos") == (free, "length")
+    s = start_stack(target, strategy=None)
+    try:
+        assert generated("--server", s.address) == (stop, "stop")
+        assert generated("--server", s.address, "--ignore-eos") == (free, "length")
+    finally:
+        s.stop()
+
+
 def test_generate_local_takes_a_draft_with_a_narrower_table_and_the_targets_tokenizer(padded_pair, capsys):
     """Refused as another vocabulary before; the answer holds the target's padding ids 14, 15, 13."""
     main(["generate", "w1 w1", "--local", "--target", str(padded_pair["target"]), "--draft", str(padded_pair["draft"]),

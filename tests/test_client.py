@@ -56,6 +56,7 @@ def test_integer_like_values_are_sent_as_they_are():
     for one_id in (np.int64(3), torch.tensor(3)):  # "'numpy.int64' object is not iterable" (a user's review)
         assert list(build_request("hi", stop_token_ids=one_id).params.stop_token_ids) == [3]
     assert build_request("hi", timeline=np.bool_(True)).timeline is True
+    assert build_request("hi", ignore_eos=np.bool_(True)).ignore_eos is True
     assert build_request("hi").params.max_new_tokens == 0  # unset: the server's default
 
 
@@ -113,6 +114,7 @@ def test_one_stop_string_or_id_is_one_stop_not_one_per_letter():
     ({"stop": b"w8"}, "stop", "stop is bytes; decode it"),
     ({"stop_token_ids": 2.5}, "stop_token_ids", "stop_token_ids takes one of its token ids or a list of them"),
     ({"timeline": "no"}, "timeline", "timeline must be True or False, got 'no'"),
+    ({"ignore_eos": 1}, "ignore_eos", "ignore_eos must be True or False, got 1"),
     # the wire reads 0 as unset: the server's default, 128 tokens, came back (a user's review)
     ({"max_tokens": 0}, "max_tokens", "max_tokens must be >= 1, or None for the server's default; got 0"),
 ])

@@ -28,7 +28,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "chat", "raw_text", "params", "seed", "stop", "num_speculative_tokens", "mirror", "timeline")
+    __slots__ = ("text", "token_ids", "chat", "raw_text", "params", "seed", "stop", "num_speculative_tokens", "mirror", "timeline", "ignore_eos")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class GenerateRequest(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MIRROR_FIELD_NUMBER: _ClassVar[int]
     TIMELINE_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     chat: ChatMessages
@@ -49,7 +50,8 @@ class GenerateRequest(_message.Message):
     num_speculative_tokens: int
     mirror: bool
     timeline: bool
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., raw_text: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_speculative_tokens: _Optional[int] = ..., mirror: _Optional[bool] = ..., timeline: _Optional[bool] = ...) -> None: ...
+    ignore_eos: bool
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., raw_text: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., num_speculative_tokens: _Optional[int] = ..., mirror: _Optional[bool] = ..., timeline: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class RequestStats(_message.Message):
     __slots__ = ("windows", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "per_position_acceptance", "draft_time_s", "verify_time_s", "network_time_s", "drafter_fallback", "time_to_first_token_s", "total_time_s", "rejected", "token_acceptance_rate", "target_moves", "drafter_moves", "mirror_windows", "branches_drafted", "branch_hits", "branch_hit_rate", "draft_time_off_path_s", "mean_k", "timeline", "speculation_paused_windows", "runner_up_hits", "windows_on_target", "first_verify_time_s", "adaptive_off_windows")

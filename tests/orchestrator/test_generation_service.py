@@ -1475,7 +1475,8 @@ def test_a_front_door_timeout_must_be_positive(field, value):
 def test_a_front_door_stops_at_the_eos_ids_of_its_targets_generation_config(tiny_dir, tmp_path):
     """As `generate --local` does. The front door took EOS from its tokenizer alone (here there is
     none): an instruct model whose end of turn is in its generation config alone (Llama 3's
-    <|eot_id|>) ran on to max_tokens when served, and said "length"."""
+    <|eot_id|>) ran on to max_tokens when served, and said "length". With ignore_eos it runs on;
+    the stop ids the request names still stop it."""
     from support import save_tiny_llama
 
     reference = target_only(load(tiny_dir["target16"]), [0, 7, 3], 20)
@@ -1486,11 +1487,15 @@ def test_a_front_door_stops_at_the_eos_ids_of_its_targets_generation_config(tiny
     try:
         with Client(s.address) as client:
             completion = client.generate([0, 7, 3], max_tokens=20)
+            past_eos = client.generate([0, 7, 3], max_tokens=20, ignore_eos=True)  # vLLM's, for timing
+            stopped_by_id = client.generate([0, 7, 3], max_tokens=20, ignore_eos=True, stop_token_ids=reference[8])
     finally:
         s.stop()
     first_stop = min(reference.index(t) for t in (eos, 99 % 16) if t in reference)
     assert completion.token_ids == reference[:first_stop + 1]
     assert completion.finish_reason == "stop"
+    assert past_eos.token_ids == reference and past_eos.finish_reason == "length"
+    assert stopped_by_id.token_ids == reference[:reference.index(reference[8]) + 1]
 
 
 @pytest.mark.parametrize("proposal_top_k", [0, 4], ids=["dense-q", "sparse-q"])
@@ -1774,3 +1779,4 @@ def test_a_front_door_s_mirror_requests_start_from_what_the_last_one_learnt(tiny
     [(history, blank), (again, resumed)] = made
     assert history is again is not None
     assert blank == 0 and resumed > 0  # the second request started with the first one's verify times
+
