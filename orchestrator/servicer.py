@@ -599,7 +599,7 @@ class _StopStrings:
             if any(stop in seen for stop in self.stops):
                 return tokens[:i], True
         seen = self.tail + self.text.push(tokens)
-        self.tail = seen[len(seen) - self.reach:]
+        self.tail = seen[-self.reach:] if self.reach else ""  # [len(seen) - reach:] wrapped round while short
         return tokens, False
 
 

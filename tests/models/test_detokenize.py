@@ -49,3 +49,16 @@ def test_streaming_a_long_answer_decodes_each_token_a_bounded_number_of_times(tm
     deltas, rest = streamed(counting, tokens, 1)
     assert "".join(deltas) + rest == counting.tokenizer.decode(tokens, skip_special_tokens=True)
     assert counting.decoded <= 6 * len(tokens)  # whole decodes at each push would be ~250 times more
+
+
+def test_a_run_of_special_tokens_is_not_decoded_again_at_every_push(tmp_path):
+    """A run of special tokens (EOS after EOS, as ignore_eos gives) adds no text, so the offsets
+    stayed put and each push decoded the whole run again: 3,347 decodes a token at 4k tokens (a
+    review's find). Here w0 is the tokenizer's one special token."""
+    from transformers import AutoTokenizer
+
+    counting = CountingTokenizer(AutoTokenizer.from_pretrained(support.save_word_tokenizer(tmp_path, 12)))
+    counting.all_special_ids = counting.tokenizer.all_special_ids
+    tokens = [1, 2, 3] + [0] * 2000 + [4]
+    deltas, rest = streamed(counting, tokens, 2)
+    assert "".join(deltas) + rest == "w1 w2 w3 w4" and counting.decoded <= 6 * len(tokens)

@@ -52,3 +52,13 @@ def test_a_long_answer_without_its_stop_decodes_each_token_a_bounded_number_of_t
     counting = CountingTokenizer(words)
     assert cut_in_windows(counting, ("never there",), [i % 12 for i in range(2000)], random.Random(0)) == (2000, False)
     assert counting.decoded <= 40 * 2000  # the old check: ~2e6
+
+
+def test_a_stop_at_the_start_of_the_output_that_spans_two_windows_is_found(words):
+    """The text kept to search across windows was cut with ``[len(seen) - reach:]``, which wrapped
+    round while the output was shorter than the longest stop and kept its end alone: "w1 w2 w3"
+    over windows [w1 w2] and [w3] ran past its stop (a review's find)."""
+    check = _StopStrings(words, ("w1 w2 w3",))
+    w1, w2, w3, w4 = words.convert_tokens_to_ids(["w1", "w2", "w3", "w4"])
+    assert check.cut([w1, w2]) == ([w1, w2], False)
+    assert check.cut([w3, w4]) == ([w3], True)
