@@ -287,8 +287,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             offered = (with_runner_up(proposal, runner_up, self.vocab_size) if runner_up is not None
                        else replace(proposal, alternatives=(), alternative_probs=()))
             started = time.perf_counter()
-            verifying = asyncio.ensure_future(self.lane.run_for(session, session.verifier.verify, seq.context, offered,
-                                                                seq.params, seq.seed))
+            verifying = asyncio.ensure_future(self.lane.run_for(session, session.verifier.verify, list(seq.context),
+                                                                offered, seq.params, seq.seed))
             branches = None
             try:
                 branches = branching.start(drafts, seq.context, proposal, runner_up,
