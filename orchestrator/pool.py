@@ -137,6 +137,11 @@ class ReplicaPool:
 
         return min(healthy, key=preference, default=None)
 
+    def takes_sessions_besides(self, address: str) -> bool:
+        """Whether a new session could go to a member other than ``address`` now."""
+        with self._changed:
+            return self._least_loaded({address}) is not None
+
     def unusable(self) -> str | None:
         """Why no new session could go to this pool now (no member, or every one failed of late),
         or None where one could."""

@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 # means the replica went away.
 _REPLICA_GONE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 _SESSION_GONE = grpc.StatusCode.NOT_FOUND
+# the replica's compute raised: the replica's fault (a CUDA error, out of memory) or the request's
+_COMPUTE_FAILED = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 # an open's answers that say the replica opened nothing: any other failure may come after it did
 _REFUSED_BEFORE_OPENING = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT,
                                      grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.UNIMPLEMENTED,
@@ -98,6 +100,7 @@ class PooledSession:
         self.session_id: str | None = None
         self.held: list[int] = []  # the context the remote session holds
         self.moves = 0  # reopenings after the first open
+        self.failed_on: set[str] = set()  # the replica whose compute raised on this session (one at most)
         # the session may hold tokens past ``held`` (a target running the windows sent it more than
         # it reported before its run broke off): the next call says how many to keep
         self.may_hold_more = False
@@ -112,7 +115,7 @@ class PooledSession:
         up to ``replacement_wait_s``. A replica that is down is kept off for the pool's failure
         cooldown only, not for the rest of the request: one restarted at its own address (a
         single-target deployment) serves the session again."""
-        tried: set[str] = set()  # replicas that refused (full), or were down when time ran out
+        tried = set(self.failed_on)  # replicas that failed it, refused (full), or were down when time ran out
         deadline = time.monotonic() + self.replacement_wait_s
         # the budget left to this request, so a replayed (longer) prompt passes the context check
         params = replace(self.params, max_new_tokens=max(self.params.max_new_tokens
@@ -145,6 +148,9 @@ class PooledSession:
                     self.pool.report_failure(replica)
                     if time.monotonic() >= deadline:  # out of time: not this one again
                         tried.add(replica.address)
+                    continue
+                if err.code() in _COMPUTE_FAILED and self.elsewhere_after(replica, err):
+                    tried.add(replica.address)
                     continue
                 if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise
@@ -207,6 +213,8 @@ class PooledSession:
                 elif err.code() == _SESSION_GONE:
                     log.info("%s session %s is gone; reopening it from the token log", self.pool.name, self.session_id)
                     self.move(context)
+                elif err.code() in _COMPUTE_FAILED and self.elsewhere_after(self.replica, err):
+                    self.move(context)
                 else:
                     raise
                 continue
@@ -214,6 +222,22 @@ class PooledSession:
             return result
         raise NoReplicaAvailable(f"the {self.pool.name} session moved {self.max_moves_per_call} times in one "
                                  f"window without an answer; the {self.pool.name} pool is unhealthy")
+
+    def elsewhere_after(self, replica: Replica, err: grpc.RpcError) -> bool:
+        """Whether the session goes to another replica after ``replica``'s compute raised on it.
+        A replica that raises (out of memory, a device error) still answers its health check, so
+        it lost its requests and drew every new one that tied onto it (a review's find): the
+        session moves, once, and the replica is kept off for the cooldown. The same failure on a
+        second replica is the request's own, and is raised: a request that fails everywhere must
+        not put every replica of the pool off. Nor does it move where no other replica could take
+        it now (a pool of one, the rest failed of late): it would wait for one, and lose the error."""
+        if self.failed_on or not self.pool.takes_sessions_besides(replica.address):
+            return False
+        log.warning("%s replica %s failed a call (%s: %s); replaying the session elsewhere", self.pool.name,
+                    replica.address, err.code().name, err.details())
+        self.failed_on.add(replica.address)
+        self.pool.report_failure(replica)
+        return True
 
     def _hung(self, err: grpc.RpcError) -> bool:
         """A window past its own deadline, shorter than the request's: the replica hangs (a stuck

@@ -434,6 +434,58 @@ def test_drafter_failure_mid_request_falls_back_without_losing_it(tiny_dir, mirr
         s.stop()
 
 
+def compute_fails(server) -> None:
+    """``server``'s compute raises from now on, as on a CUDA out-of-memory or device error: it
+    answers INTERNAL, and its health check still says SERVING."""
+    async def raising(session, fn, *args, **kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB (simulated)")
+    server.servicer.lane.run_for = raising
+
+
+@pytest.mark.parametrize("on_target", [False, True], ids=["front door windows", "windows on target"])
+def test_a_target_whose_compute_fails_mid_request_hands_its_session_to_another(tiny_dir, on_target):
+    """Its requests were lost (UNAVAILABLE "a backend answered INTERNAL"), though the other replica
+    was healthy, and it was not reported failed, so every new request that tied onto it was lost
+    too (a review's find). The session moves once, the replica is kept off for the cooldown, and a
+    request whose compute fails where no other replica is free is its own failure: raised at once."""
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, target_replicas=2, windows_on_target=on_target,
+                    failure_cooldown_s=600)  # the failed one stays off for the whole test
+    targets = s.front.servicer.targets
+    try:
+        with Client(s.address) as client:
+            stream = client.stream([0, 7, 3], max_tokens=40)
+            first = next(stream)
+            holder = next(address for address, sessions in targets.load().items() if sessions)
+            compute_fails(next(t for t in s.targets if holder.endswith(f":{t.port}")))
+            rest = list(stream)
+            assert list(first.token_ids) + [t for c in rest for t in c.token_ids] == target_only(
+                load(tiny_dir["target16"]), [0, 7, 3], 40)
+            assert rest[-1].stats.target_moves == 1 and set(targets._failed_at) == {holder}
+            assert client.generate([1, 2], max_tokens=4).stats.target_moves == 0  # new ones go to the other
+            for target in s.targets:
+                compute_fails(target)
+            with pytest.raises(grpc.RpcError) as err:
+                client.generate([1, 2], max_tokens=4)
+            assert "CUDA out of memory" in err.value.details() and set(targets._failed_at) == {holder}
+    finally:
+        s.stop()
+
+
+def test_a_request_whose_compute_fails_on_every_target_fails_having_put_one_replica_off(tiny_dir):
+    """A failure that follows the request from replica to replica is the request's own: it moves
+    once, and is raised on the second, rather than putting each replica of the pool off in turn."""
+    s = start_stack(tiny_dir["target16"], strategy=None, target_replicas=3, failure_cooldown_s=600)
+    try:
+        for target in s.targets:
+            compute_fails(target)
+        with Client(s.address) as client, pytest.raises(grpc.RpcError) as err:
+            client.generate([1, 2], max_tokens=4)
+        assert "CUDA out of memory" in err.value.details()
+        assert len(s.front.servicer.targets._failed_at) == 1
+    finally:
+        s.stop()
+
+
 def test_a_drafter_that_answers_out_of_the_vocabulary_is_dropped_and_the_request_goes_on(tiny_dir, monkeypatch):
     """Its answer would reach the target (a runner-up is taken from the alternatives) and fail the
     request there with INVALID_ARGUMENT, blaming the client; refused at the front door, it turns
