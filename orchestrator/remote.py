@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 _REPLICA_GONE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 _SESSION_GONE = grpc.StatusCode.NOT_FOUND
 # the replica's compute raised: the replica's fault (a CUDA error, out of memory) or the request's
+ROOM_POLL_S = 0.25  # how often a moving session asks full replicas again
 _COMPUTE_FAILED = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 # an open's answers that say the replica opened nothing: any other failure may come after it did
 _REFUSED_BEFORE_OPENING = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT,
@@ -72,6 +73,7 @@ class PooledSession:
     """One request's session on some replica of a pool, replayed elsewhere when it has to move."""
 
     max_moves_per_call = 4
+    waits_for_room_to_move = True  # a session that must move waits for a full replica's room
     # an open still running after this long has its replica's health asked, and again as often:
     # an open prefills, which takes as long as the prompt is, so its deadline cannot tell a long
     # prompt from a replica that stopped (a frozen process held a replayed session its whole budget)
@@ -126,6 +128,10 @@ class PooledSession:
                 replica = self.pool.acquire(tried, wait_s=0.0 if full else max(deadline - time.monotonic(), 0.0),
                                             stop=self.ended)
             except NoReplicaAvailable:
+                if full and self._room_may_come(deadline):  # a move: others' sessions end meanwhile
+                    tried -= full
+                    full.clear()
+                    continue
                 if full:
                     raise SessionLimitReached(
                         f"every {self.pool.name} replica that answered is at its session limit "
@@ -160,6 +166,18 @@ class PooledSession:
             self.replica, self.session_id, self.held = replica, response.session_id, list(context)
             self.pool.holds(replica, response.session_id)
             return
+
+    def _room_may_come(self, deadline: float) -> bool:
+        """After a short wait, whether a session moving off a replica (gone, drained, failing) tries
+        the full ones again: it had streamed tokens, and failed at once with RESOURCE_EXHAUSTED where
+        the survivors were full for a moment (a failure-injection review). A request's first open
+        still fails fast (admission control), and so does a drafter's: it goes on target-only."""
+        if not (self.moves and self.waits_for_room_to_move) or time.monotonic() >= deadline:
+            return False
+        if self.ended is not None:
+            return not self.ended.wait(min(ROOM_POLL_S, max(deadline - time.monotonic(), 0.0)))
+        time.sleep(min(ROOM_POLL_S, max(deadline - time.monotonic(), 0.0)))
+        return True
 
     def _open_on(self, replica: Replica, request, session_id: str):
         """``OpenSession`` on ``replica`` as ``session_id``, for up to the request's deadline while
@@ -629,6 +647,8 @@ class RemoteDrafter(Drafter):
 
 
 class _DraftSession(PooledSession):
+    waits_for_room_to_move = False  # drafts are optional: the request goes on target-only at once
+
     def __init__(self, *args, caller_looks_up: bool = False, target_vocab: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
         self.caller_looks_up = caller_looks_up  # the replica's prompt lookup runs in the orchestrator

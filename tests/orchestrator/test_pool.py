@@ -180,6 +180,37 @@ def test_draining_a_target_replica_moves_its_session_and_frees_the_replica(poole
     assert len(drain.server.servicer.sessions) == 0  # closed on the way out, not left to the TTL
 
 
+@pytest.mark.parametrize("how", ["killed", "drained"])
+def test_a_session_that_must_move_while_the_other_replica_is_full_waits_for_its_room(tiny_dir, how):
+    """Its replica gone or drained, a request that had streamed tokens failed at once with
+    RESOURCE_EXHAUSTED where the other replica was full for a moment (a failure-injection review):
+    a moving session asks the full ones again until ``replacement_wait_s``. Here the other's one
+    slot frees a second later, as a request that finishes frees it."""
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, target_replicas=2, target_max_sessions=1)
+    targets = s.front.servicer.targets
+    try:
+        def lose_the_replica_while_the_other_is_full():
+            lost = holder(targets)
+            other = next(a for a in targets.addresses if a != lost)
+            stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(other))
+            slot = stub.OpenSession(target_pb2.OpenTargetSessionRequest(prompt_ids=[0, 1])).session_id
+            frees = threading.Timer(1.0, stub.CloseSession, [common_pb2.CloseSessionRequest(session_id=slot)])
+            frees.start()
+            with targets_held(s):
+                if how == "killed":
+                    server_at(s.targets, lost).stop(grace=0)
+                else:
+                    targets.set_members([other])
+            lose_the_replica_while_the_other_is_full.timer = frees
+
+        tokens, last = stream_with(s, [0, 7, 3], 40, lose_the_replica_while_the_other_is_full)
+        lose_the_replica_while_the_other_is_full.timer.join()
+        assert tokens == target_only(load(tiny_dir["target16"]), [0, 7, 3], 40)
+        assert last.stats.target_moves == 1
+    finally:
+        s.stop()
+
+
 def test_killing_a_drafter_replica_moves_drafting_to_another_one(pooled, tiny_dir):
     drafters = pooled.front.servicer.drafters
 
