@@ -611,17 +611,33 @@ def _eos_ids(tokenizer) -> list[int]:
     return [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
 
 
-async def _backend_info(pool: str, address: str, make_stub, wait_s: float = 60.0):
-    """A backend's Info, waiting up to ``wait_s`` for it to come up (launchers start all three
-    servers at once); one that never answers, or answers as something else, is the setting's fault."""
+async def _backend_info(pool: str, addresses: list[str], make_stub, wait_s: float = 60.0):
+    """The first Info a pool's replicas answer, all asked at once, each waited for up to ``wait_s``
+    (launchers start all the servers at once). Every replica of a pool serves the same model, and
+    one that is down must not keep the front door from starting: only the first was asked, so
+    a front door restarted with a membership that still listed a lost replica first refused to
+    start (a failure-injection review). None answering, or each as something else, is the
+    setting's fault."""
+    channels = [_channel(address) for address in addresses]
+    calls = [make_stub(channel).Info.future(common_pb2.InfoRequest(), timeout=wait_s, wait_for_ready=True)
+             for channel in channels]
     try:
-        with _channel(address) as channel:
-            return await asyncio.to_thread(make_stub(channel).Info, common_pb2.InfoRequest(), timeout=wait_s,
-                                           wait_for_ready=True)
-    except grpc.RpcError as err:
-        raise InvalidRequest(f"no {pool} server answered Info at {address} within {wait_s:.0f} s "
-                             f"({err.code().name}: {err.details()}); start one there (python -m {pool}_service) "
-                             f"or fix the address", field=pool) from None
+        while not any(call.done() and call.exception() is None for call in calls) and not all(c.done() for c in calls):
+            await asyncio.sleep(INFO_POLL_S)
+        for call in calls:
+            if call.done() and call.exception() is None:
+                return call.result()
+        why = "; ".join(f"{address}: {call.exception().code().name}: {call.exception().details()}"
+                        for address, call in zip(addresses, calls))
+        raise InvalidRequest(f"no {pool} server answered Info at {', '.join(addresses)} within {wait_s:.0f} s "
+                             f"({why}); start one there (python -m {pool}_service) or fix the address", field=pool)
+    finally:
+        for call, channel in zip(calls, channels):
+            call.cancel()
+            channel.close()
+
+
+INFO_POLL_S = 0.05
 
 
 def check_drafter_vocabulary(drafter_info, target_vocab: int, tokenizer) -> None:
@@ -657,11 +673,10 @@ async def serve(config: OrchestratorConfig):
     targets = parse_addresses(config.target)
     if not targets:
         raise InvalidRequest("the orchestrator needs at least one target address (host:port)", field="target")
-    # every replica of a pool serves the same model: the first one describes them all
-    target_info = await _backend_info("target", targets[0], target_pb2_grpc.TargetServiceStub)
+    target_info = await _backend_info("target", targets, target_pb2_grpc.TargetServiceStub)
     drafter_info = None
     if config.drafter:
-        drafter_info = await _backend_info("drafter", parse_addresses(config.drafter)[0],
+        drafter_info = await _backend_info("drafter", parse_addresses(config.drafter),
                                            drafter_pb2_grpc.DrafterServiceStub)
     tokenizer = await asyncio.to_thread(try_load_tokenizer, config.tokenizer or target_info.model.source)
     if drafter_info is not None:

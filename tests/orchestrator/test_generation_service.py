@@ -1096,14 +1096,29 @@ def test_seeded_sampled_runner_up_requests_draw_the_in_process_tokens(tiny_dir, 
 
 
 @pytest.mark.parametrize("address, says", [
-    ("127.0.0.1:1", "no target server answered Info at 127.0.0.1:1 within 1 s (DEADLINE_EXCEEDED"),
-    ("drafter", "(UNIMPLEMENTED"),  # a drafter's address given as a target's
+    ("127.0.0.1:1", "no target server answered Info at 127.0.0.1:1 within 1 s (127.0.0.1:1: DEADLINE_EXCEEDED"),
+    ("drafter", ": UNIMPLEMENTED"),  # a drafter's address given as a target's
 ])
 def test_a_front_door_whose_backend_does_not_answer_names_the_setting(stack, address, says):
     address = f"127.0.0.1:{stack.drafters[0].port}" if address == "drafter" else address
     with pytest.raises(InvalidRequest, match=re.escape(says)) as err:
-        asyncio.run(_backend_info("target", address, target_pb2_grpc.TargetServiceStub, wait_s=1.0))
+        asyncio.run(_backend_info("target", [address], target_pb2_grpc.TargetServiceStub, wait_s=1.0))
     assert err.value.field == "target"
+
+
+def test_a_front_door_starts_and_serves_where_the_first_replica_of_each_pool_is_down(stack, tiny_dir):
+    """Only the first replica of a pool was asked to describe it: a front door whose list named a
+    lost replica first (as one restarted with a membership that still lists it) waited 60 s and
+    refused to start, the one that answers never asked (a failure-injection review)."""
+    from mirrorspec.serving.server import BackgroundServer
+    from orchestrator.servicer import serve
+
+    down = "127.0.0.1:1"
+    front = OrchestratorConfig(target=f"{down},127.0.0.1:{stack.targets[0].port}",
+                               drafter=f"{down},127.0.0.1:{stack.drafters[0].port}", port=0)
+    with BackgroundServer(lambda: serve(front)) as door, Client(f"127.0.0.1:{door.port}", timeout_s=60) as client:
+        served = client.generate([0, 7, 3], max_tokens=12)
+    assert list(served.token_ids) == target_only(load(tiny_dir["target16"]), [0, 7, 3], 12)
 
 
 @pytest.mark.parametrize("field, value", [("target", "127.0.0.1"), ("drafter", "http://127.0.0.1:50062"),
