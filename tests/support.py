@@ -7,6 +7,7 @@ The reference distribution code here is written independently of ``mirrorspec.sa
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import pickle
 import select
@@ -62,6 +63,33 @@ def save_word_tokenizer(path: Path, num_words: int, prefix: str = "w") -> Path:
     words = Tokenizer(models.WordLevel({f"{prefix}{i}": i for i in range(num_words)}, unk_token=f"{prefix}0"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=words, unk_token=f"{prefix}0").save_pretrained(path)
+    return path
+
+
+def save_sentencepiece_style_tokenizer(path: Path, text: str) -> Path:
+    """A Llama-2-style tokenizer trained on ``text``: "▁" for spaces, a decoder that strips the
+    first token's leading space, and byte-fallback tokens for characters it never learnt, so a
+    character can span tokens. Streamed text must keep the spaces such a decoder drops."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    trained.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    trained.train_from_iterator([text] * 20, trainers.BpeTrainer(vocab_size=200, special_tokens=specials,
+                                                                 limit_alphabet=30))
+    learnt = json.loads(trained.to_str())["model"]
+    vocab = {token: i for i, token in enumerate(specials)} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    for token in sorted(learnt["vocab"], key=learnt["vocab"].get):
+        vocab.setdefault(token, len(vocab))
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in learnt["merges"]]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tokenizer.normalizer = trained.normalizer
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    tokenizer.add_special_tokens(specials)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(path)
     return path
 
 

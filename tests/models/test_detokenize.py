@@ -31,6 +31,22 @@ def test_the_deltas_of_the_demo_tokenizer_make_the_full_text_and_never_half_a_ch
     assert not [d for d in deltas if "\ufffd" in d]  # a character split over tokens waits for its end
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_deltas_of_a_sentencepiece_style_tokenizer_keep_the_space_its_decoder_strips_first(tmp_path, seed):
+    """Llama's and Mistral's decoders drop the first token's leading space: text decoded from a
+    window of tokens alone would lose a space at each window's start. EOS ids in the output (as
+    ignore_eos leaves them) add nothing, and characters it never learnt span byte tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(support.save_sentencepiece_style_tokenizer(tmp_path, TEXT))
+    words = TEXT.split(" ")
+    tokens = [t for word in words[seed:] for t in tokenizer.encode(word, add_special_tokens=False)  # "▁" + word
+              + ([tokenizer.eos_token_id] if word.endswith(".") else [])]
+    deltas, rest = streamed(tokenizer, tokens, seed)
+    assert "".join(deltas) + rest == tokenizer.decode(tokens, skip_special_tokens=True)
+    assert tokenizer.decode(tokens[:3], skip_special_tokens=True)[0] != " "  # it does strip the first space
+
+
 def test_the_deltas_of_a_word_tokenizer_keep_the_spaces_it_writes_between_tokens(tmp_path):
     from transformers import AutoTokenizer
 
