@@ -48,8 +48,8 @@ log = logging.getLogger(__name__)
 # means the replica went away.
 _REPLICA_GONE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 _SESSION_GONE = grpc.StatusCode.NOT_FOUND
-# the replica's compute raised: the replica's fault (a CUDA error, out of memory) or the request's
 ROOM_POLL_S = 0.25  # how often a moving session asks full replicas again
+# the replica's compute raised: the replica's fault (a CUDA error, out of memory) or the request's
 _COMPUTE_FAILED = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 # an open's answers that say the replica opened nothing: any other failure may come after it did
 _REFUSED_BEFORE_OPENING = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT,
@@ -174,10 +174,8 @@ class PooledSession:
         still fails fast (admission control), and so does a drafter's: it goes on target-only."""
         if not (self.moves and self.waits_for_room_to_move) or time.monotonic() >= deadline:
             return False
-        if self.ended is not None:
-            return not self.ended.wait(min(ROOM_POLL_S, max(deadline - time.monotonic(), 0.0)))
-        time.sleep(min(ROOM_POLL_S, max(deadline - time.monotonic(), 0.0)))
-        return True
+        ended = self.ended or threading.Event()  # a request that cannot end: a plain sleep
+        return not ended.wait(min(ROOM_POLL_S, max(deadline - time.monotonic(), 0.0)))
 
     def _open_on(self, replica: Replica, request, session_id: str):
         """``OpenSession`` on ``replica`` as ``session_id``, for up to the request's deadline while

@@ -611,6 +611,9 @@ def _eos_ids(tokenizer) -> list[int]:
     return [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
 
 
+INFO_POLL_S = 0.05  # how often a starting front door looks for its pools' first answers
+
+
 async def _backend_info(pool: str, addresses: list[str], make_stub, wait_s: float = 60.0):
     """The first Info a pool's replicas answer, all asked at once, each waited for up to ``wait_s``
     (launchers start all the servers at once). Every replica of a pool serves the same model, and
@@ -622,11 +625,13 @@ async def _backend_info(pool: str, addresses: list[str], make_stub, wait_s: floa
     calls = [make_stub(channel).Info.future(common_pb2.InfoRequest(), timeout=wait_s, wait_for_ready=True)
              for channel in channels]
     try:
-        while not any(call.done() and call.exception() is None for call in calls) and not all(c.done() for c in calls):
+        while True:
+            answered = next((call for call in calls if call.done() and call.exception() is None), None)
+            if answered is not None:
+                return answered.result()
+            if all(call.done() for call in calls):
+                break
             await asyncio.sleep(INFO_POLL_S)
-        for call in calls:
-            if call.done() and call.exception() is None:
-                return call.result()
         why = "; ".join(f"{address}: {call.exception().code().name}: {call.exception().details()}"
                         for address, call in zip(addresses, calls))
         raise InvalidRequest(f"no {pool} server answered Info at {', '.join(addresses)} within {wait_s:.0f} s "
@@ -635,9 +640,6 @@ async def _backend_info(pool: str, addresses: list[str], make_stub, wait_s: floa
         for call, channel in zip(calls, channels):
             call.cancel()
             channel.close()
-
-
-INFO_POLL_S = 0.05
 
 
 def check_drafter_vocabulary(drafter_info, target_vocab: int, tokenizer) -> None:
