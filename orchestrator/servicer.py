@@ -230,7 +230,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     # ---- RPCs -------------------------------------------------------------------------------
     async def Generate(self, request, context):
         with self._counted():  # from its admission on: a drain that began while it was tokenized waits for it
-            prepared = await self._admit(request)
+            prepared = await self._admit(request, context)
             outcome = RequestOutcome()
             async for _ in self._run(prepared, outcome, context):
                 pass
@@ -241,7 +241,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def GenerateStream(self, request, context):
         with self._counted():
-            prepared = await self._admit(request)
+            prepared = await self._admit(request, context)
             outcome = RequestOutcome()
             detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
             async for tokens in self._run(prepared, outcome, context):
@@ -266,12 +266,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         """A request answered before it reached a handler (one that does not parse) is refused too."""
         self.metrics.refuse(code.name)
 
-    async def _admit(self, request) -> PreparedRequest:
+    async def _admit(self, request, context) -> PreparedRequest:
         """The request prepared, or refused before it runs and counted so: refusals (bad input, a
-        front door that is stopping) reached no metric, and an operator saw none of them."""
+        front door that is stopping) reached no metric, and an operator saw none of them. One its
+        client left while it was tokenized is counted as one that left."""
         try:
             self._refuse_while_draining()
             return await asyncio.get_running_loop().run_in_executor(self._preparers, self.prepare, request)
+        except asyncio.CancelledError:
+            remaining = context.time_remaining() if context is not None else None
+            gone = "deadline_exceeded" if remaining is not None and remaining <= 0 else "cancelled"
+            self.metrics.observe(RequestOutcome(finish_reason=gone))
+            raise
         except Exception as err:
             self.refused(status_for(err))
             raise

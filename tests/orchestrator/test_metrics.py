@@ -124,3 +124,44 @@ def test_a_request_that_ran_into_a_full_target_is_an_error_by_its_status(tiny_di
         assert counts_by_label(metrics.errors, "code") == {"RESOURCE_EXHAUSTED": 1.0}
     finally:
         s.stop()
+
+
+def test_a_request_its_client_leaves_while_it_is_tokenized_is_counted(padded_pair, monkeypatch):
+    """Requests are tokenized off the event loop; one whose client left (or whose deadline passed)
+    meanwhile never reached the window loop, which is where requests were counted (review of
+    this stop)."""
+    import threading
+
+    import grpc
+
+    import orchestrator.servicer as front_door
+    from mirrorspec.client import Client
+    from served_stack import start_stack
+    from support import wait_until
+
+    entered, release = threading.Event(), threading.Event()
+    encode = front_door.encode_prompt
+
+    def held_encode(*args, **kwargs):
+        entered.set()
+        release.wait(30)
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(front_door, "encode_prompt", held_encode)
+    s = start_stack(padded_pair["target"], strategy=None)
+    metrics = s.front.servicer.metrics
+    try:
+        with Client(s.address, timeout_s=0.5) as client, pytest.raises(grpc.RpcError):
+            client.generate("w1 w2", raw=True, max_tokens=4)
+        assert wait_until(lambda: counts_by_label(metrics.requests, "finish_reason") == {"deadline_exceeded": 1.0})
+        release.set()
+        entered.clear()
+        release.clear()
+        with Client(s.address) as client:
+            stream = client.stream("w1 w2", raw=True, max_tokens=4)
+            assert entered.wait(30)
+            stream.cancel()
+            assert wait_until(lambda: counts_by_label(metrics.requests, "finish_reason").get("cancelled") == 1.0)
+    finally:
+        release.set()
+        s.stop()
