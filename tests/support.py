@@ -93,6 +93,27 @@ def save_sentencepiece_style_tokenizer(path: Path, text: str) -> Path:
     return path
 
 
+class HeldTokenizing:
+    """Holds the front door's prompt tokenizing (``encode_prompt``) until ``release`` is set:
+    ``entered`` says a request reached it, ``threads`` names the threads it ran on."""
+
+    def __init__(self, monkeypatch):
+        import threading
+
+        import orchestrator.servicer as front_door
+
+        self.entered, self.release, self.threads = threading.Event(), threading.Event(), []
+        encode = front_door.encode_prompt
+
+        def held(*args, **kwargs):
+            self.threads.append(threading.current_thread().name)
+            self.entered.set()
+            self.release.wait(30)
+            return encode(*args, **kwargs)
+
+        monkeypatch.setattr(front_door, "encode_prompt", held)
+
+
 class CountingTokenizer:
     """Counts the tokens it is asked to decode: the cost of detokenizing, without a clock."""
 

@@ -1854,18 +1854,9 @@ def test_a_request_is_tokenized_off_the_event_loop_and_a_drain_begun_meanwhile_l
     which every other stream's next window waited out: it is tokenized in a thread of its own, and
     the front door answers meanwhile. The request is in flight from its admission on, so a drain
     that begins while it is tokenized waits for it, rather than stopping the server under it."""
-    import orchestrator.servicer as front_door
+    from support import HeldTokenizing
 
-    entered, release, threads, results = threading.Event(), threading.Event(), [], {}
-    encode = front_door.encode_prompt
-
-    def held_encode(*args, **kwargs):
-        threads.append(threading.current_thread().name)
-        entered.set()
-        release.wait(30)
-        return encode(*args, **kwargs)
-
-    monkeypatch.setattr(front_door, "encode_prompt", held_encode)
+    held, results = HeldTokenizing(monkeypatch), {}
     s = start_stack(padded_pair["target"], strategy=None)
     try:
         def send():
@@ -1876,18 +1867,18 @@ def test_a_request_is_tokenized_off_the_event_loop_and_a_drain_begun_meanwhile_l
                 results["error"] = f"{err.code()}: {err.details()}"
         worker = threading.Thread(target=send)
         worker.start()
-        assert entered.wait(30)
+        assert held.entered.wait(30)
         with Client(s.address, timeout_s=10) as other:
             assert other.model_info().target.vocab_size == 16  # the loop answers while the prompt is tokenized
         stopping = threading.Thread(target=lambda: s.front.stop(grace=20))
         stopping.start()
         assert wait_until(lambda: s.front.servicer.draining, timeout=10, every=0.01)
         assert s.front.servicer.busy()  # the drain waits for it (it stopped the server after FLUSH_S)
-        release.set()
+        held.release.set()
         worker.join(timeout=60)
         stopping.join(timeout=60)
     finally:
-        release.set()
+        held.release.set()
         s.stop()
     assert "error" not in results, results["error"]
-    assert results["text"] and [name.split("_")[0] for name in threads] == ["prepare"]
+    assert results["text"] and [name.split("_")[0] for name in held.threads] == ["prepare"]

@@ -130,38 +130,27 @@ def test_a_request_its_client_leaves_while_it_is_tokenized_is_counted(padded_pai
     """Requests are tokenized off the event loop; one whose client left (or whose deadline passed)
     meanwhile never reached the window loop, which is where requests were counted (review of
     this stop)."""
-    import threading
-
     import grpc
 
-    import orchestrator.servicer as front_door
     from mirrorspec.client import Client
     from served_stack import start_stack
-    from support import wait_until
+    from support import HeldTokenizing, wait_until
 
-    entered, release = threading.Event(), threading.Event()
-    encode = front_door.encode_prompt
-
-    def held_encode(*args, **kwargs):
-        entered.set()
-        release.wait(30)
-        return encode(*args, **kwargs)
-
-    monkeypatch.setattr(front_door, "encode_prompt", held_encode)
+    held = HeldTokenizing(monkeypatch)
     s = start_stack(padded_pair["target"], strategy=None)
     metrics = s.front.servicer.metrics
     try:
         with Client(s.address, timeout_s=0.5) as client, pytest.raises(grpc.RpcError):
             client.generate("w1 w2", raw=True, max_tokens=4)
         assert wait_until(lambda: counts_by_label(metrics.requests, "finish_reason") == {"deadline_exceeded": 1.0})
-        release.set()
-        entered.clear()
-        release.clear()
+        held.release.set()
+        held.entered.clear()
+        held.release.clear()
         with Client(s.address) as client:
             stream = client.stream("w1 w2", raw=True, max_tokens=4)
-            assert entered.wait(30)
+            assert held.entered.wait(30)
             stream.cancel()
             assert wait_until(lambda: counts_by_label(metrics.requests, "finish_reason").get("cancelled") == 1.0)
     finally:
-        release.set()
+        held.release.set()
         s.stop()
