@@ -463,6 +463,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from mirrorspec.engine import generate
     from mirrorspec.models import encode_prompt, load_causal_lm
+    from mirrorspec.models.detokenize import decode_text
 
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
     _quiet_transformers()
@@ -481,7 +482,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                       draft_confidence=args.draft_confidence, adaptive=args.adaptive,
                       mirror=args.mirror, hint_layer=args.hint_layer, hint_lens=_hint_lens(target, args.hint_layer),
                       on_tokens=printer.push if printer else None, runner_up=not args.no_runner_up)
-    text = target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    text = decode_text(target.tokenizer, result.token_ids)
     if args.json:
         print(json.dumps({
             "text": text,
@@ -1122,6 +1123,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from mirrorspec.engine import generate
     from mirrorspec.models import DEMO_DRAFT, encode_prompt, load_causal_lm
     from mirrorspec.models.demo_draft import SHIPPED_WEIGHTS
+    from mirrorspec.models.detokenize import decode_text
 
     provenance = json.loads(SHIPPED_WEIGHTS.with_suffix(".json").read_text())
     print(f"demo draft: {SHIPPED_WEIGHTS} ({SHIPPED_WEIGHTS.stat().st_size / 1e6:.1f} MB), "
@@ -1143,7 +1145,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                          prompt_lookup=DEFAULT_PROMPT_LOOKUP, draft_confidence=DEFAULT_DRAFT_CONFIDENCE)
     runner_up = generate(target.model, draft, ids, params, num_speculative_tokens=cli_k, runner_up=True,
                          prompt_lookup=DEFAULT_PROMPT_LOOKUP, draft_confidence=DEFAULT_DRAFT_CONFIDENCE)
-    print(target.tokenizer.decode(spec.token_ids, skip_special_tokens=True))
+    print(decode_text(target.tokenizer, spec.token_ids))
     print(f"\n{'target alone':<19} {alone.tokens_per_second:6.1f} tok/s")
     for name, run, k in (("with demo draft", spec, args.k), ("+ prompt lookup", lookup, args.k),
                          ("+ stop when unsure", confident, cli_k), ("+ runner-up", runner_up, cli_k)):

@@ -27,7 +27,7 @@ from mirrorspec.engine import GenerationStats, decode_windows, first_window_k, v
 from mirrorspec.mirror import BranchHistory, MirrorPipeline
 from mirrorspec.models import encode_chat, encode_prompt
 from mirrorspec.models.loading import same_tokenizer, try_load_tokenizer
-from mirrorspec.models.detokenize import IncrementalDetokenizer
+from mirrorspec.models.detokenize import IncrementalDetokenizer, decode_text
 from mirrorspec.sampling import fresh_seed
 from mirrorspec.serving.convert import params_from_proto
 from mirrorspec.serving.errors import status_for
@@ -545,7 +545,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     # ---- responses ----------------------------------------------------------------------------
     def _text(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer else ""
+        return decode_text(self.tokenizer, tokens) if self.tokenizer else ""
 
     def _stats(self, outcome: RequestOutcome) -> generation_pb2.RequestStats:
         s = outcome.stats

@@ -93,6 +93,22 @@ def save_sentencepiece_style_tokenizer(path: Path, text: str) -> Path:
     return path
 
 
+def save_wordpiece_tokenizer(path: Path, text: str) -> Path:
+    """A BERT-style tokenizer trained on ``text``: WordPiece with "##" pieces, and transformers'
+    ``clean_up_tokenization_spaces`` on, which rewrites a whole decode (" 's" -> "'s") in a way
+    text decoded in pieces does not add up to."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.train_from_iterator([text] * 10, trainers.WordPieceTrainer(vocab_size=150, special_tokens=["[UNK]", "[SEP]"]))
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", eos_token="[SEP]",
+                            clean_up_tokenization_spaces=True).save_pretrained(path)
+    return path
+
+
 class HeldTokenizing:
     """Holds the front door's prompt tokenizing (``encode_prompt``) until ``release`` is set:
     ``entered`` says a request reached it, ``threads`` names the threads it ran on."""

@@ -5,6 +5,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
+def decode_text(tokenizer, tokens: Sequence[int]) -> str:
+    """The one rule for turning output tokens into text, so the unary text, the streamed deltas and
+    the stop-string check agree.
+
+    transformers' ``clean_up_tokenization_spaces`` (" ." -> ".", " 's" -> "'s", set on BERT-style
+    tokenizers) rewrites the decoded string as a whole, so text decoded in pieces does not add up
+    to it: a streamed "o 'brien" could lose characters against the unary "o'brien". It is off here,
+    as it is in vLLM's detokenizer; a tokenizer's own decoder still cleans up token by token.
+    """
+    return tokenizer.decode(list(tokens), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
 class IncrementalDetokenizer:
     """Hands out the text each push of tokens adds, decoding only the tokens since the last delta
     with the few before them as context (vLLM's prefix/read offsets).
@@ -26,7 +38,7 @@ class IncrementalDetokenizer:
         self.parts: list[str] = []
 
     def text_of(self, tokens: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+        return decode_text(self.tokenizer, tokens)
 
     def unread_text(self, more: Sequence[int] = ()) -> str:
         """The text the unread tokens, and ``more`` after them, add to what was handed out."""

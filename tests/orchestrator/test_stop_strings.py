@@ -6,6 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 import support
+from mirrorspec.models.detokenize import decode_text
 from orchestrator.servicer import _StopStrings
 from support import CountingTokenizer
 
@@ -18,7 +19,7 @@ def words(tmp_path_factory):
 def cut_by_decoding_everything(tokenizer, stops, tokens: list[int]) -> tuple[int, bool]:
     """The rule, the slow way: the first prefix of the output whose whole text holds a stop."""
     for i in range(1, len(tokens) + 1):
-        if any(stop in tokenizer.decode(tokens[:i], skip_special_tokens=True) for stop in stops):
+        if any(stop in decode_text(tokenizer, tokens[:i]) for stop in stops):
             return i, True
     return len(tokens), False
 
