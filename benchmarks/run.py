@@ -18,7 +18,8 @@ import torch
 
 from mirrorspec.config import (DEFAULT_DRAFT_QUANTIZE, DTYPE_HELP, DTYPE_NAMES, QUANTIZATIONS, InvalidRequest,
                                check_shared_vocabulary)
-from mirrorspec.models.loading import LoadedModel, device_flag, load_causal_lm, same_tokenizer, try_load_tokenizer
+from mirrorspec.models.loading import (LoadedModel, device_flag, load_causal_lm, quiet_transformers, same_tokenizer,
+                                       try_load_tokenizer)
 from mirrorspec.models.prepack import is_prepacked, prepack_linears
 from mirrorspec.models.quantize import apply_quantization
 
@@ -122,14 +123,6 @@ def truncated_target(target: LoadedModel, layers: int) -> torch.nn.Module:
     return model
 
 
-def _quiet_transformers() -> None:
-    """The truncated draft triggers a long 'unused weights' report; HF progress bars clutter stderr."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-
-
 # ------------------------------------------------------------------------------ main
 
 BUSY_FRACTION = 0.2
@@ -190,7 +183,7 @@ def reprint(path: Path, parser: argparse.ArgumentParser) -> int:
 
 
 def _load(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[LoadedModel, Drafts]:
-    _quiet_transformers()
+    quiet_transformers()
     try:
         target = load_causal_lm(args.target, dtype=args.dtype, device=args.device)
     except (InvalidRequest, OSError) as err:

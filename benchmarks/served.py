@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from drafter_service.servicer import DrafterConfig
-from mirrorspec.cli import start_local_stack
+from mirrorspec.cli.local_stack import start_local_stack
 from mirrorspec.client import Client
 from mirrorspec.config import DEFAULT_DRAFT_QUANTIZE, AdaptiveKConfig
 from mirrorspec.models import LoadedModel

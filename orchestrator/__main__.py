@@ -2,7 +2,7 @@
 
 import argparse
 
-from mirrorspec.cli import check_wait
+from mirrorspec.cli.flags import check_wait
 from mirrorspec.config import AdaptiveKConfig, InvalidRequest, MirrorConfig, refuse_setting
 from mirrorspec.serving.server import run_until_terminated
 from orchestrator.servicer import OrchestratorConfig, serve

@@ -4,7 +4,7 @@ import threading
 from contextlib import contextmanager
 
 from drafter_service.servicer import DrafterConfig
-from mirrorspec.cli import LocalStack, start_local_stack
+from mirrorspec.cli.local_stack import LocalStack, start_local_stack
 from mirrorspec.client import Client
 from mirrorspec.config import DEFAULT_DRAFT_QUANTIZE
 from target_service.servicer import TargetConfig

@@ -11,7 +11,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from mirrorspec.cli import _front_door_routes_current_membership, main
+from mirrorspec.cli import main
+from mirrorspec.cli.deployment import _front_door_routes_current_membership
 from mirrorspec.config import DEFAULT_DRAFT_CONFIDENCE, DEFAULT_K, DEFAULT_K_CONFIDENT, default_k
 from mirrorspec.serving.server import health_status
 from support import save_tiny_llama
@@ -663,7 +664,7 @@ def test_demo_runs_the_shipped_draft_beside_the_target():
 
 def test_the_summary_line_names_runner_up_wins_windows_on_the_target_and_adaptive_off_where_there_were_any():
     """One summary for in-process stats and a server's RequestStats alike."""
-    from mirrorspec.cli import speculation_summary
+    from mirrorspec.cli.generate import speculation_summary
     from mirrorspec.engine import GenerationStats
     from mirrorspec.v1 import generation_pb2
 
@@ -688,7 +689,7 @@ def test_a_termination_signal_while_a_deployment_starts_interrupts_it_like_ctrl_
     import os
     import signal
 
-    from mirrorspec.cli import interrupted_by_termination
+    from mirrorspec.cli.lifecycle import interrupted_by_termination
 
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)
     for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -704,7 +705,7 @@ def test_a_sighup_the_process_was_started_ignoring_stays_ignored_while_a_deploym
     import os
     import signal
 
-    from mirrorspec.cli import interrupted_by_termination
+    from mirrorspec.cli.lifecycle import interrupted_by_termination
 
     before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
@@ -724,8 +725,8 @@ def test_a_serving_process_ends_its_wait_on_sigterm_and_sighup_so_it_tears_down(
     would end the test run."""
     import signal
 
-    waiting = subprocess.Popen([sys.executable, "-c", "from mirrorspec.cli import _wait_for_stop; print('waiting', "
-                                "flush=True); _wait_for_stop(); print('stopped')"], stdout=subprocess.PIPE, text=True)
+    waiting = subprocess.Popen([sys.executable, "-c", "from mirrorspec.cli.lifecycle import wait_for_stop; print('waiting', "
+                                "flush=True); wait_for_stop(); print('stopped')"], stdout=subprocess.PIPE, text=True)
     assert waiting.stdout.readline().strip() == "waiting"
     time.sleep(1.0)  # into the wait, past installing the handlers (microseconds after the print)
     waiting.send_signal(getattr(signal, sig))
@@ -739,7 +740,7 @@ def test_a_local_stack_whose_drafter_fails_to_start_leaves_no_server_running(tin
     import threading
 
     from drafter_service.servicer import DrafterConfig
-    from mirrorspec.cli import start_local_stack
+    from mirrorspec.cli.local_stack import start_local_stack
     from mirrorspec.config import InvalidRequest
     from target_service.servicer import TargetConfig
 
@@ -770,11 +771,12 @@ def test_a_request_past_its_timeout_is_a_timeout_flag_error(tiny_dir, capsys):
 
 def test_serve_windows_on_target_reaches_the_front_door_on_ray_and_in_process(monkeypatch):
     """The flag reaches the Ray deployment's spec, and the in-process stack's front door."""
-    import mirrorspec.cli as cli
+    import mirrorspec.cli.serve as serve
+    from mirrorspec.cli import parse_command_line
 
-    args = cli.parse_command_line(["serve", "--windows-on-target", "--draft", "ngram"])
-    assert cli._stack_spec(args, target_gpus=0.0).windows_on_target
-    assert not cli._stack_spec(cli.parse_command_line(["serve", "--draft", "ngram"]), 0.0).windows_on_target
+    args = parse_command_line(["serve", "--windows-on-target", "--draft", "ngram"])
+    assert serve._stack_spec(args, target_gpus=0.0).windows_on_target
+    assert not serve._stack_spec(parse_command_line(["serve", "--draft", "ngram"]), 0.0).windows_on_target
 
     started = {}
 
@@ -782,10 +784,10 @@ def test_serve_windows_on_target_reaches_the_front_door_on_ray_and_in_process(mo
         started.update(front)
         raise KeyboardInterrupt  # the front door's options are all this test wants
 
-    monkeypatch.setattr(cli, "start_local_stack", fake_stack)
+    monkeypatch.setattr(serve, "start_local_stack", fake_stack)
     monkeypatch.setattr("mirrorspec.models.load_causal_lm", lambda source, **_: SimpleNamespace(source=source))
     with pytest.raises(KeyboardInterrupt):
-        cli._serve_in_process(cli.parse_command_line(
+        serve._serve_in_process(parse_command_line(
             ["serve", "--in-process", "--windows-on-target", "--draft", "ngram", "--threads", "1"]))
     assert started["windows_on_target"] is True
 
@@ -793,9 +795,9 @@ def test_serve_windows_on_target_reaches_the_front_door_on_ray_and_in_process(mo
 def test_in_process_takes_one_of_each_replica_as_typed(monkeypatch):
     """--tp 1, --drafters 1 and --targets 1 say what --in-process runs: a script that switches
     between Ray and in-process by one flag keeps them (they are refused at any other value)."""
-    import mirrorspec.cli as cli
+    import mirrorspec.cli.serve as serve
 
-    monkeypatch.setattr(cli, "_serve_in_process", lambda args: 0)
+    monkeypatch.setattr(serve, "_serve_in_process", lambda args: 0)
     assert main(["serve", "--in-process", "--tp", "1", "--drafters", "1", "--targets", "1", "--port", "0",
                  "--metrics-port", "0"]) == 0
 

@@ -58,6 +58,15 @@ class LoadedModel:
         return tuple(sorted(t for t in ids if t < self.model.config.vocab_size))
 
 
+def quiet_transformers() -> None:
+    """A truncated draft triggers a long 'unused weights' report, and HF's progress bars clutter
+    stderr: the command line's and the benchmarks' own output is what a person reads."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
 def resolve_device(device: str = "auto") -> torch.device:
     """``auto`` (CUDA where present), or a device this process can actually use: a typo or a GPU
     this machine lacks is a clear InvalidRequest naming ``device``, not a traceback at load."""

@@ -361,7 +361,7 @@ def test_ray_start_rejects_gpu_inside_resources():
 def test_the_head_launches_the_serving_stack_with_flags_the_cli_accepts(name):
     import shlex
 
-    from mirrorspec.cli import build_parser
+    from mirrorspec.cli.parser import build_parser
 
     config = load(ROOT / "cluster" / name)
     (command,) = [c for c in config["head_start_ray_commands"] if "mirrorspec serve" in c]

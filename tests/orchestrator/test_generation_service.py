@@ -1138,7 +1138,7 @@ def test_a_front_door_not_told_its_k_drafts_the_window_the_cli_would(tiny_dir, d
     takes the one ``mirrorspec serve`` picks (config.default_k) for the drafters it finds, which
     now tell their confidence cut. Before, such a front door drafted 4 for an n-gram pool."""
     from drafter_service.servicer import DrafterConfig
-    from mirrorspec.cli import start_local_stack
+    from mirrorspec.cli.local_stack import start_local_stack
     from mirrorspec.config import default_k
     from target_service.servicer import TargetConfig
 
@@ -1174,7 +1174,7 @@ def test_a_front_door_started_with_no_drafter_takes_the_k_of_the_pool_it_is_give
     Both now follow the pool from the moment it is there."""
     from drafter_service.servicer import DrafterConfig
     from drafter_service.servicer import serve as serve_drafter
-    from mirrorspec.cli import start_local_stack
+    from mirrorspec.cli.local_stack import start_local_stack
     from mirrorspec.serving.server import BackgroundServer
     from target_service.servicer import TargetConfig
 

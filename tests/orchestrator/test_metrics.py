@@ -63,7 +63,7 @@ def test_num_drafts_counts_windows_that_carried_drafts_only():
 
 def test_a_front_door_that_drafted_nothing_yet_has_no_acceptance_rate_for_status():
     """`status` showed 0.00 before any request: every draft rejected, at a glance (a review's find)."""
-    from mirrorspec.cli import format_status
+    from mirrorspec.cli.deployment import format_status
 
     summary = SpecDecodeMetrics().summary()
     assert summary["acceptance_rate"] is None and summary["requests"] == 0

@@ -596,7 +596,7 @@ def test_a_run_longer_than_the_session_ttl_keeps_its_target_session(tiny_dir, sl
     door: a run that outlived the TTL had its session evicted (and its KV cache freed) under it,
     and the target counted it as closed (review 1)."""
     from drafter_service.servicer import DrafterConfig
-    from mirrorspec.cli import start_local_stack
+    from mirrorspec.cli.local_stack import start_local_stack
     from target_service.servicer import TargetConfig
 
     s = start_local_stack(TargetConfig(model=str(tiny_dir["target16"]), session_ttl_s=1.0),
