@@ -230,8 +230,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     # ---- RPCs -------------------------------------------------------------------------------
     async def Generate(self, request, context):
         with self._counted():  # from its admission on: a drain that began while it was tokenized waits for it
-            prepared = await self._admit(request, context)
             outcome = RequestOutcome()
+            prepared = await self._admit(request, context, outcome)
             async for _ in self._run(prepared, outcome, context):
                 pass
             return generation_pb2.GenerateResponse(
@@ -241,8 +241,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def GenerateStream(self, request, context):
         with self._counted():
-            prepared = await self._admit(request, context)
             outcome = RequestOutcome()
+            prepared = await self._admit(request, context, outcome)
             detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
             async for tokens in self._run(prepared, outcome, context):
                 yield generation_pb2.GenerateStreamResponse(token_ids=tokens, text=detok.push(tokens) if detok else "",
@@ -266,17 +266,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         """A request answered before it reached a handler (one that does not parse) is refused too."""
         self.metrics.refuse(code.name)
 
-    async def _admit(self, request, context) -> PreparedRequest:
+    async def _admit(self, request, context, outcome: RequestOutcome) -> PreparedRequest:
         """The request prepared, or refused before it runs and counted so: refusals (bad input, a
         front door that is stopping) reached no metric, and an operator saw none of them. One its
-        client left while it was tokenized is counted as one that left."""
+        client left while it was tokenized is counted as one that left. ``outcome`` is made on
+        arrival, so latency and time to first token count tokenizing and the wait for a preparer
+        thread, as vLLM's count from arrival (they started after it: a review's find)."""
         try:
             self._refuse_while_draining()
             return await asyncio.get_running_loop().run_in_executor(self._preparers, self.prepare, request)
         except asyncio.CancelledError:
             remaining = context.time_remaining() if context is not None else None
-            gone = "deadline_exceeded" if remaining is not None and remaining <= 0 else "cancelled"
-            self.metrics.observe(RequestOutcome(finish_reason=gone))
+            outcome.finish_reason = "deadline_exceeded" if remaining is not None and remaining <= 0 else "cancelled"
+            self.metrics.observe(outcome)
             raise
         except Exception as err:
             self.refused(status_for(err))

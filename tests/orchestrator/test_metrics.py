@@ -154,3 +154,31 @@ def test_a_request_its_client_leaves_while_it_is_tokenized_is_counted(padded_pai
     finally:
         held.release.set()
         s.stop()
+
+
+def test_latency_and_time_to_first_token_count_from_the_requests_arrival(padded_pair, monkeypatch):
+    """They counted from the end of tokenizing: a request that waited for a preparer thread, or
+    whose long prompt took its time to tokenize, reported a latency without that wait (a review's
+    find). The tokenizing is held here for ``hold_s``, which both must then include."""
+    import threading
+    import time
+
+    from mirrorspec.client import Client
+    from served_stack import start_stack
+    from support import HeldTokenizing
+
+    hold_s = 0.3
+    held = HeldTokenizing(monkeypatch)
+    s = start_stack(padded_pair["target"], strategy=None)
+    metrics = s.front.servicer.metrics
+    releaser = threading.Thread(target=lambda: held.entered.wait(30) and (time.sleep(hold_s), held.release.set()))
+    releaser.start()
+    try:
+        with Client(s.address) as client:
+            done = client.generate("w1 w2", raw=True, max_tokens=4)
+    finally:
+        held.release.set()
+        releaser.join()
+        s.stop()
+    assert done.stats.total_time_s >= hold_s and done.stats.time_to_first_token_s >= hold_s
+    assert metrics.e2e._sum.get() >= hold_s and metrics.ttft._sum.get() >= hold_s
