@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from mirrorspec.cli.parser import build_parser, FLAG_FOR_FIELD
+from mirrorspec.cli.parser import FLAG_FOR_FIELD, build_parser
 from mirrorspec.config import InvalidRequest
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from mirrorspec.cli.demo import cmd_demo
 from mirrorspec.cli.deployment import cmd_scale, cmd_status, cmd_stop
 from mirrorspec.cli.flags import ray_address
-from mirrorspec.cli.generate import cmd_generate, GENERATE_MAX_TOKENS
+from mirrorspec.cli.generate import GENERATE_MAX_TOKENS, cmd_generate
 from mirrorspec.cli.serve import cmd_serve
 from mirrorspec.config import (
     DEFAULT_DRAFT_CONFIDENCE,
