@@ -20,22 +20,25 @@ from mirrorspec.engine import GenerationResult, GenerationStats, decode_windows,
 __all__ = [
     "AsyncClient",
     "Client",
+    "ClientClosed",
     "GenerationResult",
     "GenerationStats",
     "InvalidRequest",
     "NotAFrontDoor",
     "OutOfRange",
+    "RequestRefused",
     "SamplingParams",
     "SpeculationConfig",
     "decode_windows",
     "generate",
 ]
 __version__ = "0.1.0"
+CLIENT_NAMES = ("Client", "AsyncClient", "NotAFrontDoor", "RequestRefused", "ClientClosed")
 
 
 def __getattr__(name: str):
     """The gRPC clients, imported on first use: the in-process API needs no gRPC stack."""
-    if name in ("Client", "AsyncClient", "NotAFrontDoor"):
+    if name in CLIENT_NAMES:
         from mirrorspec import client
 
         return getattr(client, name)

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
@@ -19,6 +20,7 @@ import grpc
 
 from mirrorspec.config import (InvalidRequest, as_scalar, check_address, check_seed, check_text, check_unsigned,
                                is_integer, is_real)
+from mirrorspec.serving.errors import FIELD_METADATA
 from mirrorspec.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 CHANNEL_OPTIONS = [
@@ -125,6 +127,17 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *,
     for name, value in (("temperature", temperature), ("top_p", top_p)):
         if not (is_real(value) or isinstance(value, Decimal)):
             raise InvalidRequest(f"{name} must be a number, got {value!r}", field=name)
+        try:
+            float(value)
+        except OverflowError:  # an int past a double's range met protobuf's bare "int too large to convert"
+            raise InvalidRequest(f"{name} must be a number a double holds, got one of {len(str(value))} digits",
+                                 field=name) from None
+    raw = as_scalar(raw)
+    if not isinstance(raw, bool):
+        raise InvalidRequest(f"raw must be True or False, got {raw!r}", field="raw")
+    if raw and not isinstance(prompt, str):  # token ids and chats were sent as they are, raw or not
+        raise InvalidRequest("raw=True sends a str prompt as text, without the chat template; token ids and chat "
+                             "messages take no template anyway: drop raw, or pass the prompt as a str", field="raw")
     mirror = as_scalar(mirror)  # numpy's bool, a 0-d tensor
     if mirror is not None and not isinstance(mirror, bool):
         raise InvalidRequest(f"mirror must be True, False or None (the server's default), got {mirror!r}",
@@ -184,6 +197,8 @@ def _listed(values, field: str, what: str) -> list:
     went out one entry per byte."""
     if isinstance(values, (bytes, bytearray)):
         raise InvalidRequest(f"{field} is bytes; decode it to a str first", field=field)
+    if isinstance(values, dict):  # went out as its keys
+        raise InvalidRequest(f"{field} takes one of its {what} or a list of them, got a dict", field=field)
     try:
         return list(values)
     except TypeError:
@@ -198,6 +213,9 @@ def check_prompt(prompt) -> None:
                              "as a list of ints", field="prompt")
     if isinstance(prompt, dict):
         raise InvalidRequest("prompt is one chat message; a chat is a list of them: [message]", field="prompt")
+    if getattr(prompt, "ndim", None) == 0:  # a 0-d tensor or array has __len__, which raises
+        raise InvalidRequest("prompt is one token id (a 0-d tensor or array); pass a list of ids, e.g. [id]",
+                             field="prompt")
     sized = hasattr(prompt, "__len__") and hasattr(prompt, "__getitem__")  # a numpy array or tensor of ids too
     if prompt is not None and not isinstance(prompt, str) and not sized:
         raise InvalidRequest(f"prompt must be a str, a list of token ids or a list of chat messages, got "
@@ -236,14 +254,87 @@ class NotAFrontDoor(InvalidRequest):
                          f"serve` printed", field="address")
 
 
+# the front door names a refused field as the protocol does; the client, as its caller typed it
+ARGUMENT_FOR_FIELD = {"max_new_tokens": "max_tokens", "num_speculative_tokens": "k", "text": "prompt",
+                      "raw_text": "prompt", "token_ids": "prompt", "chat": "prompt", "input_ids": "prompt"}
+REFUSAL_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
+
+
+class RequestRefused(InvalidRequest, grpc.RpcError):
+    """The front door refused an argument (INVALID_ARGUMENT, OUT_OF_RANGE). An ``InvalidRequest``
+    naming the argument as the caller passed it (``max_tokens``, not the wire's ``max_new_tokens``),
+    as the client's own checks raise for the same argument: code catching ``InvalidRequest`` saw
+    half the refusals as a bare ``RpcError`` (a review's find). Still the ``RpcError`` it was:
+    ``code()``, ``details()`` and ``trailing_metadata()`` are the call's."""
+
+    def __init__(self, call: grpc.RpcError):
+        wire_field = dict(call.trailing_metadata() or ()).get(FIELD_METADATA)
+        super().__init__(f"the front door refused the request: {call.details()}",
+                         field=ARGUMENT_FOR_FIELD.get(wire_field, wire_field))
+        self.call = call
+
+    def code(self) -> grpc.StatusCode:
+        return self.call.code()
+
+    def details(self) -> str:
+        return self.call.details()
+
+    def trailing_metadata(self):
+        return self.call.trailing_metadata()
+
+
+class ClientClosed(grpc.RpcError):
+    """The ``AsyncClient`` was closed while this call ran. grpc.aio ends such a call with a bare
+    ``CancelledError``, which a ``TaskGroup`` takes for a cancelled task and drops with no error:
+    the work was lost in silence (a review's find). The sync client's call fails CANCELLED."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.CANCELLED
+
+    def details(self) -> str:
+        return str(self)
+
+
 @contextmanager
 def _front_door_answers(address: str):
     try:
         yield
     except grpc.RpcError as err:  # a sync call's error is a grpc.Call, an asyncio one's an AioRpcError: both have code()
-        if callable(getattr(err, "code", None)) and err.code() == grpc.StatusCode.UNIMPLEMENTED:
+        code = err.code() if callable(getattr(err, "code", None)) else None
+        if code == grpc.StatusCode.UNIMPLEMENTED:
             raise NotAFrontDoor(address, err.details()) from err
+        if code in REFUSAL_CODES and not isinstance(err, RequestRefused):
+            raise RequestRefused(err) from err
         raise
+
+
+@contextmanager
+def _closing_is_an_error(address: str):
+    """A ``CancelledError`` that no one sent this task (it is not being cancelled) came from the
+    channel closing under the call: raised as ``ClientClosed``."""
+    try:
+        yield
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling() == 0:
+            raise ClientClosed(f"the AsyncClient of {address} was closed while this call ran; its result is lost "
+                               f"(the front door freed its sessions): close the client after its calls end") from None
+        raise
+
+
+REQUEST_ARGUMENTS = frozenset(list(inspect.signature(build_request).parameters)[1:])
+
+
+def _request(call: str, prompt, arguments: dict) -> generation_pb2.GenerateRequest:
+    """``build_request`` for a client call, whose unknown argument was reported as ``build_request``'s."""
+    unknown = sorted(set(arguments) - REQUEST_ARGUMENTS)
+    if unknown:
+        raise TypeError(f"{call}() got an unexpected keyword argument {unknown[0]!r}; it takes the prompt, "
+                        f"timeout_s (this call's deadline) and {', '.join(sorted(REQUEST_ARGUMENTS))}")
+    return build_request(prompt, **arguments)
+
+
+CLIENT_DEADLINE = object()  # a call's timeout_s left out: the client's ``timeout_s``
 
 
 class _Stream:
@@ -275,17 +366,23 @@ class Client:
                                              options=[*CHANNEL_OPTIONS, *keepalive_channel_options(keepalive_s)])
         self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
 
-    def generate(self, prompt=None, **kwargs) -> Completion:
-        request = build_request(prompt, **kwargs)
+    def generate(self, prompt=None, *, timeout_s=CLIENT_DEADLINE, **kwargs) -> Completion:
+        """``kwargs``: ``build_request``'s; ``timeout_s``: this call's deadline, if not the client's."""
+        request = _request("generate", prompt, kwargs)
         with _front_door_answers(self.address):
-            return _completion(self.stub.Generate(request, timeout=self.timeout_s))
+            return _completion(self.stub.Generate(request, timeout=self._deadline(timeout_s)))
 
-    def stream(self, prompt=None, **kwargs) -> Iterator[generation_pb2.GenerateStreamResponse]:
-        return _Stream(self.stub.GenerateStream(build_request(prompt, **kwargs), timeout=self.timeout_s), self.address)
+    def stream(self, prompt=None, *, timeout_s=CLIENT_DEADLINE,
+               **kwargs) -> Iterator[generation_pb2.GenerateStreamResponse]:
+        request = _request("stream", prompt, kwargs)
+        return _Stream(self.stub.GenerateStream(request, timeout=self._deadline(timeout_s)), self.address)
 
-    def model_info(self) -> generation_pb2.ModelInfoResponse:
+    def model_info(self, *, timeout_s=CLIENT_DEADLINE) -> generation_pb2.ModelInfoResponse:
         with _front_door_answers(self.address):
-            return self.stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=self.timeout_s)
+            return self.stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=self._deadline(timeout_s))
+
+    def _deadline(self, timeout_s) -> float | None:
+        return self.timeout_s if timeout_s is CLIENT_DEADLINE else check_timeout(timeout_s)
 
     def close(self) -> None:
         self.channel.close()
@@ -331,25 +428,35 @@ class AsyncClient:
         self.channel  # noqa: B018 - opens it on this loop, or checks the loop it was opened on
         return self._stub
 
-    async def generate(self, prompt=None, **kwargs) -> Completion:
-        request = build_request(prompt, **kwargs)
-        with _front_door_answers(self.address):
-            return _completion(await self.stub.Generate(request, timeout=self.timeout_s))
+    async def generate(self, prompt=None, *, timeout_s=CLIENT_DEADLINE, **kwargs) -> Completion:
+        """``kwargs``: ``build_request``'s; ``timeout_s``: this call's deadline, if not the client's."""
+        request = _request("generate", prompt, kwargs)
+        with _closing_is_an_error(self.address), _front_door_answers(self.address):
+            return _completion(await self.stub.Generate(request, timeout=self._deadline(timeout_s)))
 
-    async def stream(self, prompt=None, **kwargs) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+    def stream(self, prompt=None, *, timeout_s=CLIENT_DEADLINE,
+               **kwargs) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
         """A stream left early (``break``, then ``aclose()`` or the generator dropped) cancels its
-        call, which frees its sessions on the server: it ran on for nobody, to ``max_tokens``."""
-        call = self.stub.GenerateStream(build_request(prompt, **kwargs), timeout=self.timeout_s)
+        call, which frees its sessions on the server: it ran on for nobody, to ``max_tokens``. Its
+        arguments are checked here, at the call, as the sync client's are (they were checked at
+        the first ``__anext__``)."""
+        return self._stream(_request("stream", prompt, kwargs), self._deadline(timeout_s))
+
+    async def _stream(self, request, timeout_s: float | None) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+        call = self.stub.GenerateStream(request, timeout=timeout_s)
         try:
-            with _front_door_answers(self.address):
+            with _closing_is_an_error(self.address), _front_door_answers(self.address):
                 async for chunk in call:
                     yield chunk
         finally:
             call.cancel()
 
-    async def model_info(self) -> generation_pb2.ModelInfoResponse:
-        with _front_door_answers(self.address):
-            return await self.stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=self.timeout_s)
+    async def model_info(self, *, timeout_s=CLIENT_DEADLINE) -> generation_pb2.ModelInfoResponse:
+        with _closing_is_an_error(self.address), _front_door_answers(self.address):
+            return await self.stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=self._deadline(timeout_s))
+
+    def _deadline(self, timeout_s) -> float | None:
+        return self.timeout_s if timeout_s is CLIENT_DEADLINE else check_timeout(timeout_s)
 
     async def close(self) -> None:
         if self._channel is not None and self._loop is asyncio.get_running_loop():

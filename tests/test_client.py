@@ -18,6 +18,7 @@ def test_the_clients_are_importable_from_the_package():
 
     assert (mirrorspec.Client, mirrorspec.AsyncClient) == (client.Client, client.AsyncClient)
     assert mirrorspec.NotAFrontDoor is client.NotAFrontDoor  # what the clients raise for a drafter's address
+    assert (mirrorspec.RequestRefused, mirrorspec.ClientClosed) == (client.RequestRefused, client.ClientClosed)
     with pytest.raises(AttributeError, match="no attribute 'Clinet'"):
         mirrorspec.Clinet  # noqa: B018
 
@@ -117,6 +118,11 @@ def test_one_stop_string_or_id_is_one_stop_not_one_per_letter():
     ({"ignore_eos": 1}, "ignore_eos", "ignore_eos must be True or False, got 1"),
     # the wire reads 0 as unset: the server's default, 128 tokens, came back (a user's review)
     ({"max_tokens": 0}, "max_tokens", "max_tokens must be >= 1, or None for the server's default; got 0"),
+    # the rest raised bare errors from protobuf or torch, or went out misread (a client review)
+    ({"temperature": 10 ** 400}, "temperature", "temperature must be a number a double holds"),  # OverflowError
+    ({"prompt": "hi", "raw": "yes"}, "raw", "raw must be True or False, got 'yes'"),
+    ({"prompt": [1, 2], "raw": True}, "raw", "raw=True sends a str prompt as text"),  # ignored before
+    ({"stop": {"END": 1}}, "stop", "stop takes one of its strings or a list of them, got a dict"),  # its keys
 ])
 def test_values_the_wire_would_misread_or_protobuf_refuse_are_named(kwargs, field, says):
     from mirrorspec.client import build_request
@@ -149,6 +155,34 @@ def test_arguments_of_the_wrong_type_are_named_not_met_with_a_bare_type_error(kw
     with pytest.raises(InvalidRequest, match=re.escape(says)) as err:
         build_request(**{"prompt": "hi", **kwargs})
     assert err.value.field == field
+
+
+def test_a_0_d_tensor_prompt_is_named_not_met_with_torchs_type_error():
+    import torch
+
+    from mirrorspec.client import build_request
+
+    with pytest.raises(InvalidRequest, match=re.escape("prompt is one token id (a 0-d tensor or array)")) as err:
+        build_request(torch.tensor(3))
+    assert err.value.field == "prompt"
+    assert list(build_request(torch.tensor([3, 4])).token_ids.ids) == [3, 4]
+
+
+def test_an_argument_no_call_takes_is_named_for_the_call_not_for_build_request():
+    """``generate("hi", timeout=5)`` raised "build_request() got an unexpected keyword argument",
+    a function the caller never called (a client review)."""
+    import asyncio
+
+    from mirrorspec.client import AsyncClient
+
+    with Client("127.0.0.1:1") as client, pytest.raises(TypeError, match=re.escape(
+            "generate() got an unexpected keyword argument 'timeout'; it takes the prompt, timeout_s")):
+        client.generate("hi", timeout=5)
+    with pytest.raises(TypeError, match=re.escape("stream() got an unexpected keyword argument 'max_new_tokens'")):
+        AsyncClient("127.0.0.1:1").stream("hi", max_new_tokens=5)  # at the call, as the sync client checks
+    with pytest.raises(InvalidRequest, match="must be a finite number of seconds > 0") as err:
+        asyncio.run(AsyncClient("127.0.0.1:1").generate("hi", timeout_s=-1))
+    assert err.value.field == "timeout_s"
 
 
 def test_numbers_and_bools_of_other_kinds_are_taken_as_they_were():
@@ -319,3 +353,86 @@ def test_the_async_client_names_a_server_that_is_not_a_front_door(not_a_front_do
 
     for refusal in asyncio.run(refusals()):
         assert isinstance(refusal, NotAFrontDoor) and not_a_front_door in str(refusal)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    from served_stack import start_stack
+    from support import save_tiny_llama
+
+    root = tmp_path_factory.mktemp("client")
+    served = start_stack(save_tiny_llama(root / "target", seed=0, vocab=16), save_tiny_llama(root / "draft", seed=1,
+                                                                                             vocab=16))
+    yield served
+    served.stop()
+
+
+def test_the_front_doors_refusal_names_the_argument_as_the_caller_passed_it(stack):
+    """Refused by the server, ``max_tokens`` came back as a bare ``RpcError`` naming the wire's
+    ``max_new_tokens``, where the client's own check of the same argument raises ``InvalidRequest``
+    naming ``max_tokens`` (a client review). It is both now: code catching either sees it."""
+    import asyncio
+
+    from mirrorspec.client import AsyncClient, RequestRefused
+
+    with Client(stack.address) as client:
+        for kwargs, field, code in (({"max_tokens": 10 ** 6}, "max_tokens", grpc.StatusCode.OUT_OF_RANGE),
+                                    ({"k": 100}, "k", grpc.StatusCode.OUT_OF_RANGE)):
+            with pytest.raises(RequestRefused) as err:
+                client.generate([0, 1, 2], **kwargs)
+            assert isinstance(err.value, InvalidRequest) and isinstance(err.value, grpc.RpcError)
+            assert (err.value.field, err.value.code()) == (field, code)
+        with pytest.raises(RequestRefused) as err:
+            next(iter(client.stream([0, 1, 2], max_tokens=10 ** 6)))
+        assert err.value.field == "max_tokens"
+
+    async def refused_async():
+        async with AsyncClient(stack.address) as client:
+            return await client.generate([0, 1, 2], k=100)
+
+    with pytest.raises(RequestRefused) as err:
+        asyncio.run(refused_async())
+    assert err.value.field == "k"
+
+
+def test_a_call_may_set_its_own_deadline(stack):
+    """The client's ``timeout_s`` was the only deadline, and it covered a whole stream: a long one
+    still producing tokens was cut there (a client review). A call's own ``timeout_s`` wins."""
+    with Client(stack.address) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate([0, 1, 2], max_tokens=100, timeout_s=1e-4)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert len(client.generate([0, 1, 2], max_tokens=4, timeout_s=None).token_ids) == 4
+    with Client(stack.address, timeout_s=1e-4) as client:
+        assert len(client.generate([0, 1, 2], max_tokens=4, timeout_s=60).token_ids) == 4
+
+
+def test_calls_under_way_when_an_async_client_closes_fail_with_client_closed(stack):
+    """grpc.aio ends them with a bare ``CancelledError``: a ``TaskGroup`` took them for cancelled
+    tasks and finished with no result and no error (a client review)."""
+    import asyncio
+
+    from mirrorspec.client import AsyncClient, ClientClosed
+    from served_stack import targets_held
+
+    async def closed_under_its_calls():
+        client = AsyncClient(stack.address)
+
+        async def streamed():
+            async for _ in client.stream([0, 1, 2], max_tokens=100):
+                pass
+
+        async def close_once_both_run():
+            while stack.front.servicer.in_flight < 2:
+                await asyncio.sleep(0.01)
+            await client.close()
+
+        async with asyncio.TaskGroup() as group:
+            group.create_task(streamed())
+            group.create_task(client.generate([0, 1, 2], max_tokens=100))
+            group.create_task(close_once_both_run())
+
+    with targets_held(stack), pytest.raises(ExceptionGroup) as err:
+        asyncio.run(closed_under_its_calls())
+    assert [type(e) for e in err.value.exceptions] == [ClientClosed, ClientClosed]
+    assert all(e.code() == grpc.StatusCode.CANCELLED for e in err.value.exceptions)
