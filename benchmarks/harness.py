@@ -547,6 +547,29 @@ def _record(prompt: Prompt, slot: Slot, temperature: float, seed: int, ids: list
                      stats=out.stats.to_dict() if out.stats is not None else None)
 
 
+def identity_failures(records: Sequence[RunRecord]) -> list[str]:
+    """One line per run whose tokens should have equalled another's and did not: a greedy run
+    and target-only's, a sampled served run and its in-process twin's. Each is a broken promise of
+    exactness, not a figure to read beside its speed."""
+    baseline = {(r.dataset, r.prompt_id): r.token_ids
+                for r in records if r.mode == TARGET_ONLY and r.temperature == 0.0}
+    lines = []
+    for r in records:
+        against = ("target-only" if r.identical_to_target_only is False
+                   else "its in-process twin" if r.identical_to_in_process is False else None)
+        if against is None:
+            continue
+        where = ""
+        if r.identical_to_target_only is False:
+            expected = baseline[(r.dataset, r.prompt_id)]
+            first = next((i for i, (a, b) in enumerate(zip(r.token_ids, expected)) if a != b),
+                         min(len(r.token_ids), len(expected)))
+            where = f", first at output token {first}"
+        lines.append(f"{r.mode} (K={r.k}, T={r.temperature:g}) on {r.dataset} prompt {r.prompt_id}: its tokens differ "
+                     f"from {against}'s{where}")
+    return lines
+
+
 def mark_identity(records: list[RunRecord], twins: dict[str, str] | None = None) -> None:
     """For greedy runs, whether each record's tokens equal target-only's on the same prompt; for
     sampled runs of a mode in ``twins`` (served mode -> in-process mode), whether they equal the

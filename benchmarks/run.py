@@ -25,7 +25,7 @@ from mirrorspec.models.quantize import apply_quantization
 
 from benchmarks.flags import (TRUNCATE_PREFIX, add_run_flags, csv_of, draft_spec, one_of, positive,
                               sampling_temperature, seed_flag, torch_threads, window_k)
-from benchmarks.harness import MODES, BenchPlan, Drafts, RunRecord, run_benchmark, select_modes
+from benchmarks.harness import MODES, BenchPlan, Drafts, RunRecord, identity_failures, run_benchmark, select_modes
 from benchmarks.metrics import summarize
 from benchmarks.prompts import DATASETS, load_prompts
 from benchmarks.served import ServedStacks
@@ -241,6 +241,8 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     finally:
         drafts.services.close()  # the served modes' loopback servers, if any were started
     notes += contention_note(env["others_cpu_busy_during_run"], "during the run", env["device"])
+    broken = identity_failures(records)
+    notes += [f"NOT EXACT: {line}" for line in broken]
     summaries = summarize(records)
 
     config = args_config(args)
@@ -258,6 +260,10 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for note in notes:
         print(f"note: {note}")
     print(f"\nwrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')}")
+    if broken:  # a speed figure beside these is no figure: the run fails
+        print(f"{len(broken)} runs were not token-identical where they must be (the NOT EXACT notes above)",
+              file=sys.stderr)
+        return 1
     return 0
 
 

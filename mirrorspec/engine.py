@@ -202,6 +202,10 @@ class GenerationStats:
     adaptive_off_windows: int = 0
     # the first window's verify, which prefills the prompt too: per-window costs leave it out
     first_verify_time_s: float = 0.0
+    # the first window's drafting, which prefills a draft model with the prompt too, and what it
+    # drafted: per-token drafting costs leave them out
+    first_draft_time_s: float = 0.0
+    first_drafted: int = 0
     # (what, start, end) in perf_counter seconds, what = draft | verify | branches; None = not kept
     timeline: list[tuple[str, float, float]] | None = None
 
@@ -344,6 +348,8 @@ def decode_windows(
             proposal = drafter.propose(context, k, params, seed) if k > 0 else Proposal.empty()
             ended = time.perf_counter()
             stats.draft_time_s += ended - started
+            if stats.windows == 0:
+                stats.first_draft_time_s, stats.first_drafted = ended - started, len(proposal)
             stats.span("draft", started, ended)
             if mirror is not None and k > 0:
                 mirror.policy.observe_fresh_draft(ended - started)

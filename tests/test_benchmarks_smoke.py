@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import support
-from benchmarks.harness import MODES, Drafts, RunRecord, mark_identity, select_modes
+from benchmarks.harness import MODES, Drafts, RunRecord, identity_failures, mark_identity, select_modes
 from benchmarks.metrics import expected_tokens_per_window, speedup_bound, summarize
 from benchmarks.prompts import DATASETS, load_prompts
 from benchmarks.run import main
@@ -104,6 +104,34 @@ def test_sampled_served_runs_are_checked_against_their_in_process_twin():
     rows = {(s.mode, s.temperature, s.k): (s.identical, s.same_as_in_process) for s in summarize(records)}
     assert rows[("served-hybrid", 0.7, 4)] == (None, "1/2") and rows[("served-hybrid", 0.0, 4)] == (True, None)
     assert rows[("served-draft", 0.7, 4)] == (None, None)
+
+
+def test_cost_c_leaves_out_the_first_windows_drafting_which_prefills_the_draft_model():
+    """The verify side left each request's first window out, its prefill with it; the drafting
+    side kept the draft model's prefill of the prompt in its first window (a benchmark review:
+    `cost c` 0.123 printed for 0.077, and `bound` 1.47 for 1.58)."""
+    base = _record("target-only", 0.0, [1] * 10, k=0)
+    base.stats = _stats(windows=10, accepted=0, verify_time_s=0.3 + 9 * 0.05, first_verify_time_s=0.3, committed=10,
+                        drafted=0)
+    spec = _record("mirrorspec-draft", 0.0, [1] * 5)
+    spec.stats = _stats(windows=4, accepted=2, verify_time_s=0.3 + 3 * 0.06, first_verify_time_s=0.3, committed=5,
+                        drafted=8, draft_time_s=0.2 + 6 * 0.01)
+    spec.stats.update(first_draft_time_s=0.2, first_drafted=2)  # a prefill and 2 drafts in the first window
+    row = {s.mode: s for s in summarize([base, spec])}["mirrorspec-draft"]
+    assert row.cost_ratio == pytest.approx(0.01 / 0.06)  # 0.26 / 8 / 0.06 = 0.54 with the prefill in
+
+
+def test_a_run_that_is_not_token_identical_where_it_must_be_is_named_with_where_it_differs():
+    """A greedy mismatch showed only as `NO` in one cell, beside its speed, and the run exited 0
+    (a benchmark review); the run now names each such run and fails."""
+    records = [_record("target-only", 0.0, [1, 2, 3]), _record("mirrorspec-draft", 0.0, [1, 2, 4]),
+               _record("mirrorspec-ngram", 0.0, [1, 2, 3]),
+               _record("mirrorspec-hybrid", 0.7, [5, 6]), _record("served-hybrid", 0.7, [5, 7])]
+    mark_identity(records, {"served-hybrid": "mirrorspec-hybrid"})
+    assert identity_failures(records) == [
+        "mirrorspec-draft (K=4, T=0) on mtbench prompt 1: its tokens differ from target-only's, first at output token 2",
+        "served-hybrid (K=4, T=0.7) on mtbench prompt 1: its tokens differ from its in-process twin's"]
+    assert identity_failures(records[:1] + records[2:4]) == []
 
 
 @pytest.mark.parametrize("argv, flag", [

@@ -175,6 +175,7 @@ def test_statistics_add_up(tiny_target, tiny_draft):
     assert s.mean_accepted_length == pytest.approx((s.accepted + s.runner_up_hits + s.windows) / s.windows)
     assert s.committed == len(result.token_ids)
     assert 0 < s.first_verify_time_s <= s.verify_time_s
+    assert 0 < s.first_draft_time_s <= s.draft_time_s and s.first_drafted == 4  # the first window drafts K
     assert s.per_position_acceptance == sorted(s.per_position_acceptance, reverse=True)  # prefix acceptance
     assert s.draft_time_s > 0 and s.verify_time_s > 0
     # every window either accepted all its drafts or ended at one rejection
