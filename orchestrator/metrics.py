@@ -105,6 +105,12 @@ class SpecDecodeMetrics:
             raise InvalidRequest(f"cannot serve metrics on {host}:{port}: {err.strerror or err}; pick another "
                                  f"metrics port, or 0 for a free one", field="metrics_port") from None
 
+    @property
+    def port(self) -> int | None:
+        """Where ``/metrics`` is served (the port chosen for a metrics port of 0), or None: a free
+        port was taken and told to no one (a review's find)."""
+        return self._http.server_port if self._http is not None else None
+
     def close(self) -> None:
         http, self._http = self._http, None
         if http is not None:

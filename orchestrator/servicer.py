@@ -694,6 +694,7 @@ async def serve(config: OrchestratorConfig):
     metrics = SpecDecodeMetrics()
     if config.metrics_port is not None:
         metrics.serve(config.host, config.metrics_port)
+        log.info("metrics: http://%s:%d/metrics", config.host, metrics.port)
     servicer = GenerationServicer(config, target_info, drafter_info, tokenizer, metrics)
     service = Service(generation_pb2_grpc.add_GenerationServiceServicer_to_server, servicer,
                       generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name)

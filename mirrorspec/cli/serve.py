@@ -263,8 +263,10 @@ def _serve_in_process(args: argparse.Namespace) -> int:
                                   speculation_off_above=args.speculation_off_above, runner_up=not args.no_runner_up,
                                   windows_on_target=args.windows_on_target)
     where = f"{target.model.device} in {target.dtype_name}"  # what auto chose
+    metrics_port = stack.front.servicer.metrics.port
+    metrics = f"; metrics on http://{args.host}:{metrics_port}/metrics" if metrics_port is not None else ""
     print(f"mirrorspec: serving on {args.host}:{stack.front.port} (in-process; target {args.target} on {where}, "
-          f"draft {args.draft}, K={args.k}{' mirror' if args.mirror else ''}); Ctrl-C stops", flush=True)
+          f"draft {args.draft}, K={args.k}{' mirror' if args.mirror else ''}{metrics}); Ctrl-C stops", flush=True)
     wait_for_stop()
     finish_in_flight(lambda: stack.front.stop(grace=args.shutdown_grace), args.shutdown_grace)
     stack.stop()

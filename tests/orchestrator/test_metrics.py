@@ -19,6 +19,23 @@ def test_a_metrics_port_in_use_is_refused_naming_the_setting():
     assert err.value.field == "metrics_port"
 
 
+def test_a_metrics_port_of_0_serves_on_a_free_port_it_tells():
+    """The busy-port error offers 0 for a free port, and the port taken was told to no one (a
+    review's find): ``port`` says it, and the front door logs it and `serve --in-process` prints it."""
+    import urllib.request
+
+    metrics = SpecDecodeMetrics()
+    assert metrics.port is None
+    metrics.serve("127.0.0.1", 0)
+    try:
+        assert metrics.port > 0
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics.port}/metrics", timeout=10) as page:
+            assert "mirrorspec_requests_total" in page.read().decode()
+    finally:
+        metrics.close()
+    assert metrics.port is None
+
+
 def test_cancelled_requests_are_counted_with_their_finish_reason(tiny_dir):
     """The metrics were observed after the response generator finished normally, so a cancelled,
     timed-out or failed request was never counted (nor its tokens, windows and latency)."""
