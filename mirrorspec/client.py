@@ -339,13 +339,24 @@ CLIENT_DEADLINE = object()  # a call's timeout_s left out: the client's ``timeou
 
 class _Stream:
     """A GenerateStream call whose UNIMPLEMENTED answer is raised as ``NotAFrontDoor``; the rest
-    (``cancel()``, ``code()``, ...) is the call's own."""
+    (``cancel()``, ``code()``, ...) is the call's own. It closes as a generator does (``close()``,
+    ``contextlib.closing``, ``with``), which cancels the call and frees its sessions: each raised
+    AttributeError on grpc's call object (a review's find)."""
 
     def __init__(self, call, address: str):
         self._call, self._address = call, address
 
     def __iter__(self) -> _Stream:
         return self
+
+    def close(self) -> None:
+        self._call.cancel()
+
+    def __enter__(self) -> _Stream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def __next__(self) -> generation_pb2.GenerateStreamResponse:
         with _front_door_answers(self._address):

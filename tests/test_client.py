@@ -436,3 +436,22 @@ def test_calls_under_way_when_an_async_client_closes_fail_with_client_closed(sta
         asyncio.run(closed_under_its_calls())
     assert [type(e) for e in err.value.exceptions] == [ClientClosed, ClientClosed]
     assert all(e.code() == grpc.StatusCode.CANCELLED for e in err.value.exceptions)
+
+
+def test_a_sync_stream_closes_as_a_generator_does_and_frees_its_sessions(stack):
+    """``stream.close()``, ``contextlib.closing(stream)`` and ``with stream:`` raised AttributeError
+    on grpc's call object; only ``cancel()`` worked (a client review)."""
+    import contextlib
+
+    from support import wait_until
+
+    with Client(stack.address) as client:
+        for leave in (lambda s: s.close(), lambda s: contextlib.closing(s).__exit__(None, None, None),
+                      lambda s: s.__exit__(None, None, None)):
+            stream = client.stream([0, 1, 2], max_tokens=100)
+            next(stream)
+            leave(stream)
+            assert stream.code() == grpc.StatusCode.CANCELLED
+        with client.stream([0, 1, 2], max_tokens=4) as stream:
+            assert sum(len(chunk.token_ids) for chunk in stream) == 4
+    assert wait_until(lambda: stack.front.servicer.in_flight == 0)
