@@ -45,6 +45,8 @@ class Summary:
     wall_time_s: float
     tokens_per_s: float
     speedup: float | None = None  # tokens/s over target-only's, same dataset and temperature
+    # the lowest and highest of the same ratio prompt by prompt: how far one run's noise moves it
+    speedup_range: list[float] | None = None
     acceptance_rate: float | None = None  # accepted / drafted
     token_acceptance: float | None = None  # Leviathan's alpha: accepted / tests run
     mean_accepted_length: float | None = None  # tokens per target pass, bonus included
@@ -143,14 +145,28 @@ def summarize(records: Iterable[RunRecord]) -> list[Summary]:
         groups.setdefault((r.dataset, r.mode, r.temperature, r.k), []).append(r)
     rows = [_summarize_group(key, group) for key, group in groups.items()]
     baseline = {(s.dataset, s.temperature): s for s in rows if s.mode == TARGET_ONLY}
-    for s in rows:
+    for (dataset, mode, temperature, k), s in zip(groups, rows):
         base = baseline.get((s.dataset, s.temperature))
         if base is None:
             continue
         s.speedup = s.tokens_per_s / base.tokens_per_s if base.tokens_per_s else None
+        if s.mode != TARGET_ONLY:
+            s.speedup_range = _paired_range(groups[(dataset, mode, temperature, k)],
+                                            groups[(base.dataset, TARGET_ONLY, base.temperature, base.k)])
         if s.k and s.verify_s_per_window and base.verify_s_per_window:
             s.pass_cost = s.verify_s_per_window / base.verify_s_per_window
     return rows
+
+
+def _paired_range(group: list[RunRecord], baseline: list[RunRecord]) -> list[float] | None:
+    """The lowest and highest per-prompt speedup (tok/s over target-only's on the same prompt).
+    Each mode runs each prompt once, so one noisy run moves a row's ratio with nothing to show it
+    (a benchmark review: a row printed 1.59x on 1.08 tokens per pass, its baseline slowed): a wide
+    range says the row's ratio is not to be read to two decimals."""
+    base = {r.prompt_id: r.new_tokens / r.wall_time_s for r in baseline if r.wall_time_s and r.new_tokens}
+    ratios = [(r.new_tokens / r.wall_time_s) / base[r.prompt_id] for r in group
+              if r.wall_time_s and r.prompt_id in base]
+    return [min(ratios), max(ratios)] if len(ratios) > 1 else None
 
 
 def _summarize_group(key: tuple, group: list[RunRecord]) -> Summary:

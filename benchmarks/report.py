@@ -23,8 +23,8 @@ import torch
 from benchmarks.harness import TARGET_ONLY, RunRecord
 from benchmarks.metrics import Summary
 
-COLUMNS = ("dataset", "T", "mode", "K", "tok/s", "x base", "accept", "alpha", "tok/pass", "cost c", "pass x", "bound",
-           "hits", "identical")
+COLUMNS = ("dataset", "T", "mode", "K", "tok/s", "x base", "x range", "accept", "alpha", "tok/pass", "cost c", "pass x",
+           "bound", "hits", "identical")
 
 
 def _version(dist: str) -> str | None:
@@ -116,7 +116,8 @@ def _fmt(value: object, spec: str = ".2f") -> str:
 
 def _row(s: Summary) -> tuple[str, ...]:
     return (s.dataset, f"{s.temperature:g}", s.mode, str(s.k) if s.k else "-", _fmt(s.tokens_per_s, ".1f"),
-            _fmt(s.speedup), _fmt(s.acceptance_rate), _fmt(s.token_acceptance),
+            _fmt(s.speedup), "-" if s.speedup_range is None else "{:.2f}-{:.2f}".format(*s.speedup_range),
+            _fmt(s.acceptance_rate), _fmt(s.token_acceptance),
             _fmt(s.mean_accepted_length if s.k else None),
             _fmt(s.cost_ratio, ".3f"), _fmt(s.pass_cost), _fmt(s.speedup_bound), _fmt(s.branch_hit_rate),
             _fmt(s.identical) if s.same_as_in_process is None else s.same_as_in_process)
@@ -141,6 +142,7 @@ def format_table(summaries: Sequence[Summary]) -> str:
 LEGEND = "\n".join((
     "tok/s     total new tokens / total wall time",
     "x base    tok/s over target-only's (same dataset, T, run)",
+    "x range   the lowest and highest of that ratio prompt by prompt (each mode runs each prompt once)",
     "accept    accepted / drafted",
     "alpha     accepted / tests run (a window stops testing at its first rejection)",
     "tok/pass  tokens committed per target pass, bonus token included",

@@ -121,6 +121,19 @@ def test_cost_c_leaves_out_the_first_windows_drafting_which_prefills_the_draft_m
     assert row.cost_ratio == pytest.approx(0.01 / 0.06)  # 0.26 / 8 / 0.06 = 0.54 with the prefill in
 
 
+def test_each_row_shows_how_far_its_speedup_moves_from_prompt_to_prompt():
+    """One run per prompt and mode: a row's ratio can ride on one slowed baseline (a benchmark
+    review), which the per-prompt range shows."""
+    base = [_record("target-only", 0.0, [1] * 10, k=0), _record("target-only", 0.0, [1] * 10, "2", k=0)]
+    spec = [_record("mirrorspec-draft", 0.0, [1] * 10), _record("mirrorspec-draft", 0.0, [1] * 10, "2")]
+    base[1].wall_time_s, spec[0].wall_time_s, spec[1].wall_time_s = 2.0, 0.8, 0.5  # prompt 2's baseline was slowed
+    rows = {s.mode: s for s in summarize(base + spec)}
+    assert rows["mirrorspec-draft"].speedup == pytest.approx((20 / 1.3) / (20 / 3.0))
+    assert rows["mirrorspec-draft"].speedup_range == pytest.approx([1 / 0.8, 2 / 0.5])
+    assert rows["target-only"].speedup_range is None
+    assert summarize(base[:1] + spec[:1])[1].speedup_range is None  # one prompt: nothing to range over
+
+
 def test_a_run_that_is_not_token_identical_where_it_must_be_is_named_with_where_it_differs():
     """A greedy mismatch showed only as `NO` in one cell, beside its speed, and the run exited 0
     (a benchmark review); the run now names each such run and fails."""
@@ -129,7 +142,8 @@ def test_a_run_that_is_not_token_identical_where_it_must_be_is_named_with_where_
                _record("mirrorspec-hybrid", 0.7, [5, 6]), _record("served-hybrid", 0.7, [5, 7])]
     mark_identity(records, {"served-hybrid": "mirrorspec-hybrid"})
     assert identity_failures(records) == [
-        "mirrorspec-draft (K=4, T=0) on mtbench prompt 1: its tokens differ from target-only's, first at output token 2",
+        "mirrorspec-draft (K=4, T=0) on mtbench prompt 1: its tokens differ from target-only's, first at output "
+        "token 2",
         "served-hybrid (K=4, T=0.7) on mtbench prompt 1: its tokens differ from its in-process twin's"]
     assert identity_failures(records[:1] + records[2:4]) == []
 
