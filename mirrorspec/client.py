@@ -130,7 +130,7 @@ def build_request(prompt: str | Sequence[int] | Sequence[dict] | None = None, *,
         try:
             float(value)
         except OverflowError:  # an int past a double's range met protobuf's bare "int too large to convert"
-            raise InvalidRequest(f"{name} must be a number a double holds, got one of {len(str(value))} digits",
+            raise InvalidRequest(f"{name} must be a number a double holds, got one of {len(str(abs(value)))} digits",
                                  field=name) from None
     raw = as_scalar(raw)
     if not isinstance(raw, bool):
@@ -256,7 +256,8 @@ class NotAFrontDoor(InvalidRequest):
 
 # the front door names a refused field as the protocol does; the client, as its caller typed it
 ARGUMENT_FOR_FIELD = {"max_new_tokens": "max_tokens", "num_speculative_tokens": "k", "text": "prompt",
-                      "raw_text": "prompt", "token_ids": "prompt", "chat": "prompt", "input_ids": "prompt"}
+                      "raw_text": "prompt", "token_ids": "prompt", "chat": "prompt", "input_ids": "prompt",
+                      "input": "prompt"}
 REFUSAL_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
 
 
@@ -265,22 +266,40 @@ class RequestRefused(InvalidRequest, grpc.RpcError):
     naming the argument as the caller passed it (``max_tokens``, not the wire's ``max_new_tokens``),
     as the client's own checks raise for the same argument: code catching ``InvalidRequest`` saw
     half the refusals as a bare ``RpcError`` (a review's find). Still the ``RpcError`` it was:
-    ``code()``, ``details()`` and ``trailing_metadata()`` are the call's."""
+    ``code()``, ``details()`` and ``trailing_metadata()`` are the call's, and the rest of the call
+    (``debug_error_string()``, ...) is reached through it while it is at hand. It pickles as its
+    values (a Ray task or a process pool may carry it), without the call."""
 
-    def __init__(self, call: grpc.RpcError):
-        wire_field = dict(call.trailing_metadata() or ()).get(FIELD_METADATA)
-        super().__init__(f"the front door refused the request: {call.details()}",
-                         field=ARGUMENT_FOR_FIELD.get(wire_field, wire_field))
+    def __init__(self, message: str, field: str | None, code: grpc.StatusCode, details: str,
+                 trailing_metadata: tuple = (), call: grpc.RpcError | None = None):
+        super().__init__(message, field=field)
+        self._code, self._details, self._trailing = code, details, tuple(trailing_metadata)
         self.call = call
 
+    @classmethod
+    def of(cls, call: grpc.RpcError) -> RequestRefused:
+        trailing = tuple((key, value) for key, value in (call.trailing_metadata() or ()))
+        wire_field = dict(trailing).get(FIELD_METADATA)
+        return cls(f"the front door refused the request: {call.details()}",
+                   ARGUMENT_FOR_FIELD.get(wire_field, wire_field), call.code(), call.details(), trailing, call)
+
     def code(self) -> grpc.StatusCode:
-        return self.call.code()
+        return self._code
 
     def details(self) -> str:
-        return self.call.details()
+        return self._details
 
-    def trailing_metadata(self):
-        return self.call.trailing_metadata()
+    def trailing_metadata(self) -> tuple:
+        return self._trailing
+
+    def __reduce__(self):
+        return type(self), (str(self), self.field, self._code, self._details, self._trailing)
+
+    def __getattr__(self, name: str):
+        call = self.__dict__.get("call")
+        if call is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(call, name)
 
 
 class ClientClosed(grpc.RpcError):
@@ -294,6 +313,9 @@ class ClientClosed(grpc.RpcError):
     def details(self) -> str:
         return str(self)
 
+    def trailing_metadata(self) -> tuple:
+        return ()
+
 
 @contextmanager
 def _front_door_answers(address: str):
@@ -304,7 +326,7 @@ def _front_door_answers(address: str):
         if code == grpc.StatusCode.UNIMPLEMENTED:
             raise NotAFrontDoor(address, err.details()) from err
         if code in REFUSAL_CODES and not isinstance(err, RequestRefused):
-            raise RequestRefused(err) from err
+            raise RequestRefused.of(err) from err
         raise
 
 
@@ -345,11 +367,13 @@ class _Stream:
 
     def __init__(self, call, address: str):
         self._call, self._address = call, address
+        self._closed = False
 
     def __iter__(self) -> _Stream:
         return self
 
     def close(self) -> None:
+        self._closed = True
         self._call.cancel()
 
     def __enter__(self) -> _Stream:
@@ -359,8 +383,15 @@ class _Stream:
         self.close()
 
     def __next__(self) -> generation_pb2.GenerateStreamResponse:
-        with _front_door_answers(self._address):
-            return next(self._call)
+        if self._closed:  # a loop that closed its stream ends, as a generator's does
+            raise StopIteration
+        try:
+            with _front_door_answers(self._address):
+                return next(self._call)
+        except grpc.RpcError:
+            if self._closed:  # closed from another thread while this waited
+                raise StopIteration from None
+            raise
 
     def __getattr__(self, name: str):
         return getattr(self._call, name)

@@ -107,8 +107,8 @@ class SpecDecodeMetrics:
 
     @property
     def port(self) -> int | None:
-        """Where ``/metrics`` is served (the port chosen for a metrics port of 0), or None: a free
-        port was taken and told to no one (a review's find)."""
+        """Where ``/metrics`` is served, the port chosen where the metrics port was 0 (which was told
+        to no one: a review's find); None while it is not served."""
         return self._http.server_port if self._http is not None else None
 
     def close(self) -> None:

@@ -816,3 +816,10 @@ def test_generate_names_the_server_flag_for_an_address_that_is_not_a_front_door(
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and f"error: --server: {not_a_front_door} answers gRPC but not as a mirrorspec " \
         "front door" in err
+
+
+@pytest.mark.parametrize("module", ["mirrorspec", "mirrorspec.cli"])
+def test_the_command_runs_as_a_module_too(module):
+    """``python -m mirrorspec.cli`` ran the old one-file CLI; the package needs its own __main__."""
+    done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "usage: " in done.stdout and "{generate,serve,scale,status,stop,demo" in done.stdout

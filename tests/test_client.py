@@ -372,6 +372,7 @@ def test_the_front_doors_refusal_names_the_argument_as_the_caller_passed_it(stac
     ``max_new_tokens``, where the client's own check of the same argument raises ``InvalidRequest``
     naming ``max_tokens`` (a client review). It is both now: code catching either sees it."""
     import asyncio
+    import pickle
 
     from mirrorspec.client import AsyncClient, RequestRefused
 
@@ -385,6 +386,13 @@ def test_the_front_doors_refusal_names_the_argument_as_the_caller_passed_it(stac
         with pytest.raises(RequestRefused) as err:
             next(iter(client.stream([0, 1, 2], max_tokens=10 ** 6)))
         assert err.value.field == "max_tokens"
+        assert "max_new_tokens" in err.value.debug_error_string()  # the rest of the call, reached through it
+        with pytest.raises(RequestRefused) as err:
+            client.generate()  # no prompt: the wire names it "input"
+        assert err.value.field == "prompt"
+    again = pickle.loads(pickle.dumps(err.value))  # a Ray task or a process pool carries it
+    assert (type(again), again.field, again.code(), again.details(), str(again)) == (
+        RequestRefused, "prompt", err.value.code(), err.value.details(), str(err.value))
 
     async def refused_async():
         async with AsyncClient(stack.address) as client:
@@ -454,4 +462,9 @@ def test_a_sync_stream_closes_as_a_generator_does_and_frees_its_sessions(stack):
             assert stream.code() == grpc.StatusCode.CANCELLED
         with client.stream([0, 1, 2], max_tokens=4) as stream:
             assert sum(len(chunk.token_ids) for chunk in stream) == 4
+        stream, chunks = client.stream([0, 1, 2], max_tokens=100), 0
+        for _ in stream:  # a loop that closes its stream ends there, as a generator's does
+            chunks += 1
+            stream.close()
+        assert chunks == 1
     assert wait_until(lambda: stack.front.servicer.in_flight == 0)

@@ -1882,3 +1882,27 @@ def test_a_request_is_tokenized_off_the_event_loop_and_a_drain_begun_meanwhile_l
         s.stop()
     assert "error" not in results, results["error"]
     assert results["text"] and [name.split("_")[0] for name in held.threads] == ["prepare"]
+
+
+def test_the_unary_text_is_the_streamed_texts_with_a_tokenizer_that_cleans_up_spaces(tmp_path):
+    """transformers' clean-up of a whole decode (" 's" -> "'s", BERT-style tokenizers) is not one
+    of its pieces: the unary text had it and the streamed deltas could not add up to it (a review's
+    find). Both decode by one rule (``decode_text``), without it."""
+    from transformers import AutoTokenizer
+
+    from support import save_tiny_llama, save_wordpiece_tokenizer
+
+    words = "I don't think O'Brien's dog can't run. Hello , world ! Is it ? Yes, it's fine; we'll see. "
+    vocab = len(AutoTokenizer.from_pretrained(save_wordpiece_tokenizer(tmp_path / "words", words)))
+    target = save_wordpiece_tokenizer(save_tiny_llama(tmp_path / "target", seed=3, vocab=vocab, logit_scale=0.5),
+                                      words)
+    s = start_stack(target, strategy=None)
+    try:
+        with Client(s.address) as client:
+            prompt = AutoTokenizer.from_pretrained(target).encode("o ' brien ' s", add_special_tokens=False)
+            done = client.generate(prompt, max_tokens=100, seed=1, temperature=1.0)  # an output with " ' "s
+            streamed = "".join(chunk.text for chunk in client.stream(prompt, max_tokens=100, seed=1, temperature=1.0))
+    finally:
+        s.stop()
+    assert done.text == streamed
+    assert AutoTokenizer.from_pretrained(target).decode(done.token_ids, skip_special_tokens=True) != done.text
