@@ -397,13 +397,24 @@ class _Stream:
         return getattr(self._call, name)
 
 
-class Client:
+class _Deadlines:
+    """The address and deadlines both clients keep: each call's (``timeout_s``), which a call may
+    set for itself."""
+
+    def __init__(self, address: str, timeout_s: float | None):
+        self.timeout_s = check_timeout(timeout_s)
+        self.address = check_target(address)
+
+    def _deadline(self, timeout_s) -> float | None:
+        return self.timeout_s if timeout_s is CLIENT_DEADLINE else check_timeout(timeout_s)
+
+
+class Client(_Deadlines):
     """``timeout_s``: each call's deadline (None or infinity: none); ``keepalive_s``: ``keepalive_channel_options``."""
 
     def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float | None = None,
                  keepalive_s: float | None = DEFAULT_KEEPALIVE_S):
-        self.timeout_s = check_timeout(timeout_s)
-        self.address = check_target(address)
+        super().__init__(address, timeout_s)
         self.channel = grpc.insecure_channel(self.address,
                                              options=[*CHANNEL_OPTIONS, *keepalive_channel_options(keepalive_s)])
         self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
@@ -423,9 +434,6 @@ class Client:
         with _front_door_answers(self.address):
             return self.stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=self._deadline(timeout_s))
 
-    def _deadline(self, timeout_s) -> float | None:
-        return self.timeout_s if timeout_s is CLIENT_DEADLINE else check_timeout(timeout_s)
-
     def close(self) -> None:
         self.channel.close()
 
@@ -436,7 +444,7 @@ class Client:
         self.close()
 
 
-class AsyncClient:
+class AsyncClient(_Deadlines):
     """As ``Client``, for asyncio. Its channel opens on first use, on the event loop that uses it:
     grpc.aio binds a channel to the loop it was made on, and a client made before ``asyncio.run``
     (at module level, say) failed every call with "attached to a different loop". A client used
@@ -444,8 +452,7 @@ class AsyncClient:
 
     def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float | None = None,
                  keepalive_s: float | None = DEFAULT_KEEPALIVE_S):
-        self.timeout_s = check_timeout(timeout_s)
-        self.address = check_target(address)
+        super().__init__(address, timeout_s)
         self._options = [*CHANNEL_OPTIONS, *keepalive_channel_options(keepalive_s)]
         self._channel: grpc.aio.Channel | None = None
         self._stub: generation_pb2_grpc.GenerationServiceStub | None = None
@@ -496,9 +503,6 @@ class AsyncClient:
     async def model_info(self, *, timeout_s=CLIENT_DEADLINE) -> generation_pb2.ModelInfoResponse:
         with _closing_is_an_error(self.address), _front_door_answers(self.address):
             return await self.stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=self._deadline(timeout_s))
-
-    def _deadline(self, timeout_s) -> float | None:
-        return self.timeout_s if timeout_s is CLIENT_DEADLINE else check_timeout(timeout_s)
 
     async def close(self) -> None:
         if self._channel is not None and self._loop is asyncio.get_running_loop():
