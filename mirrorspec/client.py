@@ -505,7 +505,15 @@ class AsyncClient(_Deadlines):
             return await self.stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=self._deadline(timeout_s))
 
     async def close(self) -> None:
-        if self._channel is not None and self._loop is asyncio.get_running_loop():
+        """Closes the channel on its own event loop. From another loop, while its own still runs,
+        it is refused, as a call from there is: it dropped the channel unclosed, and the calls on
+        its loop ran on and opened a second one (a review's find)."""
+        if self._channel is not None and self._loop is not asyncio.get_running_loop():
+            if not self._loop.is_closed():
+                raise InvalidRequest("this AsyncClient serves the event loop it was first used on, which still runs: "
+                                     "close it there (asyncio.run_coroutine_threadsafe(client.close(), that_loop))",
+                                     field="address")
+        elif self._channel is not None:
             await self._channel.close()
         self._channel = None
 

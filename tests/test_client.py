@@ -468,3 +468,29 @@ def test_a_sync_stream_closes_as_a_generator_does_and_frees_its_sessions(stack):
             stream.close()
         assert chunks == 1
     assert wait_until(lambda: stack.front.servicer.in_flight == 0)
+
+
+def test_an_async_client_is_closed_on_its_own_event_loop_not_dropped_from_another(stack):
+    """``close()`` from a second loop dropped the channel unclosed while the first loop's calls ran
+    on, and their next call opened a second channel (a client review): it is refused there, as a
+    call from that loop is, and closes the channel on its own loop."""
+    import asyncio
+    import threading
+
+    from mirrorspec.client import AsyncClient
+
+    client, home = AsyncClient(stack.address), asyncio.new_event_loop()
+    thread = threading.Thread(target=home.run_forever)
+    thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(client.generate([0, 1, 2], max_tokens=2), home).result(30)
+        with pytest.raises(InvalidRequest, match="serves the event loop it was first used on") as err:
+            asyncio.run(client.close())
+        assert err.value.field == "address"
+        channel = client._channel
+        asyncio.run_coroutine_threadsafe(client.close(), home).result(30)
+        assert channel.get_state() == grpc.ChannelConnectivity.SHUTDOWN and client._channel is None
+    finally:
+        home.call_soon_threadsafe(home.stop)
+        thread.join()
+        home.close()
