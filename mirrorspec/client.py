@@ -303,9 +303,11 @@ class RequestRefused(InvalidRequest, grpc.RpcError):
 
 
 class ClientClosed(grpc.RpcError):
-    """The ``AsyncClient`` was closed while this call ran. grpc.aio ends such a call with a bare
-    ``CancelledError``, which a ``TaskGroup`` takes for a cancelled task and drops with no error:
-    the work was lost in silence (a review's find). The sync client's call fails CANCELLED."""
+    """The client was closed: an ``AsyncClient`` while this call ran, or a ``Client`` before it.
+    grpc.aio ends a call under way with a bare ``CancelledError``, which a ``TaskGroup`` takes for
+    a cancelled task and drops with no error: the work was lost in silence. A closed sync
+    channel raised a bare ``ValueError`` (both a review's finds). A sync call under way when its
+    client closes fails CANCELLED, as grpc has it."""
 
     def code(self) -> grpc.StatusCode:
         return grpc.StatusCode.CANCELLED
@@ -415,6 +417,7 @@ class Client(_Deadlines):
     def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float | None = None,
                  keepalive_s: float | None = DEFAULT_KEEPALIVE_S):
         super().__init__(address, timeout_s)
+        self.closed = False
         self.channel = grpc.insecure_channel(self.address,
                                              options=[*CHANNEL_OPTIONS, *keepalive_channel_options(keepalive_s)])
         self.stub = generation_pb2_grpc.GenerationServiceStub(self.channel)
@@ -423,18 +426,24 @@ class Client(_Deadlines):
         """``kwargs``: ``build_request``'s; ``timeout_s``: this call's deadline, if not the client's."""
         request = _request("generate", prompt, kwargs)
         with _front_door_answers(self.address):
-            return _completion(self.stub.Generate(request, timeout=self._deadline(timeout_s)))
+            return _completion(self._open().Generate(request, timeout=self._deadline(timeout_s)))
 
     def stream(self, prompt=None, *, timeout_s=CLIENT_DEADLINE,
                **kwargs) -> Iterator[generation_pb2.GenerateStreamResponse]:
         request = _request("stream", prompt, kwargs)
-        return _Stream(self.stub.GenerateStream(request, timeout=self._deadline(timeout_s)), self.address)
+        return _Stream(self._open().GenerateStream(request, timeout=self._deadline(timeout_s)), self.address)
 
     def model_info(self, *, timeout_s=CLIENT_DEADLINE) -> generation_pb2.ModelInfoResponse:
         with _front_door_answers(self.address):
-            return self.stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=self._deadline(timeout_s))
+            return self._open().ModelInfo(generation_pb2.ModelInfoRequest(), timeout=self._deadline(timeout_s))
+
+    def _open(self) -> generation_pb2_grpc.GenerationServiceStub:
+        if self.closed:
+            raise ClientClosed(f"this Client of {self.address} was closed; make a new one")
+        return self.stub
 
     def close(self) -> None:
+        self.closed = True
         self.channel.close()
 
     def __enter__(self) -> Client:

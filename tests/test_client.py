@@ -494,3 +494,16 @@ def test_an_async_client_is_closed_on_its_own_event_loop_not_dropped_from_anothe
         home.call_soon_threadsafe(home.stop)
         thread.join()
         home.close()
+
+
+def test_a_closed_sync_client_says_so(stack):
+    """Its next call raised grpc's bare ValueError "Cannot invoke RPC on closed channel!" (a client review)."""
+    from mirrorspec.client import ClientClosed
+
+    client = Client(stack.address)
+    assert len(client.generate([0, 1, 2], max_tokens=2).token_ids) == 2
+    client.close()
+    for call in (lambda: client.generate([0, 1, 2]), lambda: client.stream([0, 1, 2]), client.model_info):
+        with pytest.raises(ClientClosed, match="was closed; make a new one") as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.CANCELLED
