@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
 from mirrorspec.config import InvalidRequest
 
@@ -50,6 +50,11 @@ class SpecDecodeMetrics:
                                             "Windows adaptive K sent without drafts: speculation did not pay",
                                             registry=r)
         self.generation_tokens = Counter("mirrorspec_generation_tokens", "Tokens generated", registry=r)
+        # vLLM's num_requests_running / num_requests_waiting: past the front door's
+        # max_concurrent_requests, requests wait their turn unseen (a load review)
+        self.running = Gauge("mirrorspec_requests_running", "Requests in their window loop now", registry=r)
+        self.waiting = Gauge("mirrorspec_requests_waiting", "Requests admitted and waiting for one of the front "
+                             "door's max_concurrent_requests request threads", registry=r)
         self.ttft = Histogram("mirrorspec_time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=LATENCY_BUCKETS_S)
         self.inter_token = Histogram("mirrorspec_inter_token_latency_seconds", "Mean time per output token",

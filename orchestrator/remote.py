@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 _REPLICA_GONE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 _SESSION_GONE = grpc.StatusCode.NOT_FOUND
 ROOM_POLL_S = 0.25  # how often a moving session asks full replicas again
+# a call whose deadline was the client's may fail a moment before this process's clock reaches it
+CLOCK_SLACK_S = 0.05
 # the replica's compute raised: the replica's fault (a CUDA error, out of memory) or the request's
 _COMPUTE_FAILED = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 # an open's answers that say the replica opened nothing: any other failure may come after it did
@@ -85,9 +87,10 @@ class PooledSession:
 
     def __init__(self, pool: ReplicaPool, prompt: Sequence[int], params: SamplingParams, seed: int,
                  timeout_s: float | None, replacement_wait_s: float, window_timeout_s: float | None = None,
-                 ended: threading.Event | None = None):
+                 ended: threading.Event | None = None, client_deadline: float | None = None):
         self.pool = pool
         self.ended = ended  # set once the request is over (cancelled, past its deadline): stop waiting
+        self.client_deadline = client_deadline  # time.monotonic() at which the client's own deadline passes
         self.prompt_length = len(prompt)
         self.params = params
         self.seed = seed
@@ -148,8 +151,8 @@ class PooledSession:
                 continue
             except grpc.RpcError as err:
                 self.pool.release(replica)
-                if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # hung, or busy: others first for a while
-                    self.pool.report_slow(replica)
+                if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not self.client_left():
+                    self.pool.report_slow(replica)  # hung, or busy: others first for a while
                 if err.code() in _REPLICA_GONE:
                     self.pool.report_failure(replica)
                     if time.monotonic() >= deadline:  # out of time: not this one again
@@ -166,6 +169,13 @@ class PooledSession:
             self.replica, self.session_id, self.held = replica, response.session_id, list(context)
             self.pool.holds(replica, response.session_id)
             return
+
+    def client_left(self) -> bool:
+        """Whether the client's own deadline has passed: a call that ran out of time with it says
+        nothing of the replica. A client that gave up 0.5 s into a busy moment marked a healthy
+        target slow, and for the cooldown every new request went to the other one, however loaded
+        (a load review). A call's own shorter deadline (a drafter's, half the client's) still does."""
+        return self.client_deadline is not None and time.monotonic() >= self.client_deadline - CLOCK_SLACK_S
 
     def _room_may_come(self, deadline: float) -> bool:
         """After a short wait, whether a session moving off a replica (gone, drained, failing) tries
@@ -413,7 +423,8 @@ class RemoteDrafter(Drafter):
 
     def __init__(self, pool: ReplicaPool, prompt: Sequence[int], params: SamplingParams, seed: int, vocab_size: int,
                  draft_vocab: int | None = None, timeout_s: float | None = None, step_cost: float = Drafter.step_cost,
-                 paused: Callable[[], bool] | None = None, caller_lookup: int = 0):
+                 paused: Callable[[], bool] | None = None, caller_lookup: int = 0,
+                 client_deadline: float | None = None):
         self.step_cost = step_cost  # of the replica's strategy, for adaptive K
         # the replicas' prompt lookup (its min match), run by the caller in front of this drafter
         # (orchestrator.lookup); 0: the replicas look up themselves, if they do
@@ -435,7 +446,7 @@ class RemoteDrafter(Drafter):
         self._suspected = False  # the next window's call gets HUNG_AFTER_S at most (``suspected``)
         # drafts are optional: never wait for a drafter to come up, go on target-only instead
         self.session = _DraftSession(pool, prompt, params, seed, timeout_s, replacement_wait_s=0.0,
-                                     caller_looks_up=caller_lookup > 0,
+                                     client_deadline=client_deadline, caller_looks_up=caller_lookup > 0,
                                      target_vocab=vocab_size if self.draft_vocab < vocab_size else 0)
         self._guard(lambda: self.session.open(prompt))
 
@@ -623,7 +634,10 @@ class RemoteDrafter(Drafter):
         """A drafter that had ``HUNG_AFTER_S`` to draft a window and did not is hung or swamped:
         it is kept off for the cooldown, since drafts are optional and going target-only costs a
         request little, where waiting on it again costs every request its drafter timeout. A
-        shorter deadline (a client's short one) only marks it slow."""
+        shorter deadline only marks it slow, and the client's own deadline passing not even that
+        (``PooledSession.client_left``)."""
+        if self.session.client_left():
+            return
         if self.session.timeout_s is not None and self.session.timeout_s >= self.HUNG_AFTER_S:
             self.session.pool.report_failure(replica)
         else:
@@ -668,8 +682,9 @@ class RemoteVerifier(PooledSession):
     def __init__(self, pool: ReplicaPool, prompt: Sequence[int], params: SamplingParams, seed: int, vocab_size: int,
                  timeout_s: float | None = None, replacement_wait_s: float = 60.0, gives_hints: bool = False,
                  defer_prefill: bool = False, runner_up: bool = False, window_timeout_s: float | None = None,
-                 ended: threading.Event | None = None):
-        super().__init__(pool, prompt, params, seed, timeout_s, replacement_wait_s, window_timeout_s, ended)
+                 ended: threading.Event | None = None, client_deadline: float | None = None):
+        super().__init__(pool, prompt, params, seed, timeout_s, replacement_wait_s, window_timeout_s, ended,
+                         client_deadline)
         self.vocab_size = vocab_size
         self.gives_hints = gives_hints
         self.defer_prefill = defer_prefill

@@ -340,6 +340,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         def work() -> None:
             """Every request is counted in the metrics, cancelled and failed ones too, and before
             its answer goes out (so a client that reads the metrics next sees it)."""
+            self.metrics.waiting.dec()
+            with self.metrics.running.track_inprogress():
+                answer = run_and_count()
+            if answer is not None:
+                emit(answer)
+
+        def run_and_count():
             answer = None  # nobody waits for one where the client left (or its deadline passed) while this queued
             if cancelled.is_set():
                 outcome.finish_reason = "cancelled"
@@ -356,10 +363,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if outcome.finish_reason == "error":
                 self.metrics.fail(status_for(answer).name)
             self.metrics.observe(outcome)
-            if answer is not None:
-                emit(answer)
+            return answer
 
         try:
+            self.metrics.waiting.inc()
             loop.run_in_executor(self._workers, work)
             while True:
                 item = await queue.get()
@@ -380,14 +387,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         # the drafter opens its session and drafts the first window while the target prefills; where
         # that window is ready at once, the first verify does the prefill, in the same pass
         defer_prefill = self._first_window_ready_at_once(prepared)
-        drafting = self._openers.submit(self._open_drafter, prepared, timeout)
+        drafting = self._openers.submit(self._open_drafter, prepared, budget)
         try:
             verifier = RemoteVerifier(self.targets, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
                                       timeout_s=timeout,
                                       replacement_wait_s=min(timeout, self.config.replacement_wait_s),
                                       gives_hints=self.target_info.hint_layer > 0, defer_prefill=defer_prefill,
                                       runner_up=self.config.runner_up, window_timeout_s=self.config.window_timeout_s,
-                                      ended=cancelled)
+                                      ended=cancelled, client_deadline=budget.client_deadline)
         except BaseException:
             if (opened := drafting.result()) is not None:
                 opened.remote.release()
@@ -454,7 +461,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         k = drafters_default_k(self.config, self.drafter_info)
         return replace(prepared, spec=replace(prepared.spec, num_speculative_tokens=k))
 
-    def _open_drafter(self, prepared: PreparedRequest, timeout: float) -> OpenedDrafter | None:
+    def _open_drafter(self, prepared: PreparedRequest, budget: RequestBudget) -> OpenedDrafter | None:
         """The request's drafter session, and its first window drafted ahead: this runs while the
         target prefills the prompt, which takes far longer than the drafter's prefill and first
         draft together, so the first Verify can go out as soon as the prefill is done."""
@@ -463,11 +470,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if self._ngram_here():
             ngram = FrontDoorNgram(paused=self._saturated)
             return OpenedDrafter(ngram, ngram, self._draft_ahead(prepared, ngram))
+        timeout = min(self.config.drafter_timeout_s, budget.timeout_s / 2)
         remote = RemoteDrafter(self.drafters, prepared.prompt, prepared.params, prepared.seed, self.vocab_size,
                                draft_vocab=drafter_vocabulary(self.drafter_info, self.vocab_size),
-                               timeout_s=min(self.config.drafter_timeout_s, timeout / 2),
-                               step_cost=replica_step_cost(self.drafter_info), paused=self._saturated,
-                               caller_lookup=self._lookup_here(prepared))
+                               timeout_s=timeout, step_cost=replica_step_cost(self.drafter_info),
+                               paused=self._saturated, caller_lookup=self._lookup_here(prepared),
+                               client_deadline=budget.client_deadline)
         drafter = front_door_drafter(remote)
         # windows on the target draft there: nothing to draft ahead here
         return OpenedDrafter(remote, drafter, None if self._on_target(prepared) else self._draft_ahead(prepared, drafter))
@@ -580,9 +588,13 @@ class RequestBudget:
 
     @classmethod
     def of(cls, backend_timeout_s: float, client_remaining_s: float | None) -> RequestBudget:
-        if not client_remaining_s:
+        """``client_remaining_s``: None without a deadline; 0 once it passed (as grpc.aio's
+        ``time_remaining()`` says it), which was read as none: such a request got the whole
+        backend budget and was never taken for one whose client had gone (a load review)."""
+        if client_remaining_s is None:
             return cls(backend_timeout_s, None)
-        return cls(min(backend_timeout_s, client_remaining_s), time.monotonic() + client_remaining_s)
+        remaining = max(client_remaining_s, 0.0)
+        return cls(min(backend_timeout_s, remaining), time.monotonic() + remaining)
 
     def client_gone(self) -> bool:
         return self.client_deadline is not None and time.monotonic() >= self.client_deadline

@@ -199,3 +199,32 @@ def test_latency_and_time_to_first_token_count_from_the_requests_arrival(padded_
         s.stop()
     assert done.stats.total_time_s >= hold_s and done.stats.time_to_first_token_s >= hold_s
     assert metrics.e2e._sum.get() >= hold_s and metrics.ttft._sum.get() >= hold_s
+
+
+def test_requests_past_the_front_doors_threads_are_counted_as_waiting(tiny_dir):
+    """Past ``max_concurrent_requests`` a request waits for a request thread, FIFO, and was seen
+    in no metric (a load review); vLLM's running / waiting gauges show it."""
+    import threading
+
+    from mirrorspec.client import Client
+    from served_stack import start_stack, targets_held
+    from support import wait_until
+
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, max_concurrent_requests=1)
+    metrics = s.front.servicer.metrics
+    try:
+        with Client(s.address) as client:
+            done = []
+            calls = [threading.Thread(target=lambda: done.append(client.generate([0, 1, 2], max_tokens=4)))
+                     for _ in range(2)]
+            with targets_held(s):
+                for call in calls:
+                    call.start()
+                assert wait_until(lambda: (metrics.running._value.get(), metrics.waiting._value.get()) == (1, 1))
+            for call in calls:
+                call.join(30)
+        assert [len(d.token_ids) for d in done] == [4, 4]
+        assert (metrics.running._value.get(), metrics.waiting._value.get()) == (0, 0)
+        assert "mirrorspec_requests_waiting 0.0" in metrics.text()
+    finally:
+        s.stop()

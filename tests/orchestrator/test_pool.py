@@ -313,3 +313,35 @@ def test_a_stack_started_without_drafters_drafts_once_one_joins(tiny_dir):
     finally:
         drafter.stop()
         s.stop()
+
+
+def test_a_clients_short_deadline_marks_no_replica_slow(tiny_dir):
+    """A client that gave up 0.5 s into a busy moment (a long prefill ahead of it) marked a healthy
+    target slow, and for the cooldown every new request went to the other replica, however loaded
+    (a load review: 24 of 24 opens on one). The client's own deadline says nothing of the replica."""
+    from support import wait_until
+
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, target_replicas=2, drafter_replicas=2)
+    front = s.front.servicer
+    try:
+        with Client(s.address) as client:
+            client.generate([0, 1, 2], max_tokens=4)
+            with targets_held(s), pytest.raises(grpc.RpcError) as err:
+                client.generate([0, 1, 2], max_tokens=8, timeout_s=0.5)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert wait_until(lambda: front.in_flight == 0)
+            assert front.targets._slow_at == {} and front.drafters._slow_at == {}
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("remaining, timeout_s, gone", [
+    (None, 120.0, False), (500.0, 120.0, False), (5.0, 5.0, False),
+    (0.0, 0.0, True),  # grpc.aio's time_remaining() once the deadline passed: read as none before
+])
+def test_a_requests_budget_takes_a_deadline_that_passed_for_one(remaining, timeout_s, gone):
+    from orchestrator.servicer import RequestBudget
+
+    budget = RequestBudget.of(120.0, remaining)
+    assert (budget.timeout_s, budget.client_gone(), budget.client_deadline is None) == (timeout_s, gone,
+                                                                                         remaining is None)
