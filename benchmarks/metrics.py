@@ -145,14 +145,13 @@ def summarize(records: Iterable[RunRecord]) -> list[Summary]:
         groups.setdefault((r.dataset, r.mode, r.temperature, r.k), []).append(r)
     rows = [_summarize_group(key, group) for key, group in groups.items()]
     baseline = {(s.dataset, s.temperature): s for s in rows if s.mode == TARGET_ONLY}
-    for (dataset, mode, temperature, k), s in zip(groups, rows):
+    for key, s in zip(groups, rows):
         base = baseline.get((s.dataset, s.temperature))
         if base is None:
             continue
         s.speedup = s.tokens_per_s / base.tokens_per_s if base.tokens_per_s else None
         if s.mode != TARGET_ONLY:
-            s.speedup_range = _paired_range(groups[(dataset, mode, temperature, k)],
-                                            groups[(base.dataset, TARGET_ONLY, base.temperature, base.k)])
+            s.speedup_range = _paired_range(groups[key], groups[(base.dataset, TARGET_ONLY, base.temperature, base.k)])
         if s.k and s.verify_s_per_window and base.verify_s_per_window:
             s.pass_cost = s.verify_s_per_window / base.verify_s_per_window
     return rows
