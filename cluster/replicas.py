@@ -162,25 +162,31 @@ class TargetFollower:
         return True
 
 
+def front_door_config(spec: StackSpec, members: dict[str, list[str]]):
+    """The front door's OrchestratorConfig for a deployment whose pools are ``members``."""
+    from orchestrator.servicer import OrchestratorConfig
+
+    return OrchestratorConfig(
+        target=",".join(members["target"]), drafter=",".join(members["drafter"]) or None, host=spec.host,
+        port=spec.port, num_speculative_tokens=spec.num_speculative_tokens, adaptive=spec.adaptive,
+        mirror=spec.mirror, metrics_port=spec.metrics_port, speculation_off_above=spec.speculation_off_above,
+        runner_up=spec.runner_up, windows_on_target=spec.windows_on_target,
+        max_concurrent_requests=spec.max_concurrent_requests)
+
+
 class FrontDoor:
     """The orchestrator's GenerationService, following the controller's pool membership. It
     starts in ``start``, not in the constructor, so a refused setting (its port in use) reaches
     the controller as its own error rather than as a dead actor."""
 
     def __init__(self, spec: StackSpec, members: dict[str, list[str]], version: int, controller_name: str):
-        from orchestrator.servicer import OrchestratorConfig
-
         self._controller = ray.get_actor(controller_name, namespace=CONTROLLER_NAMESPACE)
         # Ray restarts this actor where its process died (the controller asks for restarts): then the
         # pools are as they are now, not as at the first start, and nobody calls ``start`` again
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         if restarted:
             version, members = ray.get(self._controller.membership.remote())
-        self._config = OrchestratorConfig(
-            target=",".join(members["target"]), drafter=",".join(members["drafter"]) or None, host=spec.host,
-            port=spec.port, num_speculative_tokens=spec.num_speculative_tokens, adaptive=spec.adaptive,
-            mirror=spec.mirror, metrics_port=spec.metrics_port, speculation_off_above=spec.speculation_off_above,
-            runner_up=spec.runner_up, windows_on_target=spec.windows_on_target)
+        self._config = front_door_config(spec, members)
         self.server = None
         self.host = spec.host
         self._version, self._members = version, members

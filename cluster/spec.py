@@ -6,12 +6,14 @@ from dataclasses import dataclass, field
 
 from mirrorspec.config import (
     DEFAULT_DRAFT_QUANTIZE,
+    DEFAULT_MAX_CONCURRENT_REQUESTS,
     DEFAULT_PREFILL_CHUNK,
     DEFAULT_PROPOSAL_TOP_K,
     AdaptiveKConfig,
     InvalidRequest,
     MirrorConfig,
     check_draft_confidence,
+    check_max_concurrent_requests,
     check_prompt_lookup,
     check_quantization,
     check_prefill_chunk,
@@ -67,6 +69,7 @@ class StackSpec:
     draft_confidence: float = 0.0  # draft-model replicas: a window ends after the model's first token below this
     draft_quantize: str = DEFAULT_DRAFT_QUANTIZE  # draft-model replicas: int8 weights for their linear layers on CPU (models.quantize)
     max_sessions: int = 64
+    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS  # requests the front door decodes at once
     host: str = "127.0.0.1"  # the front door
     port: int = 50051
     metrics_port: int | None = None  # Prometheus text endpoint of the front door
@@ -91,6 +94,7 @@ class StackSpec:
             raise InvalidRequest(f"threads must be >= 1, got {self.threads}", field="threads")
         check_stall_timeout(self.stall_timeout_s)
         check_prefill_chunk(self.prefill_chunk_tokens)
+        check_max_concurrent_requests(self.max_concurrent_requests)
 
     @property
     def controller_name(self) -> str:

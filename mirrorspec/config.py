@@ -458,6 +458,18 @@ PREFILL_CHUNK_HELP = (f"prefill long prompts on the targets this many tokens per
                       f"run between the steps (default {DEFAULT_PREFILL_CHUNK})")
 
 
+DEFAULT_MAX_CONCURRENT_REQUESTS = 64
+# a request thread each at the front door: past a few thousand, threads cost more than the queue they spare
+MAX_CONCURRENT_REQUESTS = 4096
+
+
+def check_max_concurrent_requests(requests: int) -> int:
+    if not is_integer(requests) or not 1 <= requests <= MAX_CONCURRENT_REQUESTS:
+        raise InvalidRequest(f"max_concurrent_requests must be a whole number from 1 to {MAX_CONCURRENT_REQUESTS}, "
+                             f"got {requests!r}", field="max_concurrent_requests")
+    return operator.index(requests)
+
+
 def check_prefill_chunk(tokens: int) -> int:
     if not is_integer(tokens) or tokens < 1:
         raise InvalidRequest(f"prefill_chunk_tokens must be a whole number of tokens >= 1, got {tokens!r}",

@@ -3,7 +3,7 @@
 import argparse
 
 from mirrorspec.cli.flags import check_wait
-from mirrorspec.config import AdaptiveKConfig, InvalidRequest, MirrorConfig, refuse_setting
+from mirrorspec.config import DEFAULT_MAX_CONCURRENT_REQUESTS, AdaptiveKConfig, InvalidRequest, MirrorConfig, refuse_setting
 from mirrorspec.serving.server import run_until_terminated
 from orchestrator.servicer import OrchestratorConfig, serve
 
@@ -29,6 +29,9 @@ parser.add_argument("--runner-up", action="store_true",
 parser.add_argument("--windows-on-target", action="store_true",
                     help="windows run on the targets, which ask the drafters for drafts themselves: one "
                          "round trip per window instead of two through here (mirror's too, unhinted)")
+parser.add_argument("--max-concurrent-requests", type=int, default=DEFAULT_MAX_CONCURRENT_REQUESTS, metavar="N",
+                    help="requests decoded at once (like vLLM's --max-num-seqs); the rest wait their turn, first "
+                         "come first served (default %(default)s)")
 parser.add_argument("--metrics-port", type=int, default=None)
 parser.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                     help="on SIGTERM, SIGHUP or Ctrl-C, refuse new requests and give those in flight this long to finish "
@@ -42,7 +45,8 @@ try:
                                 mirror=MirrorConfig() if args.mirror else None,
                                 speculation_off_above=args.speculation_off_above,
                                 front_door_lookup=not args.no_front_door_lookup, runner_up=args.runner_up,
-                                windows_on_target=args.windows_on_target)
+                                windows_on_target=args.windows_on_target,
+                                max_concurrent_requests=args.max_concurrent_requests)
 except InvalidRequest as err:
     refuse_setting(parser, err, {"num_speculative_tokens": "--k"})
 run_until_terminated(lambda: serve(config), "orchestrator", parser, grace_s=args.shutdown_grace)

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from mirrorspec.config import (DEFAULT_K, AdaptiveKConfig, InvalidRequest, MirrorConfig, SamplingParams,
-                               SpeculationConfig, check_address, check_port, check_shared_vocabulary, default_k)
+from mirrorspec.config import (DEFAULT_K, DEFAULT_MAX_CONCURRENT_REQUESTS, AdaptiveKConfig, InvalidRequest,
+                               MirrorConfig, SamplingParams, SpeculationConfig, check_address,
+                               check_max_concurrent_requests, check_port, check_shared_vocabulary, default_k)
 from mirrorspec.drafting import Drafter, Proposal
 from mirrorspec.engine import GenerationStats, decode_windows, first_window_k, validate_prompt
 from mirrorspec.mirror import BranchHistory, MirrorPipeline
@@ -60,7 +61,10 @@ class OrchestratorConfig:
     num_speculative_tokens: int | None = None
     max_speculative_tokens: int = 16
     default_max_new_tokens: int = 128
-    max_concurrent_requests: int = 64
+    # requests decoding at once here (vLLM's --max-num-seqs): each holds a request thread and a
+    # session on a target replica; the rest wait their turn, first come first served, and are counted
+    # by the mirrorspec_requests_waiting gauge
+    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
     backend_timeout_s: float = 120.0
     # a drafter call's deadline (at most half the request's own): drafts are optional, so a drafter
     # that hangs costs a request this long before it goes on target-only, not its whole budget
@@ -108,6 +112,7 @@ class OrchestratorConfig:
         k = self.num_speculative_tokens
         SpeculationConfig(num_speculative_tokens=0 if k is None else k,
                           max_speculative_tokens=self.max_speculative_tokens)
+        check_max_concurrent_requests(self.max_concurrent_requests)
         if self.speculation_off_above is not None and self.speculation_off_above < 0:
             raise InvalidRequest(f"must be >= 0, got {self.speculation_off_above}", field="speculation_off_above")
         for field_name in ("target", "drafter"):

@@ -93,6 +93,8 @@ from support import save_tiny_llama
     (["status", "--address", " "], "argument --address"),
     (["serve", "--tp", "2", "--hint-layer", "20"], "--hint-layer"),
     (["serve", "--speculation-off-above", "-1"], "--speculation-off-above"),
+    (["serve", "--max-concurrent-requests", "0"], "--max-concurrent-requests"),
+    (["serve", "--in-process", "--max-concurrent-requests", "5000"], "--max-concurrent-requests"),
     (["generate", "hi", "--hint-layer", "20"], "--hint-layer"),
     (["serve", "--hint-vocab", "full"], "--hint-vocab"),
     (["serve", "--hint-layer", "20", "--hint-vocab", "demo-target"], "--hint-vocab"),
@@ -769,14 +771,22 @@ def test_a_request_past_its_timeout_is_a_timeout_flag_error(tiny_dir, capsys):
     assert f"error: --timeout: {address} did not finish the request within 0.5 s" in capsys.readouterr().err
 
 
-def test_serve_windows_on_target_reaches_the_front_door_on_ray_and_in_process(monkeypatch):
-    """The flag reaches the Ray deployment's spec, and the in-process stack's front door."""
+@pytest.mark.parametrize("flags, option, value, default", [
+    (["--windows-on-target"], "windows_on_target", True, False),
+    (["--max-concurrent-requests", "3"], "max_concurrent_requests", 3, 64),
+])
+def test_a_front_door_flag_reaches_the_front_door_on_ray_and_in_process(monkeypatch, flags, option, value, default):
+    """The flag reaches the Ray deployment's spec and, from it, its front door's config; and the
+    in-process stack's front door."""
     import mirrorspec.cli.serve as serve
+    from cluster.replicas import front_door_config
     from mirrorspec.cli import parse_command_line
 
-    args = parse_command_line(["serve", "--windows-on-target", "--draft", "ngram"])
-    assert serve._stack_spec(args, target_gpus=0.0).windows_on_target
-    assert not serve._stack_spec(parse_command_line(["serve", "--draft", "ngram"]), 0.0).windows_on_target
+    members = {"target": ["127.0.0.1:1"], "drafter": ["127.0.0.1:2"]}
+    spec = serve._stack_spec(parse_command_line(["serve", *flags, "--draft", "ngram"]), target_gpus=0.0)
+    assert getattr(front_door_config(spec, members), option) == value
+    unset = serve._stack_spec(parse_command_line(["serve", "--draft", "ngram"]), 0.0)
+    assert getattr(front_door_config(unset, members), option) == default
 
     started = {}
 
@@ -788,8 +798,8 @@ def test_serve_windows_on_target_reaches_the_front_door_on_ray_and_in_process(mo
     monkeypatch.setattr("mirrorspec.models.load_causal_lm", lambda source, **_: SimpleNamespace(source=source))
     with pytest.raises(KeyboardInterrupt):
         serve._serve_in_process(parse_command_line(
-            ["serve", "--in-process", "--windows-on-target", "--draft", "ngram", "--threads", "1"]))
-    assert started["windows_on_target"] is True
+            ["serve", "--in-process", *flags, "--draft", "ngram", "--threads", "1"]))
+    assert started[option] == value
 
 
 def test_in_process_takes_one_of_each_replica_as_typed(monkeypatch):

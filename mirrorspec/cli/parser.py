@@ -14,6 +14,7 @@ from mirrorspec.config import (
     DEFAULT_DRAFT_CONFIDENCE,
     DEFAULT_K,
     DEFAULT_K_CONFIDENT,
+    DEFAULT_MAX_CONCURRENT_REQUESTS,
     DEFAULT_PROMPT_LOOKUP,
     DEFAULT_PREFILL_CHUNK,
     DEFAULT_PROPOSAL_TOP_K,
@@ -82,6 +83,7 @@ FLAG_FOR_FIELD = {
     "hint_vocab": "--hint-vocab",
     "hint_lens": "--hint-lens",
     "speculation_off_above": "--speculation-off-above",
+    "max_concurrent_requests": "--max-concurrent-requests",
     "windows_on_target": "--windows-on-target",
     "address": "--address",
     "name": "--name",
@@ -231,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--draft-quantize", choices=QUANTIZATIONS, default=DEFAULT_DRAFT_QUANTIZE,
                      help=DRAFT_QUANTIZE_HELP)
     srv.add_argument("--max-sessions", type=int, default=64, help="sessions per replica (default %(default)s)")
+    srv.add_argument("--max-concurrent-requests", type=int, default=DEFAULT_MAX_CONCURRENT_REQUESTS, metavar="N",
+                     help="requests the front door decodes at once (like vLLM's --max-num-seqs); the rest wait their "
+                          "turn, first come first served (default %(default)s)")
     srv.add_argument("--stall-timeout", type=float, default=180.0, dest="stall_timeout_s", metavar="SECONDS",
                      help="seconds a replica's compute lane may spend on one job (a forward, a collective) before "
                           "its health check answers NOT_SERVING and Ray replaces it (default 180)")

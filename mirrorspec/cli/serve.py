@@ -29,6 +29,7 @@ from mirrorspec.config import (
     InvalidRequest,
     MirrorConfig,
     SpeculationConfig,
+    check_max_concurrent_requests,
     check_max_sessions,
     check_prefill_chunk,
     check_stall_timeout,
@@ -88,6 +89,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_max_sessions(args.max_sessions)
     check_stall_timeout(args.stall_timeout_s)
     check_prefill_chunk(args.prefill_chunk_tokens)
+    check_max_concurrent_requests(args.max_concurrent_requests)
     check_wait(args.shutdown_grace, "shutdown_grace")
     for field in ("port", "metrics_port"):  # the front door listens here, on a local Ray as on a cluster's head
         check_port_free(args.host, getattr(args, field), field)
@@ -169,7 +171,8 @@ def _stack_spec(args: argparse.Namespace, target_gpus: float):
                      speculation_off_above=args.speculation_off_above,
                      proposal_top_k=args.proposal_top_k, prompt_lookup=args.prompt_lookup,
                      draft_confidence=args.draft_confidence, draft_quantize=args.draft_quantize,
-                     max_sessions=args.max_sessions, host=args.host, port=args.port, name=args.name,
+                     max_sessions=args.max_sessions, max_concurrent_requests=args.max_concurrent_requests,
+                     host=args.host, port=args.port, name=args.name,
                      metrics_port=args.metrics_port, stall_timeout_s=args.stall_timeout_s,
                      prefill_chunk_tokens=args.prefill_chunk_tokens)
 
@@ -261,7 +264,8 @@ def _serve_in_process(args: argparse.Namespace) -> int:
                                   adaptive=AdaptiveKConfig() if args.adaptive else None,
                                   mirror=MirrorConfig() if args.mirror else None,
                                   speculation_off_above=args.speculation_off_above, runner_up=not args.no_runner_up,
-                                  windows_on_target=args.windows_on_target)
+                                  windows_on_target=args.windows_on_target,
+                                  max_concurrent_requests=args.max_concurrent_requests)
     where = f"{target.model.device} in {target.dtype_name}"  # what auto chose
     metrics_port = stack.front.servicer.metrics.port
     metrics = f"; metrics on http://{args.host}:{metrics_port}/metrics" if metrics_port is not None else ""

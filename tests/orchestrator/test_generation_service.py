@@ -1539,6 +1539,14 @@ def test_a_front_door_timeout_must_be_positive(field, value):
     assert err.value.field == field
 
 
+@pytest.mark.parametrize("requests", [0, 4097, 2.5])
+def test_a_front_door_request_thread_count_out_of_range_is_refused_at_start(requests):
+    """0 failed in ThreadPoolExecutor as a bare ValueError, naming no setting."""
+    with pytest.raises(InvalidRequest, match="max_concurrent_requests must be a whole number from 1 to 4096") as err:
+        OrchestratorConfig(target="127.0.0.1:50061", drafter=None, max_concurrent_requests=requests)
+    assert err.value.field == "max_concurrent_requests"
+
+
 def test_a_front_door_stops_at_the_eos_ids_of_its_targets_generation_config(tiny_dir, tmp_path):
     """As `generate --local` does. The front door took EOS from its tokenizer alone (here there is
     none): an instruct model whose end of turn is in its generation config alone (Llama 3's
