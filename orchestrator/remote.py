@@ -51,6 +51,14 @@ _SESSION_GONE = grpc.StatusCode.NOT_FOUND
 ROOM_POLL_S = 0.25  # how often a moving session asks full replicas again
 # a call whose deadline was the client's may fail a moment before this process's clock reaches it
 CLOCK_SLACK_S = 0.05
+
+
+def client_deadline_passed(deadline: float | None) -> bool:
+    """Whether a client's deadline (``time.monotonic()``; None: it set none) has passed, give or take
+    the ``CLOCK_SLACK_S`` by which a call that ran out with it may beat this process's clock."""
+    return deadline is not None and time.monotonic() >= deadline - CLOCK_SLACK_S
+
+
 # the replica's compute raised: the replica's fault (a CUDA error, out of memory) or the request's
 _COMPUTE_FAILED = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 # an open's answers that say the replica opened nothing: any other failure may come after it did
@@ -175,7 +183,7 @@ class PooledSession:
         nothing of the replica. A client that gave up 0.5 s into a busy moment marked a healthy
         target slow, and for the cooldown every new request went to the other one, however loaded
         (a load review). A call's own shorter deadline (a drafter's, half the client's) still does."""
-        return self.client_deadline is not None and time.monotonic() >= self.client_deadline - CLOCK_SLACK_S
+        return client_deadline_passed(self.client_deadline)
 
     def _room_may_come(self, deadline: float) -> bool:
         """After a short wait, whether a session moving off a replica (gone, drained, failing) tries

@@ -44,7 +44,8 @@ from orchestrator.direct import TargetReach, windows_on_target
 from orchestrator.lookup import FrontDoorNgram, front_door_drafter, looks_up_whole_window
 from orchestrator.metrics import SpecDecodeMetrics
 from orchestrator.pool import NoReplicaAvailable, ReplicaPool, parse_addresses
-from orchestrator.remote import RemoteDrafter, RemoteVerifier, release_together, replica_step_cost
+from orchestrator.remote import (RemoteDrafter, RemoteVerifier, client_deadline_passed, release_together,
+                                 replica_step_cost)
 
 log = logging.getLogger(__name__)
 
@@ -602,7 +603,7 @@ class RequestBudget:
         return cls(min(backend_timeout_s, remaining), time.monotonic() + remaining)
 
     def client_gone(self) -> bool:
-        return self.client_deadline is not None and time.monotonic() >= self.client_deadline
+        return client_deadline_passed(self.client_deadline)
 
 
 class _StopStrings:
