@@ -27,7 +27,7 @@ from mirrorspec.engine import GenerationStats, WindowEvent, chosen_k, cut_at_sto
 from mirrorspec.models import common_prefix_length
 from mirrorspec.serving.convert import adaptive_to_proto, verdict_from_proto
 from mirrorspec.v1 import target_pb2
-from orchestrator.remote import _COMPUTE_FAILED, _REPLICA_GONE, RemoteDrafter, RemoteVerifier, backoff_s
+from orchestrator.remote import _COMPUTE_FAILED, _REPLICA_GONE, _SESSION_GONE, RemoteDrafter, RemoteVerifier, backoff_s
 from orchestrator.window_stream import StreamStatus, Watchdog
 
 log = logging.getLogger(__name__)
@@ -219,6 +219,9 @@ def _run(remote: RemoteDrafter, verifier: RemoteVerifier, context: list[int], pa
             log.warning("target replica %s is %s during a window run; replaying the session elsewhere",
                         target.address, "hung" if hung else "unreachable")
             verifier.pool.report_failure(target)
+        elif err.code() == _SESSION_GONE:  # closed or expired, the replica serving: as a window here would
+            log.info("target session %s is gone during a window run; reopening it from the token log",
+                     verifier.session_id)
         elif not (err.code() in _COMPUTE_FAILED and verifier.elsewhere_after(target, err)):
             raise
         drafts.may_hold_more = True

@@ -247,6 +247,31 @@ def test_a_target_dying_mid_run_moves_the_session_and_the_request_goes_on(tiny_d
     assert stats.windows_on_target > 0
 
 
+@pytest.mark.parametrize("runner_up", [False, True])
+def test_a_target_session_closed_mid_run_is_reopened_from_the_token_log(tiny_dir, slow_verify, runner_up):
+    """As the front door's own windows do (NOT_FOUND: the session is gone, the replica is not). A
+    run failed the request with UNAVAILABLE instead (an exactness review). Seeded sampled output
+    is the in-process engine's, token for token, the replayed session's included."""
+    prompt, params = [0, 9, 9, 1], SamplingParams(max_new_tokens=40, temperature=0.9, top_p=0.95)
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, proposal_top_k=4, windows_on_target=True,
+                    runner_up=runner_up)
+    try:
+        store = s.target.servicer.sessions
+        with Client(s.address) as client:
+            stream = client.stream(prompt, max_tokens=40, temperature=0.9, top_p=0.95, seed=11)
+            first = next(stream)
+            for session_id in list(store._entries):
+                store.close(session_id)
+            rest = list(stream)
+    finally:
+        s.stop()
+    local = generate(load(tiny_dir["target16"]), load_as_served_draft(tiny_dir["draft16"]), prompt, params,
+                     num_speculative_tokens=3, seed=11, proposal_top_k=4, runner_up=runner_up)
+    assert list(first.token_ids) + [t for chunk in rest for t in chunk.token_ids] == local.token_ids
+    assert rest[-1].finish_reason == "length" and rest[-1].stats.target_moves >= 1
+    assert rest[-1].stats.windows_on_target > 0
+
+
 def test_a_drained_target_s_session_moves_at_its_next_window_not_at_the_request_s_end(tiny_dir):
     """A run on the target read window after window off one stream, and never asked whether its
     replica was still in the pool: a drained one (scale-down) kept the session to the request's
