@@ -36,7 +36,8 @@ class SpecDecodeMetrics:
                                "(bad input, a front door that is stopping)", ["code"], registry=r)
         self.errors = Counter("mirrorspec_request_errors", "Requests that ran and ended in an error (finish_reason "
                               "error), by the gRPC status they got: RESOURCE_EXHAUSTED is replicas at their "
-                              "session limit, UNAVAILABLE no replica that could take it", ["code"], registry=r)
+                              "session limit, UNAVAILABLE no replica that could take it, INTERNAL a model that "
+                              "failed on it (NaN logits, out of memory)", ["code"], registry=r)
         self.drafter_fallbacks = Counter("mirrorspec_drafter_fallbacks", "Requests that lost their drafter",
                                          registry=r)
         self.mirror_windows = Counter("mirrorspec_mirror_windows", "Windows verified while branches were drafted",

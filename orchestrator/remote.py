@@ -27,7 +27,7 @@ from mirrorspec.engine import runner_up_to_offer
 from mirrorspec.models import common_prefix_length
 from mirrorspec.models.early_exit import EarlyExitHint
 from mirrorspec.sampling import WindowVerdict
-from mirrorspec.serving.errors import SessionLimitReached
+from mirrorspec.serving.errors import BACKEND_COMPUTE_FAILED, SessionLimitReached
 from mirrorspec.serving.convert import (
     hint_from_proto,
     params_to_proto,
@@ -60,7 +60,7 @@ def client_deadline_passed(deadline: float | None) -> bool:
 
 
 # the replica's compute raised: the replica's fault (a CUDA error, out of memory) or the request's
-_COMPUTE_FAILED = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
+_COMPUTE_FAILED = BACKEND_COMPUTE_FAILED
 # an open's answers that say the replica opened nothing: any other failure may come after it did
 _REFUSED_BEFORE_OPENING = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT,
                                      grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.UNIMPLEMENTED,

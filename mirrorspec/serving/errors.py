@@ -76,12 +76,18 @@ def status_for(err: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.UNAVAILABLE
     if isinstance(err, grpc.RpcError) and hasattr(err, "code"):
         # a backend refused or failed: pass on what the caller can act on, else UNAVAILABLE
+        if err.code() in BACKEND_COMPUTE_FAILED:
+            return grpc.StatusCode.INTERNAL
         return err.code() if err.code() in _PASS_THROUGH else grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
 
 
 _PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                  grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+# a backend's model raised on the request (NaN logits, out of memory): its session moved to another
+# replica once where one was free, so what reaches the caller failed there too. UNAVAILABLE said
+# "retry", and a client retrying a request whose target turns out NaN never ends (a docs review)
+BACKEND_COMPUTE_FAILED = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 
 
 class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):

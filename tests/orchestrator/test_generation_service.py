@@ -481,9 +481,35 @@ def test_a_request_whose_compute_fails_on_every_target_fails_having_put_one_repl
         with Client(s.address) as client, pytest.raises(grpc.RpcError) as err:
             client.generate([1, 2], max_tokens=4)
         assert "CUDA out of memory" in err.value.details()
+        assert err.value.code() == grpc.StatusCode.INTERNAL  # not UNAVAILABLE, which says "retry"
         assert len(s.front.servicer.targets._failed_at) == 1
     finally:
         s.stop()
+
+
+def test_a_target_whose_logits_hold_nan_fails_the_request_with_internal_naming_the_dtype(tmp_path):
+    """Not UNAVAILABLE, which says "retry": a client that did would retry for ever (a docs review).
+    The metrics count it under INTERNAL too."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from support import save_tiny_llama
+
+    path = save_tiny_llama(tmp_path / "nan-target", seed=0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight[2, 0] = float("nan")
+    model.save_pretrained(path)
+    s = start_stack(path, strategy=None)
+    try:
+        with Client(s.address) as client, pytest.raises(grpc.RpcError) as err:
+            client.generate([1, 2, 3], max_tokens=4)
+        text = s.front.servicer.metrics.text()
+    finally:
+        s.stop()
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    assert "the target model's logits hold NaN" in err.value.details() and "--dtype" in err.value.details()
+    assert 'mirrorspec_request_errors_total{code="INTERNAL"} 1.0' in text
 
 
 def test_a_drafter_that_answers_out_of_the_vocabulary_is_dropped_and_the_request_goes_on(tiny_dir, monkeypatch):
