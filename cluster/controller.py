@@ -236,6 +236,7 @@ class Controller:
                          "address": self._front_address, "node": "-", "resources": "CPU 0",
                          "sessions": sum(front.get("load", {}).get("target", {}).values()) if front else None,
                          "requests": front.get("requests"), "acceptance_rate": front.get("acceptance_rate"),
+                         "metrics": front.get("metrics"),
                          "membership": ("current" if self._front_is_current() else "updating") if front else None})
         return rows
 

@@ -233,5 +233,7 @@ class FrontDoor:
 
     def stats(self) -> dict:
         servicer = self.server.servicer
+        metrics_port = servicer.metrics.port  # the one taken, where --metrics-port 0 asked for a free one
         return {"load": {"target": servicer.targets.load(), "drafter": servicer.drafters.load()},
-                "address": self.address(), **servicer.metrics.summary()}
+                "address": self.address(), **servicer.metrics.summary(),
+                "metrics": None if metrics_port is None else f"http://{dialable(self.host)}:{metrics_port}/metrics"}

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from types import SimpleNamespace
 
 import grpc
@@ -541,7 +542,7 @@ def test_serve_on_local_ray_then_generate_scale_and_status():
     actor on the demo models; `generate`, `scale` and `status` are separate processes."""
     import signal
 
-    server, line = start_serving("--port", "50593", "--replica-cpus", "0.5", "--hint-layer", "24")
+    server, line = start_serving("--port", "50593", "--replica-cpus", "0.5", "--hint-layer", "24", "--metrics-port", "0")
     try:
         assert "(Ray; deployment 'mirrorspec'" in line
         prompt = "Name three colors."
@@ -560,7 +561,14 @@ def test_serve_on_local_ray_then_generate_scale_and_status():
         rows = json.loads(run_cli("status", "--json").stdout)
         assert sorted(r["pool"] for r in rows if r["state"] == "serving") == ["drafter", "drafter", "orchestrator",
                                                                              "target"]
-        assert next(r for r in rows if r["pool"] == "orchestrator")["requests"] == 2
+        front = next(r for r in rows if r["pool"] == "orchestrator")
+        assert front["requests"] == 2
+        # the port --metrics-port 0 took was in the front door actor's log alone
+        with urllib.request.urlopen(front["metrics"], timeout=10) as page:
+            counts = [line.split()[-1] for line in page.read().decode().splitlines()
+                      if line.startswith("mirrorspec_requests_total{")]
+        assert sum(map(float, counts)) == 2
+        assert f"front-door metrics: {front['metrics']}" in run_cli("status").stdout
         # past the local Ray's CPUs (this machine's, 0.5 a replica): no autoscaler will place the
         # rest, and scale says so and how to get out, rather than "wait for resources" forever
         beyond = str(2 * len(os.sched_getaffinity(0)) + 2)
@@ -833,3 +841,16 @@ def test_the_command_runs_as_a_module_too(module):
     """``python -m mirrorspec.cli`` ran the old one-file CLI; the package needs its own __main__."""
     done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "usage: " in done.stdout and "{generate,serve,scale,status,stop,demo" in done.stdout
+
+
+def test_status_shows_where_the_front_door_serves_its_metrics():
+    """``--metrics-port 0`` takes a free port on the front door's node: it was in that actor's log alone."""
+    from mirrorspec.cli.deployment import format_status
+
+    rows = [{"replica": "target-0", "pool": "target", "state": "serving", "address": "10.0.0.2:40001"},
+            {"replica": "front-door", "pool": "orchestrator", "state": "serving", "address": "10.0.0.1:50051",
+             "metrics": "http://10.0.0.1:43117/metrics"}]
+    shown = format_status(rows).splitlines()
+    assert shown[-1] == "front-door metrics: http://10.0.0.1:43117/metrics"
+    assert len(shown) == 4  # the header, two rows, the URL
+    assert "metrics:" not in format_status(rows[:1])

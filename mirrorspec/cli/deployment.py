@@ -115,6 +115,8 @@ def format_status(rows: list[dict]) -> str:
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     lines = ["  ".join(c.upper().ljust(w) for c, w in zip(columns, widths))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    # a URL too wide for a column that every other row leaves empty
+    lines += [f"{r['replica']} metrics: {r['metrics']}" for r in rows if r.get("metrics")]
     return "\n".join(lines)
 
 
