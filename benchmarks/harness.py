@@ -236,7 +236,7 @@ def mirrorspec_hybrid_adaptive(target: LoadedModel, drafts: Drafts, ids: list[in
 def mirrorspec_hybrid_adaptive_confident(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
                                          k: int, seed: int) -> RunOutput:
     """mirrorspec-hybrid-adaptive with the draft model's windows ending after its first unsure
-    token: what ``mirrorspec generate --local --adaptive`` runs."""
+    token: what ``mirrorspec generate --local --adaptive --no-runner-up`` runs."""
     return _mirrorspec(target, drafts.model, ids, params, k, seed, adaptive=True, prompt_lookup=DEFAULT_PROMPT_LOOKUP,
                        draft_confidence=DEFAULT_DRAFT_CONFIDENCE)
 
@@ -320,7 +320,7 @@ def served_hybrid(target: LoadedModel, drafts: Drafts, ids: list[int], params: S
 def served_hybrid_confident(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
                             k: int, seed: int) -> RunOutput:
     """served-hybrid with the drafter's windows ending after its first unsure token: what
-    ``mirrorspec serve`` runs by default."""
+    ``mirrorspec serve --no-runner-up`` runs."""
     return _served(drafts.services.client(target, drafts.model, drafts.server_source, DEFAULT_PROMPT_LOOKUP,
                                           draft_confidence=DEFAULT_DRAFT_CONFIDENCE), ids, params, k, seed)
 
@@ -353,7 +353,7 @@ def served_hybrid_confident_runner_up_on_target(target: LoadedModel, drafts: Dra
 def served_hybrid_adaptive_confident(target: LoadedModel, drafts: Drafts, ids: list[int], params: SamplingParams,
                                      k: int, seed: int) -> RunOutput:
     """served-hybrid-confident with the front door choosing K per window in [0, K] (``mirrorspec
-    serve --adaptive``), pricing draft steps as the drafter server reports them."""
+    serve --adaptive --no-runner-up``), pricing draft steps as the drafter server reports them."""
     return _served(drafts.services.client(target, drafts.model, drafts.server_source, DEFAULT_PROMPT_LOOKUP,
                                           draft_confidence=DEFAULT_DRAFT_CONFIDENCE, adaptive=True),
                    ids, params, k, seed)

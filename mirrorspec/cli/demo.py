@@ -115,7 +115,7 @@ def _rebuild_demo_draft(args: argparse.Namespace) -> int:
 
 
 def _check_rebuild_out(out: Path) -> None:
-    """Before an hour of teacher data: the weights must land where ``--draft OUT`` finds them (a
+    """Before hours of teacher data: the weights must land where ``--draft OUT`` finds them (a
     .safetensors file; any other name is read as a model directory) and the directory must take them."""
     if out.suffix != ".safetensors":
         raise InvalidRequest(f"must name a .safetensors file (so --draft {out} reads it back as demo-draft weights), "
