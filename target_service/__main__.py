@@ -18,7 +18,8 @@ parser.add_argument("--max-sessions", type=int, default=64)
 parser.add_argument("--hint-layer", type=int, default=None,
                     help="send early-exit hints read off this decoder layer (1-based) during each verify: mirror requests steer their branches with them")
 parser.add_argument("--hint-vocab", default=None, metavar="DRAFT",
-                    help="score hints over the sub-vocabulary this draft declares (e.g. demo-draft): cheaper verifies")
+                    help="score hints over the sub-vocabulary this draft declares (e.g. demo-draft): cheaper verifies "
+                         "(default: the whole vocabulary; `mirrorspec serve` names its draft by itself)")
 parser.add_argument("--hint-lens", choices=HINT_LENSES, default="tuned",
                     help="read hints through a tuned lens fitted to the target (once, cached) or as the layer is (logit)")
 parser.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, dest="prefill_chunk_tokens",
