@@ -160,6 +160,32 @@ def test_the_front_door_looks_up_itself_and_asks_the_drafter_only_where_lookup_f
     assert rpcs[True] < rpcs[False]
 
 
+@pytest.mark.parametrize("on_target, runner_up, filters", [
+    (False, False, dict(temperature=0.7, top_k=5, top_p=0.9)),
+    (True, False, dict(temperature=0.7, top_k=5, top_p=0.9)),
+    (False, True, dict(temperature=1.3, top_p=0.8)),
+    (True, True, dict(temperature=1.3, top_k=6)),
+], ids=["front door", "on target", "front door, runner-up", "on target, runner-up"])
+def test_seeded_samples_with_temperature_top_k_and_top_p_are_the_in_process_engine_s(tiny_dir, on_target, runner_up,
+                                                                                  filters):
+    """The in-process engine's distribution is tested against exact enumeration with these filters;
+    served requests draw its tokens, seed for seed, so the filters reach the target's p over the
+    wire as they are (served sampled tests ran at T=1 and no filter: an exactness review)."""
+    target, draft = load(tiny_dir["target16"]), load_as_served_draft(tiny_dir["draft16"])
+    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, proposal_top_k=4, runner_up=runner_up,
+                    windows_on_target=on_target)
+    try:
+        with Client(s.address) as client:
+            for seed, prompt in enumerate(prompts(6, seed=4)):
+                served = client.generate(prompt, max_tokens=20, seed=seed, **filters)
+                local = generate(target, draft, prompt, SamplingParams(max_new_tokens=20, **filters),
+                                 num_speculative_tokens=3, seed=seed, proposal_top_k=4, runner_up=runner_up)
+                assert served.token_ids == local.token_ids, (seed, prompt)
+                assert served.stats.windows_on_target == (served.stats.windows if on_target else 0)
+    finally:
+        s.stop()
+
+
 def test_a_drafter_that_ends_windows_when_unsure_serves_the_in_process_output(tiny_dir):
     """A replica with draft_confidence drafts exactly what the in-process drafter does, greedy or
     seeded, serial or mirror: the same tokens and the same shorter windows."""
