@@ -29,6 +29,7 @@ from ray.experimental import internal_kv
 from ray.util.placement_group import get_placement_group, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from cluster.placement import unplaceable
 from cluster.replicas import DrafterReplica, FrontDoor, TargetFollower, TargetReplica
 from cluster.spec import CONTROLLER_NAMESPACE, POOLS, PoolResources, StackSpec, check_pool, check_replicas
 from mirrorspec.config import InvalidRequest
@@ -135,12 +136,9 @@ class Controller:
         deadline = time.monotonic() + timeout_s
         with self._changed:
             self._changed.wait_for(lambda: self._all_serving() or self._refused_pool() is not None, timeout=timeout_s)
-            if not self._all_serving():
-                if (pool := self._refused_pool()) is not None:
-                    raise self._start_failures[pool].refusal(pool)
-                raise TimeoutError(f"no replica came up within {timeout_s:.0f} s: {self._pending_summary()}; "
-                                   f"check `ray status` for pending resources")
-            members, version = self._members(), self._version
+            started, members, version = self._all_serving(), self._members(), self._version
+        if not started:
+            raise self._not_started(timeout_s)
         placement = NodeAffinitySchedulingStrategy(node_id=front_node, soft=False)
         # restarted by Ray on its node if its process dies (OOM, a crash): it serves again on its
         # port with the pools as they are then; the requests it held are lost to their clients
@@ -149,6 +147,28 @@ class Controller:
             namespace=CONTROLLER_NAMESPACE, lifetime="detached").remote(self.spec, members, version,
                                                                         self.spec.controller_name)
         return self._started_front(max(deadline - time.monotonic(), 30))
+
+    def _not_started(self, timeout_s: float) -> Exception:
+        if (pool := self._refused_pool()) is not None:
+            return self._start_failures[pool].refusal(pool)
+        for record, unplaced in self._unplaceable():
+            return InvalidRequest(f"no replica came up within {timeout_s:.0f} s: {record.replica_id} is pending, "
+                                  f"as {unplaced}", field=unplaced.field)
+        return TimeoutError(f"no replica came up within {timeout_s:.0f} s: {self._pending_summary()}; "
+                            f"check `ray status` for pending resources")
+
+    def unplaced(self) -> list[str]:
+        """Replicas Ray cannot place on any node there is now, and why: `serve` says so while it
+        waits, as an autoscaler may still add such a node (or may have none to add)."""
+        return [f"{record.replica_id} is pending, as {unplaced}" for record, unplaced in self._unplaceable()]
+
+    def _unplaceable(self) -> list[tuple[ReplicaRecord, InvalidRequest]]:
+        with self._changed:
+            starting = [r for r in self._replicas.values() if r.state == "starting"]
+        pending = [r for r in starting if self._shown_state(r) == "pending"]
+        nodes = ray.nodes() if pending else []
+        found = [(r, unplaceable(r.pool, self._bundle(r.pool), self._ranks(r.pool), nodes)) for r in pending]
+        return [(record, unplaced) for record, unplaced in found if unplaced is not None]
 
     def _started_front(self, timeout_s: float) -> str:
         address = ray.get(self._front.start.remote(), timeout=timeout_s)
@@ -391,8 +411,7 @@ class Controller:
         state says honestly whether Ray has granted its resources yet."""
         replica_id = f"{pool}-{self._next_id}"
         self._next_id += 1
-        ranks = self.spec.tp if pool == "target" else 1
-        want = role_resources(pool, self.spec.target_resources if pool == "target" else self.spec.drafter_resources)
+        ranks, want = self._ranks(pool), self._bundle(pool)
         group = placement_group([want] * ranks, strategy="STRICT_PACK", name=self._group_name(replica_id),
                                 lifetime="detached")
 
@@ -416,6 +435,12 @@ class Controller:
         # lets the two calls run in any order)
         return ReplicaRecord(pool, replica_id, rank0, rank0.start.remote(rendezvous), followers, group,
                              resources=described)
+
+    def _ranks(self, pool: str) -> int:
+        return self.spec.tp if pool == "target" else 1
+
+    def _bundle(self, pool: str) -> dict:
+        return role_resources(pool, self.spec.target_resources if pool == "target" else self.spec.drafter_resources)
 
     def _drain_and_stop(self, record: ReplicaRecord) -> None:
         deadline = time.monotonic() + self.spec.drain_timeout_s
@@ -467,10 +492,16 @@ class Controller:
         return sum(r.pool == pool and r.state == state for r in self._replicas.values())
 
     def _pending_summary(self) -> str:
-        pending = [f"{r.replica_id} ({r.resources})" for r in self._replicas.values() if r.state == "starting"]
-        failed = [f"; the {pool} replicas failed to start {f.count} times, the last with: {f.last}"
-                  for pool, f in self._start_failures.items() if f.count]
-        return "still starting: " + (", ".join(pending) or "none") + "".join(failed)
+        """Starting replicas by what they wait for: Ray to place them (pending: no node has their
+        resources free) or their own start (loading the models)."""
+        with self._changed:
+            records = [r for r in self._replicas.values() if r.state == "starting"]
+            failed = [f"; the {pool} replicas failed to start {f.count} times, the last with: {f.last}"
+                      for pool, f in self._start_failures.items() if f.count]
+        shown = [(self._shown_state(r), f"{r.replica_id} ({r.resources})") for r in records]
+        waits = [f"{state}: " + ", ".join(name for s, name in shown if s == state)
+                 for state in ("pending", "starting") if any(s == state for s, _ in shown)]
+        return ("; ".join(waits) or "no replica starting") + "".join(failed)
 
     def _all_serving(self) -> bool:
         return all(self._serving(p) for p in POOLS if self._wanted[p])
@@ -481,11 +512,12 @@ class Controller:
 
     @staticmethod
     def _shown_state(record: ReplicaRecord) -> str:
+        """Pending: resources not granted yet (what makes the autoscaler add a node of this pool's
+        type). Read from the GCS's table: a fresh ``group.ready()`` polled with no wait was not
+        resolved yet for a group placed long ago, and a placed replica showed pending at random."""
         if record.state != "starting":
             return record.state
-        # resources not granted yet: what makes the autoscaler add a node of this pool's type
-        placed, _ = ray.wait([record.group.ready()], timeout=0)
-        return "starting" if placed else "pending"
+        return "starting" if placement_group_table(record.group).get("state") == "CREATED" else "pending"
 
     @staticmethod
     def _sessions(record: ReplicaRecord) -> int | None:

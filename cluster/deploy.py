@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Callable
 
 import psutil
@@ -17,6 +18,9 @@ from cluster.controller import Controller, checkpoint_key, named_actor, own_erro
 from cluster.local_ray import why_silent
 from cluster.spec import CONTROLLER_NAMESPACE, POOLS, StackSpec
 from mirrorspec.config import InvalidRequest
+
+# how long a replica may stay unplaced before `serve` says why it waits
+UNPLACED_NOTICE_AFTER_S = 10.0
 
 
 def connect(address: str | None = None, num_cpus: int | None = None) -> None:
@@ -155,7 +159,7 @@ def deploy(spec: StackSpec, timeout_s: float = 600.0):
         raise taken from None
     node = ray.get_runtime_context().get_node_id()
     try:
-        address = ray.get(controller.start.remote(node, timeout_s))
+        address = _started(controller, controller.start.remote(node, timeout_s))
     except BaseException as err:
         teardown(controller, spec.name)
         cause = own_error(err)  # e.g. the front door's port in use, without Ray's tracebacks around it
@@ -163,6 +167,20 @@ def deploy(spec: StackSpec, timeout_s: float = 600.0):
             raise cause from None
         raise
     return controller, address
+
+
+def _started(controller, start, notice_after_s: float = UNPLACED_NOTICE_AFTER_S) -> str:
+    """The front door's address once ``start`` returns. Meanwhile a replica that no node there is
+    could hold is said once, on stderr: an autoscaler may add the node, or there may be none to
+    add, and `serve` stood silent for all of --start-timeout (a Ray review)."""
+    said: set[str] = set()
+    while not ray.wait([start], timeout=notice_after_s)[0]:
+        for line in ray.get(controller.unplaced.remote(), timeout=60):
+            if line not in said:
+                said.add(line)
+                print(f"mirrorspec: waiting: {line} (an autoscaler may add such a node; Ctrl-C stops)",
+                      file=sys.stderr, flush=True)
+    return ray.get(start)
 
 
 def find_controller(name: str = "mirrorspec"):

@@ -9,6 +9,9 @@ import time
 import pytest
 import ray
 
+from ray.util.placement_group import placement_group, remove_placement_group
+
+from cluster.controller import Controller, ReplicaRecord
 from cluster.deploy import deploy, find_controller, teardown
 from cluster.spec import CONTROLLER_NAMESPACE, PoolResources, StackSpec
 from mirrorspec import SamplingParams, generate
@@ -90,6 +93,35 @@ def test_replicas_are_placed_on_their_pool_resource(deployment):
                       == ["pending"] + ["serving"] * DRAFTER_SLOTS, timeout=120, every=0.25)
     ray.get(controller.scale.remote("drafter", 1), timeout=300)
     assert [r["state"] for r in rows(controller, "drafter")] == ["serving"]
+
+
+def test_a_starting_replica_whose_group_is_placed_shows_starting_every_time(cluster_ray):
+    """A fresh ``group.ready()`` polled with no wait is not resolved even for a group placed long
+    ago: placed replicas flapped to "pending", and `scale` on a local Ray read that as "cannot be
+    placed" (a Ray review)."""
+    placed = placement_group([{"CPU": 0.01}], name="placed-for-the-test")
+    unplaceable = placement_group([{"CPU": 64}], name="unplaceable-for-the-test")
+    try:
+        ray.get(placed.ready(), timeout=60)
+        shown = [Controller._shown_state(ReplicaRecord("drafter", "d", None, None, group=group))
+                 for group in [placed] * 5 + [unplaceable]]
+        assert shown == ["starting"] * 5 + ["pending"]
+    finally:
+        remove_placement_group(placed)
+        remove_placement_group(unplaceable)
+
+
+def test_a_serve_whose_replicas_no_node_can_hold_says_why_and_names_the_setting(cluster_ray, tiny_dir, capsys):
+    """Replicas asking for more CPUs than any node has waited out --start-timeout and were blamed
+    on it as "still starting" (a Ray review): now said while waiting, and in the refusal."""
+    spec = small_spec(tiny_dir, name="too-big", drafter_resources=PoolResources(cpus=8))
+    with pytest.raises(InvalidRequest) as refused:
+        deploy(spec, timeout_s=20)
+    assert refused.value.field == "replica_cpus", refused.value
+    assert "drafter-1 is pending" in str(refused.value) and "the largest has CPU 4" in str(refused.value)
+    assert "waiting: drafter-1 is pending" in capsys.readouterr().err
+    assert wait_until(lambda: not any(a["name"].startswith("too-big")
+                                      for a in ray.util.list_named_actors(all_namespaces=True)), timeout=30)
 
 
 def test_scaling_up_returns_once_the_front_door_routes_to_the_new_replica(deployment):
