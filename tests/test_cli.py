@@ -91,6 +91,12 @@ from support import save_tiny_llama
     (["serve", "--stall-timeout", "1e10"], "--stall-timeout"),
     # an unset "$HEAD": a local Ray to some checks, a cluster to others (review of stop 60)
     (["serve", "--address", ""], "argument --address"),
+    # a Ray review: --num-cpus sizes a local Ray, and was silently ignored with --address
+    (["serve", "--address", "127.0.0.1:1", "--num-cpus", "4"], "--num-cpus"),
+    # it names actors and a file under the cache: "a/b" became a path, "" a deployment "-controller"
+    (["serve", "--name", "a/b"], "argument --name"),
+    (["status", "--name", ""], "argument --name"),
+    (["stop", "--name", "../x"], "argument --name"),
     (["status", "--address", " "], "argument --address"),
     (["serve", "--tp", "2", "--hint-layer", "20"], "--hint-layer"),
     (["serve", "--speculation-off-above", "-1"], "--speculation-off-above"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 
 from mirrorspec.config import InvalidRequest, MAX_WAIT_S
 
@@ -58,6 +59,15 @@ def ray_address(text: str) -> str:
         raise argparse.ArgumentTypeError("is empty: give the Ray cluster's head (HOST:6379, or 'auto' for the one on "
                                          "this machine), or leave --address out")
     return text.strip()
+
+
+def deployment_name(text: str) -> str:
+    """``--name``: it names Ray actors and placement groups, and a file beside the cache for a local
+    Ray; "a/b" became a path under that folder, and "" a deployment called "-controller"."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a deployment name: use 1 to 64 letters, digits, '-', '_' "
+                                         f"or '.', starting with a letter or digit")
+    return text
 
 
 def check_wait(seconds: float | None, field: str) -> None:

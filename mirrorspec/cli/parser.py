@@ -7,7 +7,7 @@ from pathlib import Path
 
 from mirrorspec.cli.demo import cmd_demo
 from mirrorspec.cli.deployment import cmd_scale, cmd_status, cmd_stop
-from mirrorspec.cli.flags import ray_address
+from mirrorspec.cli.flags import deployment_name, ray_address
 from mirrorspec.cli.generate import GENERATE_MAX_TOKENS, cmd_generate
 from mirrorspec.cli.serve import cmd_serve
 from mirrorspec.config import (
@@ -194,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--target-gpus", type=float, default=None,
                      help="GPUs per target rank (default: 1 where the Ray cluster or this machine has GPUs, else 0)")
     srv.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray (default: this machine's)")
-    srv.add_argument("--name", default="mirrorspec", help="deployment name (Ray): scale and status find it by it")
+    srv.add_argument("--name", default="mirrorspec", type=deployment_name,
+                     help="deployment name (Ray): scale and status find it by it")
     srv.add_argument("--detach", action="store_true",
                      help="with --address: leave the deployment running on the cluster and exit")
     srv.add_argument("--start-timeout", type=float, default=600.0,
@@ -260,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--address", default="auto", type=ray_address,
                        help="the Ray cluster ('auto' = the local Ray of a running `serve --name NAME`, else the one on "
                             "this machine)")
-    scale.add_argument("--name", default="mirrorspec", help="deployment name")
+    scale.add_argument("--name", default="mirrorspec", type=deployment_name, help="deployment name")
     scale.add_argument("--wait", type=float, default=300.0, help="seconds to wait for new replicas to serve")
     scale.set_defaults(handler=cmd_scale, subparser=scale)
 
@@ -269,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--address", default="auto", type=ray_address,
                         help="the Ray cluster ('auto' = the local Ray of a running `serve --name NAME`, else the "
                              "one on this machine)")
-    status.add_argument("--name", default="mirrorspec", help="deployment name")
+    status.add_argument("--name", default="mirrorspec", type=deployment_name, help="deployment name")
     status.add_argument("--json", action="store_true", help="print the rows as JSON")
     status.set_defaults(handler=cmd_status, subparser=status)
 
@@ -278,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     stop.add_argument("--address", default="auto", type=ray_address,
                       help="the Ray cluster ('auto' = the local Ray of a running `serve --name NAME`, else the one on "
                            "this machine)")
-    stop.add_argument("--name", default="mirrorspec", help="deployment name")
+    stop.add_argument("--name", default="mirrorspec", type=deployment_name, help="deployment name")
     stop.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                       help="how long requests in flight have to finish before the replicas stop (default 30; "
                            "Ctrl-C stops at once)")

@@ -115,6 +115,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if value and flag in RESOURCE_FLAGS and round(value, 4) != value:
             raise InvalidRequest(f"Ray counts resources in steps of 0.0001, got {value}", field=flag)
     check_wait(args.start_timeout, "start_timeout")
+    if args.address is not None and is_set(args, "num_cpus"):  # it was ignored there
+        raise InvalidRequest("sizes the local Ray that serve starts without --address; a cluster's nodes say their "
+                             "own CPUs (`ray start --num-cpus`): drop one of the two", field="num_cpus")
     if args.num_cpus is not None and args.num_cpus < 1:
         raise InvalidRequest(f"must be >= 1 (or left out for this machine's), got {args.num_cpus}", field="num_cpus")
     spec = _stack_spec(args, target_gpus=0.0)  # validates counts before Ray starts
