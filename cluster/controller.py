@@ -29,7 +29,7 @@ from ray.experimental import internal_kv
 from ray.util.placement_group import get_placement_group, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from cluster.placement import unplaceable
+from cluster.node_fit import unplaceable
 from cluster.replicas import DrafterReplica, FrontDoor, TargetFollower, TargetReplica
 from cluster.spec import CONTROLLER_NAMESPACE, POOLS, PoolResources, StackSpec, check_pool, check_replicas
 from mirrorspec.config import InvalidRequest

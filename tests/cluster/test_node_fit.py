@@ -2,7 +2,7 @@
 
 import pytest
 
-from cluster.placement import unplaceable
+from cluster.node_fit import unplaceable
 
 
 def node(alive=True, **resources):
