@@ -151,16 +151,17 @@ class Controller:
     def _not_started(self, timeout_s: float) -> Exception:
         if (pool := self._refused_pool()) is not None:
             return self._start_failures[pool].refusal(pool)
-        for record, unplaced in self._unplaceable():
-            return InvalidRequest(f"no replica came up within {timeout_s:.0f} s: {record.replica_id} is pending, "
-                                  f"as {unplaced}", field=unplaced.field)
+        if unplaced := self._unplaceable():
+            record, why = unplaced[0]
+            return InvalidRequest(f"no replica came up within {timeout_s:.0f} s: {_pending_because(record, why)}",
+                                  field=why.field)
         return TimeoutError(f"no replica came up within {timeout_s:.0f} s: {self._pending_summary()}; "
                             f"check `ray status` for pending resources")
 
     def unplaced(self) -> list[str]:
         """Replicas Ray cannot place on any node there is now, and why: `serve` says so while it
         waits, as an autoscaler may still add such a node (or may have none to add)."""
-        return [f"{record.replica_id} is pending, as {unplaced}" for record, unplaced in self._unplaceable()]
+        return [_pending_because(record, why) for record, why in self._unplaceable()]
 
     def _unplaceable(self) -> list[tuple[ReplicaRecord, InvalidRequest]]:
         with self._changed:
@@ -525,6 +526,10 @@ class Controller:
             return ray.get(record.actor.sessions.remote(), timeout=5)
         except Exception:  # noqa: BLE001 - unreachable: unknown
             return None
+
+
+def _pending_because(record: ReplicaRecord, why: InvalidRequest) -> str:
+    return f"{record.replica_id} is pending, as {why}"
 
 
 def checkpoint_key(deployment: str) -> str:
