@@ -27,20 +27,21 @@ def unplaceable(pool: str, bundle: dict, ranks: int, nodes: list[dict]) -> Inval
     if any(all(total.get(name, 0) >= amount for name, amount in need.items()) for total in totals):
         return None
     largest = {name: max((total.get(name, 0) for total in totals), default=0) for name in need}
-    short = next((name for name, amount in need.items() if largest[name] < amount), None)
+    short = [name for name, amount in need.items() if largest[name] < amount]
     asked = ", ".join(f"{name} {amount:g}" for name, amount in need.items())
     where = (f"a {pool} replica asks one node for {asked}{_per_rank(ranks)}, and none of the cluster's "
              f"live nodes ({len(totals)}) has that much")
-    if short is None:
+    if not short:
         return InvalidRequest(f"{where} at once (each has some of it); add a node that has all of it, or ask for less",
                               field="address")
-    if short == pool:  # the role resource: nodes meant for this pool say so when they start
-        return InvalidRequest(f"{where}: no node offers the {pool!r} resource; start the nodes meant for {pool}s "
-                              f"with `ray start --resources '{{\"{pool}\": 4}}'` (cluster/*.yaml do)",
-                              field="address")
-    flag = "tp" if short == "GPU" and ranks > 1 else _FLAGS[short, pool]
-    return InvalidRequest(f"{where}: the largest has {short} {largest[short]:g}; lower --{flag.replace('_', '-')}, "
-                          f"or add a node with more {short}", field=flag)
+    sized = [name for name in short if name != pool]  # CPU and GPU, which serve's flags set
+    flags = ["tp" if name == "GPU" and ranks > 1 else _FLAGS[name, pool] for name in sized]
+    fixes = [f"the largest has {name} {largest[name]:g}: lower --{flag.replace('_', '-')}, or add a node with more "
+             f"{name}" for name, flag in zip(sized, flags)]
+    if pool in short:  # the role resource: nodes meant for this pool say so when they start
+        fixes.append(f"no node offers the {pool!r} resource: start the nodes meant for {pool}s with "
+                     f"`ray start --resources '{{\"{pool}\": 4}}'` (cluster/*.yaml do)")
+    return InvalidRequest(f"{where}: " + "; ".join(fixes), field=flags[0] if flags else "address")
 
 
 def _per_rank(ranks: int) -> str:
