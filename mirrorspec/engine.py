@@ -333,7 +333,7 @@ def decode_windows(
             return lambda n, m: capped(policy.peek(num_drafted, n), produced + m)
         return lambda n, m: capped(spec.num_speculative_tokens, produced + m)
 
-    prefetch = None
+    prefetch, last = None, None  # last: the verdict before this window, which a prefetched branch is keyed by
     while True:
         k = capped(chosen_k(policy, stats) if policy else spec.num_speculative_tokens, produced)
         proposal = prefetch.take(last, k) if prefetch is not None else None
