@@ -29,7 +29,7 @@ from ray.experimental import internal_kv
 from ray.util.placement_group import get_placement_group, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from cluster.node_fit import unplaceable
+from cluster.node_fit import describe, unplaceable
 from cluster.replicas import DrafterReplica, FrontDoor, TargetFollower, TargetReplica
 from cluster.spec import CONTROLLER_NAMESPACE, POOLS, PoolResources, StackSpec, check_pool, check_replicas
 from mirrorspec.config import InvalidRequest
@@ -423,7 +423,7 @@ class Controller:
                                            max_concurrency=2, name=self._rank_name(replica_id, rank),
                                            namespace=CONTROLLER_NAMESPACE, lifetime="detached").remote(*args)
 
-        described = _describe(want) if ranks == 1 else f"{ranks} x ({_describe(want)})"
+        described = describe(want) if ranks == 1 else f"{ranks} x ({describe(want)})"
         if pool == "drafter":
             actor = on(0, DrafterReplica, self.spec)
             return ReplicaRecord(pool, replica_id, actor, actor.start.remote(), group=group, resources=described)
@@ -563,7 +563,3 @@ def stop_replicas_by_name(deployment: str, keep_actors: set[str] = frozenset(),
             if info["name"] not in keep_groups:
                 remove_placement_group(get_placement_group(info["name"]))
     return highest
-
-
-def _describe(resources: dict) -> str:
-    return ", ".join(f"{k} {v:g}" for k, v in resources.items())

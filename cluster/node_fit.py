@@ -14,6 +14,11 @@ _FLAGS = {("CPU", "drafter"): "replica_cpus", ("CPU", "target"): "replica_cpus",
           ("GPU", "drafter"): "drafter_gpus", ("GPU", "target"): "target_gpus"}
 
 
+def describe(resources: dict) -> str:
+    """Resources as `status` and the messages show them: "CPU 1, drafter 1"."""
+    return ", ".join(f"{name} {amount:g}" for name, amount in resources.items())
+
+
 def group_need(bundle: dict, ranks: int) -> dict:
     """What one node must have in all for a STRICT_PACK group of ``ranks`` bundles."""
     return {name: amount * ranks for name, amount in bundle.items() if amount}
@@ -28,7 +33,7 @@ def unplaceable(pool: str, bundle: dict, ranks: int, nodes: list[dict]) -> Inval
         return None
     largest = {name: max((total.get(name, 0) for total in totals), default=0) for name in need}
     short = [name for name, amount in need.items() if largest[name] < amount]
-    asked = ", ".join(f"{name} {amount:g}" for name, amount in need.items())
+    asked = describe(need)
     where = (f"a {pool} replica asks one node for {asked}{_per_rank(ranks)}, and none of the cluster's "
              f"live nodes ({len(totals)}) has that much")
     if not short:
