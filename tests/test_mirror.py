@@ -72,10 +72,13 @@ def test_a_branch_is_taken_by_its_key_alone():
 
 @pytest.mark.parametrize("runner_up", [False, True], ids=["chain", "runner-up"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_mirror_output_equals_serial_output(tiny_dir, temperature, runner_up):
+def test_mirror_output_equals_serial_output(tiny_dir, near_draft16, temperature, runner_up):
+    """With a draft that agrees with the target now and then: against the random draft16, which
+    the target almost always rejects at the first draft, the output is the residual's draw whatever
+    was drafted, and branches drafted with the wrong seed passed."""
     import support
 
-    target, draft = support.load(tiny_dir["target16"]), support.load(tiny_dir["draft16"])
+    target, draft = support.load(tiny_dir["target16"]), near_draft16
     params = SamplingParams(temperature=temperature, max_new_tokens=30)
     hits = runner_up_hits = 0
     for seed in range(8):
@@ -89,7 +92,7 @@ def test_mirror_output_equals_serial_output(tiny_dir, temperature, runner_up):
         assert s.runner_up_hits == serial.stats.runner_up_hits
         hits += s.branch_hits
         runner_up_hits += s.runner_up_hits
-    if temperature > 0:  # (greedy: every seed is the same run, and this random pair misses)
+    if temperature > 0:  # (greedy: every seed is the same run)
         assert hits > 0
         assert runner_up_hits > 0 if runner_up else runner_up_hits == 0
 
