@@ -794,11 +794,13 @@ def test_drafter_drafts_branches_that_fork_at_one_point_together(stack):
 
 
 @pytest.fixture(scope="module")
-def mirror_stack(tiny_dir):
+def mirror_stack(tiny_dir, near_draft16_dir):
     """Mirror on by default, every branch drafted whatever the timing: branch counts are then
     reproducible, and the test does not depend on how fast this machine is. Windows offer their
-    runner-up too, as `mirrorspec serve` does by default."""
-    s = start_stack(tiny_dir["target16"], tiny_dir["draft16"], k=3, mirror=MirrorConfig(stop_at_verdict=False),
+    runner-up too, as `mirrorspec serve` does by default. The draft agrees with the target now and
+    then: the random draft16 is rejected at its first draft almost always, so seeded output did
+    not depend on what branches drafted (branches drafted with the wrong seed passed)."""
+    s = start_stack(tiny_dir["target16"], near_draft16_dir, k=3, mirror=MirrorConfig(stop_at_verdict=False),
                     runner_up=True)
     yield s
     s.stop()
@@ -815,7 +817,8 @@ def test_mirror_over_the_network_is_identical_to_target_only_and_to_serial(mirro
             served = client.generate(prompt, max_tokens=24)
             assert served.token_ids == target_only(model, prompt, 24)
             s = served.stats
-            assert s.mirror_windows == s.windows - 1 > 0  # the last window has no next one to draft
+            # every window branches; the last one too where a verdict it guessed would have left room
+            assert 0 < s.windows - 1 <= s.mirror_windows <= s.windows
             assert 0 < s.branches_drafted <= 4 * s.mirror_windows and s.mean_k == pytest.approx(s.drafted / s.windows)
             hits += s.branch_hits
             for seed in (1, 2):
