@@ -216,3 +216,14 @@ def test_a_background_task_that_fails_says_so_at_once(caplog):
     assert task.done()
     assert any("background task" in r.getMessage() and "failing" in r.getMessage() and r.exc_info
                for r in caplog.records)
+
+
+def test_backend_channels_cap_their_reconnect_backoff_at_a_few_seconds():
+    """gRPC's reconnect backoff grows to 120 s by default: a front door whose only target was down
+    two minutes took another 54-62 s to use it once it was back at its address, while its health
+    check already said SERVING (a review; a fresh front door took 5 s). The cap is what bounds
+    that; a behavioural test would have to hold a target down for minutes."""
+    from mirrorspec.serving.server import BACKEND_CHANNEL_OPTIONS
+
+    options = dict(BACKEND_CHANNEL_OPTIONS)
+    assert options["grpc.min_reconnect_backoff_ms"] <= options["grpc.max_reconnect_backoff_ms"] <= 10_000
