@@ -48,6 +48,8 @@ from support import save_tiny_llama
     (["demo", "--rebuild", "--k", "7"], "--k"),  # the side-by-side run's: ignored by a rebuild before
     (["demo", "--rebuild", "--prompt", "hi"], "--prompt"),
     (["generate", "hi", "--timeout", "0"], "--timeout"),
+    # the client names the field max_tokens, which the CLI did not map to its flag (a review)
+    (["generate", "hi", "--server", "127.0.0.1:1", "--max-tokens", "5000000000"], "--max-tokens"),
     (["generate", "hi", "--timeout", "nan"], "--timeout"),
     (["serve", "--k", "-1"], "--k"),
     (["serve", "--tp", "0"], "--tp"),

@@ -53,6 +53,7 @@ FLAG_FOR_FIELD = {
     "top_k": "--top-k",
     "top_p": "--top-p",
     "max_new_tokens": "--max-tokens",
+    "max_tokens": "--max-tokens",  # the client's name for it (--server)
     "num_speculative_tokens": "--k",
     "proposal_top_k": "--proposal-top-k",
     "prompt_lookup": "--prompt-lookup",
