@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.flags import output_dir
+from benchmarks.flags import output_dir, thread_count
 from mirrorspec.config import DEFAULT_DRAFT_QUANTIZE
 
 VOCAB = 49_152
@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.data_plane")
     parser.add_argument("--windows", type=int, default=300)
     parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=thread_count, default=1)
     parser.add_argument("--out", type=output_dir, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
     if args.windows < 10:

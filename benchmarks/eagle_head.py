@@ -33,7 +33,8 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.acceptance import Replay, replay_greedy, teacher_forced_logits
-from benchmarks.flags import DEFAULT_OUT, csv_of, output_dir, positive, positive_float, torch_threads, window_k
+from benchmarks.flags import (DEFAULT_OUT, csv_of, output_dir, positive, positive_float, thread_count, torch_threads,
+                              window_k)
 from benchmarks.prompts import add_replay_flags, load_prompts
 from benchmarks.run import args_config, load_draft
 from mirrorspec.config import SamplingParams
@@ -220,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--target", default="demo-target")
     r.add_argument("--out", type=output_dir, default=DEFAULT_OUT)
     for sp in (t, r):
-        sp.add_argument("--threads", type=positive, default=2, help="torch intra-op threads (default 2)")
+        sp.add_argument("--threads", type=thread_count, default=2, help="torch intra-op threads (default 2)")
         sp.add_argument("--no-progress", action="store_true")
     return p
 

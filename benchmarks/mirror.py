@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from benchmarks.data_plane import start_processes
-from benchmarks.flags import integer_at_least, output_dir, positive, window_k
+from benchmarks.flags import integer_at_least, output_dir, positive, thread_count, window_k
 from benchmarks.prompts import checked_datasets, load_prompts
 from benchmarks.report import cpu_busy_before_run
 from mirrorspec.client import Client
@@ -205,7 +205,7 @@ def main(argv=None) -> int:
                         help="where the drafter server runs, e.g. cpu beside a target on cuda (its own compute)")
     parser.add_argument("--dtype", choices=DTYPE_NAMES, default="auto",
                         help=f"both servers' dtype: {DTYPE_HELP}")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per server process (default 1)")
+    parser.add_argument("--threads", type=thread_count, default=1, help="torch threads per server process (default 1)")
     parser.add_argument("--no-pin", action="store_true",
                         help="let the scheduler place drafter and target (default: one core each, apart)")
     parser.add_argument("--out", type=output_dir, default=Path(__file__).resolve().parent / "results",

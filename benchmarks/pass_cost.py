@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.flags import output_dir
+from benchmarks.flags import output_dir, thread_count
 from mirrorspec.config import DTYPE_HELP, InvalidRequest, field_named, refuse_setting
 from mirrorspec.models import KVSession, encode_prompt, load_causal_lm
 from mirrorspec.models.attention import IMPLEMENTATION as ATTENTION
@@ -130,7 +130,7 @@ def table(medians: dict[int, float]) -> tuple[float, ...]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.pass_cost", description=__doc__.split("\n")[0])
     p.add_argument("--target", default="demo-target")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=thread_count, default=2)
     p.add_argument("--max-k", type=int, default=8)
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--context-tokens", type=int, default=0,

@@ -21,6 +21,19 @@ def test_an_out_folder_that_cannot_be_made_is_refused_before_the_run(command, he
     assert_flag_refused(main, [*head, "--out", str(in_the_way / "results")], "--out", capsys)
 
 
+# the commands that take --threads (the rest start servers with threads of their own choosing)
+THREADED = [(c, head) for c, head in COMMANDS if c not in ("hints", "prefill", "cluster")]
+
+
+@pytest.mark.parametrize("threads", ["0", "1500"])
+@pytest.mark.parametrize("command,head", THREADED, ids=[c for c, _ in THREADED])
+def test_a_thread_count_generate_would_refuse_is_refused(command, head, threads, capsys):
+    """Unbounded, --threads 1500 loaded a 2-core machine to 70 and hung at exit (a review); the
+    mirror and data-plane benchmarks passed any integer to their servers."""
+    main = importlib.import_module(f"benchmarks.{command}").main
+    assert_flag_refused(main, [*head, "--threads", threads], "--threads", capsys)
+
+
 def test_the_out_folder_is_made_as_the_flags_are_read(tmp_path):
     from benchmarks.flags import output_dir
 
