@@ -16,7 +16,7 @@ from mirrorspec.cli import main
     (["--max-tokens", "0"], "--max-tokens"),
     (["--prompt-lookup", "9"], "--prompt-lookup"),
     (["--draft-confidence", "1"], "--draft-confidence"),
-    (["--threads", "0"], "--threads"),
+    (["--threads", "0"], "argument --threads"),  # read as a thread count since stop 60
     (["--target-device", "nope"], "argument --target-device"),
     (["--drafter-device", "cuda:x"], "argument --drafter-device"),
     (["--dtype", "fp8"], "argument --dtype"),
