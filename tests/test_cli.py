@@ -48,6 +48,12 @@ from support import save_tiny_llama
     (["demo", "--rebuild", "--k", "7"], "--k"),  # the side-by-side run's: ignored by a rebuild before
     (["demo", "--rebuild", "--prompt", "hi"], "--prompt"),
     (["generate", "hi", "--timeout", "0"], "--timeout"),
+    # accepted and ignored: an n-gram drafter offers no runner-up, and --k 0 drafts nothing (a review)
+    (["generate", "hi", "--local", "--draft", "ngram", "--no-runner-up"], "--no-runner-up"),
+    (["serve", "--in-process", "--draft", "ngram", "--no-runner-up"], "--no-runner-up"),
+    (["generate", "hi", "--local", "--k", "0", "--draft-confidence", "0.5"], "--draft-confidence"),
+    (["generate", "hi", "--local", "--k", "0", "--prompt-lookup", "3"], "--prompt-lookup"),
+    (["generate", "hi", "--local", "--k", "0", "--no-runner-up"], "--no-runner-up"),
     # the client names the field max_tokens, which the CLI did not map to its flag (a review)
     (["generate", "hi", "--server", "127.0.0.1:1", "--max-tokens", "5000000000"], "--max-tokens"),
     (["generate", "hi", "--timeout", "nan"], "--timeout"),

@@ -29,19 +29,25 @@ def refuse_speculation_settings(args: argparse.Namespace, off: str, also: tuple[
                                  field="runner_up" if dest == "no_runner_up" else dest)
 
 
-# how a draft model drafts: an n-gram drafter has no model, and would ignore them
-DRAFT_MODEL_SETTINGS = ("prompt_lookup", "draft_confidence", "proposal_top_k", "draft_quantize")
+# how a draft model drafts: an n-gram drafter has no model, and would ignore them (its proposals
+# have no runner-up to offer either)
+DRAFT_MODEL_SETTINGS = ("prompt_lookup", "draft_confidence", "proposal_top_k", "draft_quantize", "no_runner_up")
 
 
 def refuse_draft_model_settings_without_a_model(args: argparse.Namespace, draft: str) -> None:
     why = {"ngram": "--draft ngram has none (it proposes what followed the context's last tokens where they "
                     "occurred before)",
            "none": "--draft none has none (it decodes with the target alone)"}.get(draft)
-    if why is None:
-        return
+    if why is not None:
+        refuse_draft_model_settings(args, why)
+
+
+def refuse_draft_model_settings(args: argparse.Namespace, why: str) -> None:
+    """A setting of how a draft model drafts, where ``why`` none drafts: it would be ignored."""
     for dest in DRAFT_MODEL_SETTINGS:
-        if is_set(args, dest):
-            raise InvalidRequest(f"sets how a draft model drafts, and {why}: drop one of the two", field=dest)
+        if hasattr(args, dest) and is_set(args, dest):
+            raise InvalidRequest(f"sets how a draft model drafts, and {why}: drop one of the two",
+                                 field="runner_up" if dest == "no_runner_up" else dest)
 
 
 def check_finite_amount(value: float | None, field: str) -> None:

@@ -13,6 +13,7 @@ from mirrorspec.cli.flags import (
     DRAFT_MODEL_SETTINGS,
     is_draft_model,
     is_set,
+    refuse_draft_model_settings,
     refuse_draft_model_settings_without_a_model,
     refuse_speculation_settings,
     resolve_draft,
@@ -75,6 +76,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.k == 0 and args.mirror:  # it ran, target-only, and said nothing (user review of stop 55)
         raise InvalidRequest("drafts the next window while the target verifies this one, and --k 0 drafts none (it "
                              "is target-only); give --k > 0, or drop --mirror", field="mirror")
+    if args.k == 0:  # the draft loaded, and these ignored (a review)
+        refuse_draft_model_settings(args, "--k 0 drafts nothing (it is target-only)")
     if args.local:
         refuse_draft_model_settings_without_a_model(args, resolve_draft(args.draft, args.target))
     args.draft_quantize = args.draft_quantize or DEFAULT_DRAFT_QUANTIZE
