@@ -25,8 +25,12 @@ def refuse_speculation_settings(args: argparse.Namespace, off: str, also: tuple[
     """``off`` (a flag) decodes target-only: a flag that sets speculation up would be ignored."""
     for dest in (*SPECULATION_SETTINGS, *also):
         if hasattr(args, dest) and is_set(args, dest):
-            raise InvalidRequest(f"sets speculation, which {off} turns off: drop one of the two",
-                                 field="runner_up" if dest == "no_runner_up" else dest)
+            raise InvalidRequest(f"sets speculation, which {off} turns off: drop one of the two", field=field_of(dest))
+
+
+def field_of(dest: str) -> str:
+    """The field an error names for a flag's dest: ``--no-runner-up`` is the field runner_up."""
+    return "runner_up" if dest == "no_runner_up" else dest
 
 
 # how a draft model drafts: an n-gram drafter has no model, and would ignore them (its proposals
@@ -46,8 +50,7 @@ def refuse_draft_model_settings(args: argparse.Namespace, why: str) -> None:
     """A setting of how a draft model drafts, where ``why`` none drafts: it would be ignored."""
     for dest in DRAFT_MODEL_SETTINGS:
         if hasattr(args, dest) and is_set(args, dest):
-            raise InvalidRequest(f"sets how a draft model drafts, and {why}: drop one of the two",
-                                 field="runner_up" if dest == "no_runner_up" else dest)
+            raise InvalidRequest(f"sets how a draft model drafts, and {why}: drop one of the two", field=field_of(dest))
 
 
 def check_finite_amount(value: float | None, field: str) -> None:
