@@ -164,7 +164,7 @@ def test_seeded_output_under_the_serving_policy_is_serials_whatever_the_timing(t
     """The serving default (``stop_at_verdict``) drafts branches while the verdict is out and as far
     as they pay, so which windows branch, how many branches each gets, and which are hit all
     depend on timing. The tests above branch every window (``EVERY_BRANCH``), for statistics that
-    do not; this one jitters each verify by a random 0-20 ms so that windows variously branch,
+    do not; this one delays each verify by a random 0, 2 or 20 ms so that windows variously branch,
     stop branching at the verdict, skip a branch not worth its delay, or go serial, and the
     seeded output must still be serial's, token for token: greedy and sampled, with adaptive K
     and with the runner-up."""
