@@ -23,12 +23,15 @@ from mirrorspec.config import (InvalidRequest, as_scalar, check_address, check_s
 from mirrorspec.serving.errors import FIELD_METADATA
 from mirrorspec.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
+# a server back at its address is reached within this (gRPC's default grows to 120 s); servers'
+# channels to their backends take it too (``mirrorspec.serving.server.BACKEND_CHANNEL_OPTIONS``)
+MAX_RECONNECT_BACKOFF_MS = 5_000
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     # a front door that restarts (Ray restarts its actor on a crash) is back within seconds; gRPC's
     # reconnect backoff, shared by every channel of the process to that address, grows to 120 s
     # by default, and a client kept failing fast with UNAVAILABLE for minutes after it was back
-    ("grpc.max_reconnect_backoff_ms", 5_000),
+    ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
 ]
 # servers take pings from a client this often at most (``mirrorspec.serving.server.keepalive_options``);
 # a client that pings more often is told to go away (GOAWAY, too_many_pings) and its calls fail

@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from mirrorspec.client import MIN_KEEPALIVE_S, ping_options
+from mirrorspec.client import MAX_RECONNECT_BACKOFF_MS, MIN_KEEPALIVE_S, ping_options
 from mirrorspec.config import InvalidRequest, check_port, refuse_setting
 from mirrorspec.serving.errors import ExceptionToStatusInterceptor, SessionClosed
 from mirrorspec.serving.sessions import SessionStore
@@ -43,12 +43,10 @@ CHANNEL_OPTIONS = [
 # a 30 s draft deadline did not cut, so an address that drops packets (a firewall, a partition, a
 # host gone without a reset) stalled each call that long. Servers on one network connect in ms.
 BACKEND_CONNECT_TIMEOUT_S = 2.0
-# A replica back at its address is reached within this: gRPC's reconnect backoff otherwise grows to
-# 120 s, and a front door whose only target was down two minutes took another minute to use it
-# once it was back (a review measured 54-62 s; a fresh front door took 5 s), as the client's did
-BACKEND_MAX_RECONNECT_BACKOFF_S = 5.0
+# the client's reconnect cap too: without it a front door whose only target was down two minutes
+# took another minute to use it once it was back (a review measured 54-62 s; a fresh one took 5 s)
 BACKEND_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.min_reconnect_backoff_ms", int(BACKEND_CONNECT_TIMEOUT_S * 1000)),
-                           ("grpc.max_reconnect_backoff_ms", int(BACKEND_MAX_RECONNECT_BACKOFF_S * 1000))]
+                           ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS)]
 
 
 FLUSH_S = 1.0  # a drained server's wait for the last answers to go out (``RunningServer._drain``)
