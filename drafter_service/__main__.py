@@ -19,18 +19,21 @@ parser.add_argument("--port", type=int, default=0)
 parser.add_argument("--dtype", default="auto")
 parser.add_argument("--device", default="auto", type=device_flag)
 parser.add_argument("--max-sessions", type=int, default=64)
-parser.add_argument("--proposal-top-k", type=int, default=DEFAULT_PROPOSAL_TOP_K, metavar="M",
+# how a draft model drafts: None until given, so that strategy ngram can refuse them rather than ignore them
+DRAFT_MODEL_DEFAULTS = {"proposal_top_k": DEFAULT_PROPOSAL_TOP_K, "prompt_lookup": DEFAULT_PROMPT_LOOKUP,
+                        "draft_confidence": DEFAULT_DRAFT_CONFIDENCE, "quantize": DEFAULT_DRAFT_QUANTIZE}
+parser.add_argument("--proposal-top-k", type=int, default=None, metavar="M",
                     help="strategy draft-model: q restricted to the model's top M tokens, renormalised "
                          f"(0 = dense; default {DEFAULT_PROPOSAL_TOP_K})")
-parser.add_argument("--prompt-lookup", type=int, default=DEFAULT_PROMPT_LOOKUP, metavar="N",
+parser.add_argument("--prompt-lookup", type=int, default=None, metavar="N",
                     help="strategy draft-model: prompt lookup drafts first wherever the context's last N tokens "
-                         "occurred before (0 = the model alone)")
-parser.add_argument("--draft-confidence", type=float, default=DEFAULT_DRAFT_CONFIDENCE, metavar="P",
+                         f"occurred before (0 = the model alone; default {DEFAULT_PROMPT_LOOKUP})")
+parser.add_argument("--draft-confidence", type=float, default=None, metavar="P",
                     help="strategy draft-model: a window ends after the first token the model gives less than "
-                         "probability P (0 = always draft K)")
-parser.add_argument("--quantize", default=DEFAULT_DRAFT_QUANTIZE, choices=QUANTIZATIONS,
+                         f"probability P (0 = always draft K; default {DEFAULT_DRAFT_CONFIDENCE})")
+parser.add_argument("--quantize", default=None, choices=QUANTIZATIONS,
                     help="strategy draft-model: int8 = int8 weights for the draft's linear layers on CPU (exact "
-                         "either way; a no-op on GPU)")
+                         f"either way; a no-op on GPU; default {DEFAULT_DRAFT_QUANTIZE})")
 add_placement_args(parser)
 args = parser.parse_args()
 apply_placement(parser, args)
@@ -38,6 +41,12 @@ if args.strategy == "ngram" and args.model:  # it served n-gram drafts, the mode
     parser.error(f"--model: strategy ngram drafts by prompt lookup and uses no model; drop --model {args.model}, "
                  "or leave out --strategy (a --model implies draft-model)")
 args.strategy = args.strategy or ("draft-model" if args.model else "ngram")
+for dest, default in DRAFT_MODEL_DEFAULTS.items():
+    if getattr(args, dest) is None:
+        setattr(args, dest, default)
+    elif args.strategy == "ngram":  # it served n-gram drafts, the setting silently unused (review of stop 60)
+        parser.error(f"--{dest.replace('_', '-')}: sets how a draft model drafts, and strategy ngram has no model "
+                     "(it drafts by prompt lookup); drop the flag, or pass --model to draft with a model")
 try:
     config = DrafterConfig(strategy=args.strategy, model=args.model, host=args.host, port=args.port, dtype=args.dtype,
                            device=args.device, max_sessions=args.max_sessions, proposal_top_k=args.proposal_top_k,

@@ -18,6 +18,11 @@ import pytest
     # it served n-gram drafts, the model silently unused (review 26 of stop 49)
     (["--strategy", "ngram", "--model", "demo-draft"], "--model", "strategy ngram drafts by prompt lookup and uses "
                                                                   "no model"),
+    # they served n-gram drafts, the setting silently unused (review of stop 60)
+    *[([*strategy, flag, value], flag, "strategy ngram has no model")
+      for flag, value in (("--prompt-lookup", "3"), ("--draft-confidence", "0.5"), ("--quantize", "none"),
+                          ("--proposal-top-k", "0"))
+      for strategy in (["--strategy", "ngram"], [])],
 ])
 def test_bad_settings_name_their_flag(args, flag, needle):
     out = subprocess.run([sys.executable, "-m", "drafter_service", *args], capture_output=True, text=True, timeout=120)
