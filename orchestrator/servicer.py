@@ -311,6 +311,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         mirror = self.config.mirror
         if request.HasField("mirror"):
             mirror = (mirror or MirrorConfig()) if request.mirror else None
+            if request.mirror and not spec.num_speculative_tokens:  # it ran target-only, silently (a review)
+                whose = "" if k_named else " (this deployment's default)"
+                raise InvalidRequest("mirror=true drafts the next window while the target verifies this one, and "
+                                     f"num_speculative_tokens=0{whose} drafts none: send num_speculative_tokens "
+                                     ">= 1, or leave mirror unset", field="mirror")
         return PreparedRequest(prompt, params, spec, int(seed), tuple(request.stop), mirror, request.timeline,
                                k_named=k_named)
 

@@ -598,6 +598,9 @@ def test_expired_target_session_is_reopened_from_the_token_log(stack, tiny_dir):
     (dict(prompt="hello"), grpc.StatusCode.INVALID_ARGUMENT, "no tokenizer"),
     (dict(prompt=[{"role": "user", "content": "hi"}]), grpc.StatusCode.INVALID_ARGUMENT, "instead of chat"),
     (dict(prompt=[0, 1], stop=["x"], max_tokens=3), grpc.StatusCode.INVALID_ARGUMENT, "stop strings need a tokenizer"),
+    # it ran target-only and said nothing, as the CLI's --mirror --k 0 did (review of stop 60)
+    (dict(prompt=[0, 1], k=0, mirror=True), grpc.StatusCode.INVALID_ARGUMENT,
+     "mirror=true drafts the next window while the target verifies this one, and num_speculative_tokens=0 drafts"),
 ])
 def test_bad_requests_get_clear_statuses_and_the_server_stays_up(stack, kwargs, code, needle):
     with Client(stack.address) as client:
