@@ -505,6 +505,25 @@ def checked_generate_arguments(target, params, adaptive, mirror, hint_layer, hin
     return adaptive, mirror, runner_up
 
 
+def refuse_settings_no_window_uses(draft, num_speculative_tokens, adaptive, mirror, hint_layer, hint_lens) -> None:
+    """Settings that shape speculation's windows, where no window would use them: generate ran
+    target-only, or serial, and said nothing (a review; the CLI refuses the same, naming flags).
+    (``runner_up`` is left alone: it is on by default in the CLI, draft or not.)"""
+    drafts_none = "draft=None" if draft is None else "num_speculative_tokens=0" if num_speculative_tokens == 0 else None
+    uses = {"adaptive": "chooses K per window in [0, num_speculative_tokens]",
+            "mirror": "drafts the next window while the target verifies this one"}
+    for name, value in (("adaptive", adaptive), ("mirror", mirror)):
+        if value and drafts_none:
+            raise InvalidRequest(f"{name} {uses[name]}, and {drafts_none} drafts none (it decodes with the target "
+                                 f"alone): pass a draft and num_speculative_tokens >= 1, or drop {name}", field=name)
+    if hint_layer is not None and not mirror:
+        raise InvalidRequest(f"hint_layer steers mirror's branches with the target's early-exit hints, and mirror is "
+                             f"off: pass mirror=True too, or drop hint_layer={hint_layer!r}", field="hint_layer")
+    if hint_lens is not None and hint_layer is None:
+        raise InvalidRequest("hint_lens reads the hints of hint_layer, and hint_layer is None: name the layer too "
+                             "(hint_layer=..., with mirror=True), or drop hint_lens", field="hint_lens")
+
+
 def generate(
     target: torch.nn.Module | LogitSession,
     draft: torch.nn.Module | Drafter | str | None,
@@ -568,10 +587,14 @@ def generate(
     target, draft = (m.model if isinstance(m, LoadedModel) else m for m in (target, draft))
     adaptive, mirror, runner_up = checked_generate_arguments(target, params, adaptive, mirror, hint_layer, hint_lens,
                                                              runner_up)
+    if on_tokens is not None and not callable(on_tokens):  # a bare TypeError after the first window (a review)
+        raise InvalidRequest(f"on_tokens must be a callable taking each window's tokens (a list of ints), got "
+                             f"{on_tokens!r}", field="on_tokens")
     params = params or SamplingParams()
     spec = SpeculationConfig(num_speculative_tokens=num_speculative_tokens, proposal_top_k=proposal_top_k,
                              prompt_lookup=prompt_lookup, draft_confidence=draft_confidence,
                              adaptive=AdaptiveKConfig() if adaptive is True else adaptive or None)
+    refuse_settings_no_window_uses(draft, spec.num_speculative_tokens, adaptive, mirror, hint_layer, hint_lens)
     session = KVSession(target) if isinstance(target, torch.nn.Module) else target
     max_context = int(getattr(getattr(target, "config", None), "max_position_embeddings", 1 << 30))
     if not isinstance(input_ids, torch.Tensor) and getattr(input_ids, "ndim", 0) >= 1:  # numpy's, as a tokenizer gives

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from mirrorspec import InvalidRequest, OutOfRange, SamplingParams, SpeculationConfig, generate
+from mirrorspec.config import MirrorConfig
+from mirrorspec.models.lens import TunedLens
 from mirrorspec.drafting import DraftModelDrafter, NgramDrafter
 from mirrorspec.models import encode_prompt
 from mirrorspec.sampling import NonFiniteLogits
@@ -268,6 +270,15 @@ def test_bools_are_not_token_ids_and_a_numpy_prompt_is_taken_as_a_tensor_is(tiny
     ({"runner_up": "no"}, "runner_up", "runner_up must be True, False or None, got 'no'"),
     ({"mirror": True, "hint_layer": "1"}, "hint_layer", "hint_layer must be an int"),
     ({"mirror": True, "hint_layer": 1, "hint_lens": "tuned"}, "hint_lens", "hint_lens must be a TunedLens"),
+    ({"on_tokens": 5}, "on_tokens", "on_tokens must be a callable"),  # a bare TypeError after the first window
+    # settings no window would use: it ran target-only, or serial, and said nothing (a review of stop 60)
+    ({"draft": None, "mirror": True}, "mirror", "and draft=None drafts none"),
+    ({"num_speculative_tokens": 0, "mirror": MirrorConfig()}, "mirror", "and num_speculative_tokens=0 drafts none"),
+    ({"draft": None, "adaptive": True}, "adaptive", "chooses K per window in [0, num_speculative_tokens], and "
+                                                    "draft=None drafts none"),
+    ({"num_speculative_tokens": 0, "adaptive": True}, "adaptive", "num_speculative_tokens=0 drafts none"),
+    ({"hint_layer": 1}, "hint_layer", "and mirror is off: pass mirror=True too, or drop hint_layer=1"),
+    ({"mirror": True, "hint_lens": TunedLens(1, torch.zeros(3, 2))}, "hint_lens", "and hint_layer is None"),
 ])
 def test_arguments_of_the_wrong_kind_are_named_before_decoding(tiny_target, tiny_draft, kwargs, field, says):
     """Each met a bare AttributeError or TypeError deep inside ("'str' object has no attribute
