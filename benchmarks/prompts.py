@@ -19,6 +19,7 @@ import argparse
 import gzip
 import importlib.metadata
 import json
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,12 +106,20 @@ DATASETS: dict[str, Callable[[int], list[Prompt]]] = {
 
 
 def load_prompts(dataset: str, n: int) -> list[Prompt]:
-    """The first ``n`` prompts of a named dataset (fewer if the set is smaller)."""
+    """The first ``n`` prompts of a named dataset: all of them, said on stderr, where it has fewer
+    (a run asked for 500 reported 500 per dataset, where MT-Bench ran its 80: a review)."""
     try:
         loader = DATASETS[dataset]
     except KeyError:
         raise ValueError(f"unknown dataset {dataset!r}; choose from {', '.join(DATASETS)}") from None
-    return loader(n)
+    prompts = loader(n)
+    if len(prompts) < n:
+        print(f"note: {fewer_prompts_than_asked(dataset, len(prompts), n)}", file=sys.stderr)
+    return prompts
+
+
+def fewer_prompts_than_asked(dataset: str, has: int, asked: int) -> str:
+    return f"{dataset} has {has} prompt{'s' * (has != 1)}: all {has} run, not the {asked} --num-prompts asked for"
 
 
 def checked_datasets(parser: argparse.ArgumentParser, args: argparse.Namespace,

@@ -27,7 +27,7 @@ from benchmarks.flags import (TRUNCATE_PREFIX, add_run_flags, csv_of, draft_spec
                               sampling_temperature, seed_flag, torch_threads, window_k)
 from benchmarks.harness import MODES, BenchPlan, Drafts, RunRecord, identity_failures, run_benchmark, select_modes
 from benchmarks.metrics import summarize
-from benchmarks.prompts import DATASETS, load_prompts
+from benchmarks.prompts import DATASETS, fewer_prompts_than_asked, load_prompts
 from benchmarks.served import ServedStacks
 from benchmarks.report import (LEGEND, cpu_sample, environment, format_table, others_busy_fraction, plot,
                                write_json)
@@ -230,6 +230,8 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     modes, notes = select_modes(args.modes, drafts, int(target.model.config.vocab_size))
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
+    notes += [fewer_prompts_than_asked(name, len(ps), args.num_prompts)  # load_prompts said it on stderr
+              for name, ps in prompts.items() if len(ps) < args.num_prompts]
     plan = BenchPlan(target=target, drafts=drafts, prompts=prompts, modes=modes, ks=args.k,
                      temperatures=args.temperatures, max_new_tokens=args.max_tokens, seed=args.seed,
                      progress=not args.no_progress)
@@ -251,12 +253,13 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     summaries = summarize(records)
 
     config = args_config(args)
-    config.update(target_source=target.source, modes_run=[m.name for m in modes], elapsed_s=elapsed)
+    config.update(target_source=target.source, modes_run=[m.name for m in modes], elapsed_s=elapsed,
+                  prompts_run={name: len(ps) for name, ps in prompts.items()})
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / time.strftime("bench-%Y%m%d-%H%M%S")
     write_json(stem.with_suffix(".json"), env, config, notes, summaries, records)
     title = (f"target={args.target} draft={args.draft} threads={env['torch_threads']} device={env['device']} "
-             f"max_tokens={args.max_tokens} prompts/dataset={args.num_prompts}")
+             f"max_tokens={args.max_tokens} prompts/dataset={max(len(ps) for ps in prompts.values())}")
     plot(stem.with_suffix(".png"), summaries, title)
 
     print(f"# {title}  ({elapsed:.0f} s)")

@@ -28,6 +28,15 @@ def test_prompt_loaders_read_the_wheels_deterministically(dataset):
     assert len({p.prompt_id for p in five}) == 5
 
 
+def test_a_dataset_smaller_than_asked_runs_whole_and_says_so(capsys):
+    """MT-Bench has 80 first turns: asked for 500, a run reported 500 per dataset (a review)."""
+    prompts = load_prompts("mtbench", 500)
+    assert len(prompts) == 80 and len({p.prompt_id for p in prompts}) == 80
+    assert "note: mtbench has 80 prompts: all 80 run, not the 500 --num-prompts asked for" in capsys.readouterr().err
+    load_prompts("mtbench", 80)
+    assert capsys.readouterr().err == ""
+
+
 def test_prompt_sets_have_the_expected_shape():
     mtbench, humaneval, edit = (load_prompts(name, 2) for name in ("mtbench", "humaneval", "code-edit"))
     assert mtbench[0].prompt_id == "81" and mtbench[0].category == "writing"
@@ -189,6 +198,18 @@ def test_a_run_that_is_not_exact_fails_after_writing_what_it_measured(tmp_path, 
     assert "note: NOT EXACT: mirrorspec-draft (K=2) ... differ" in out and "1 runs were not token-identical" in err
     [written] = tmp_path.glob("bench-*.json")
     assert "NOT EXACT: mirrorspec-draft (K=2) ... differ" in json.loads(written.read_text())["notes"]
+
+
+@pytest.mark.slow
+def test_a_run_records_how_many_prompts_it_ran_where_a_dataset_had_fewer(tmp_path, monkeypatch):
+    from benchmarks.prompts import load_humaneval
+
+    monkeypatch.setitem(DATASETS, "humaneval", lambda n: load_humaneval(min(n, 1)))  # a one-prompt set
+    out = _run(tmp_path, "--datasets", "humaneval", "--num-prompts", "3", "--max-tokens", "2", "--modes",
+               "target-only", "--temperatures", "0", "--draft", "none")
+    assert out["config"]["prompts_run"] == {"humaneval": 1} and out["config"]["num_prompts"] == 3
+    assert "humaneval has 1 prompt: all 1 run, not the 3 --num-prompts asked for" in out["notes"]
+    assert len(out["records"]) == 1
 
 
 @pytest.mark.slow
