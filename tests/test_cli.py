@@ -695,6 +695,7 @@ def test_the_summary_line_names_runner_up_wins_windows_on_the_target_and_adaptiv
     local = GenerationStats(windows=4, drafted=8, accepted=6, runner_up_hits=2)
     assert speculation_summary(local).startswith("acceptance 0.75, ")
     assert speculation_summary(local).endswith("tokens/pass, runner-up won 2 windows")
+    assert speculation_summary(GenerationStats(windows=4, runner_up_hits=1)).endswith("runner-up won 1 window")
     served = generation_pb2.RequestStats(acceptance_rate=0.5, mean_accepted_length=2.0)
     assert speculation_summary(served) == "acceptance 0.50, 2.00 tokens/pass"
     on_target = generation_pb2.RequestStats(acceptance_rate=0.5, mean_accepted_length=2.0, windows=9,

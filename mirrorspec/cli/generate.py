@@ -153,7 +153,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def speculation_summary(stats) -> str:
     """The end-of-generation figures, for in-process stats and a server's ``RequestStats`` alike."""
-    won = f", runner-up won {stats.runner_up_hits} windows" if stats.runner_up_hits else ""
+    won = f", runner-up won {stats.runner_up_hits} window{'s' * (stats.runner_up_hits != 1)}" \
+        if stats.runner_up_hits else ""
     on_target = f", {stats.windows_on_target} of {stats.windows} windows run on the target" \
         if stats.windows_on_target else ""
     off = f", adaptive K drafted nothing in {stats.adaptive_off_windows} of {stats.windows} windows" \
