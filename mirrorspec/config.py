@@ -136,11 +136,11 @@ class SamplingParams:
                                  f"temperature overflow float32 and p becomes NaN; use 0 for greedy",
                                  field="temperature")
         if not is_integer(self.top_k) or self.top_k < 0:
-            raise InvalidRequest(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}", field="top_k")
+            raise InvalidRequest(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}", field="top_k")
         if math.isnan(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"top_p must be in (0, 1] (1 = off), got {self.top_p}", field="top_p")
         if not is_integer(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise InvalidRequest(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens}",
+            raise InvalidRequest(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}",
                                  field="max_new_tokens")
 
     @property
@@ -255,11 +255,12 @@ class SpeculationConfig:
 
     def __post_init__(self) -> None:
         if not is_integer(self.max_speculative_tokens) or not 1 <= self.max_speculative_tokens <= 64:
-            raise InvalidRequest(f"max_speculative_tokens must be in [1, 64], got {self.max_speculative_tokens}",
+            raise InvalidRequest(f"max_speculative_tokens must be in [1, 64], got {self.max_speculative_tokens!r}",
                                  field="max_speculative_tokens")
-        if not is_integer(self.num_speculative_tokens) or not (
-            0 <= self.num_speculative_tokens <= self.max_speculative_tokens
-        ):
+        if not is_integer(self.num_speculative_tokens):  # "4" was OutOfRange, "got 4" (a review)
+            raise InvalidRequest(f"num_speculative_tokens (K) must be an int, got {self.num_speculative_tokens!r}",
+                                 field="num_speculative_tokens")
+        if not 0 <= self.num_speculative_tokens <= self.max_speculative_tokens:
             raise OutOfRange(
                 f"num_speculative_tokens (K) must be in [0, {self.max_speculative_tokens}], "
                 f"got {self.num_speculative_tokens}; use 0 for target-only decoding",
@@ -268,6 +269,9 @@ class SpeculationConfig:
         check_proposal_top_k(self.proposal_top_k)
         check_prompt_lookup(self.prompt_lookup)
         check_draft_confidence(self.draft_confidence)
+        if not (self.adaptive is None or isinstance(self.adaptive, AdaptiveKConfig)):  # "yes" was taken (a review)
+            raise InvalidRequest(f"adaptive must be None (fixed K) or an AdaptiveKConfig(...), got {self.adaptive!r}",
+                                 field="adaptive")
         for name in ("num_speculative_tokens", "max_speculative_tokens", "proposal_top_k", "prompt_lookup"):
             object.__setattr__(self, name, operator.index(getattr(self, name)))  # numpy's and torch's: plain ints
         object.__setattr__(self, "draft_confidence", float(self.draft_confidence))
@@ -517,9 +521,9 @@ class ReplicaConfig:
         check_port(self.port)
         check_max_sessions(self.max_sessions)
         check_stall_timeout(self.stall_timeout_s)
-        for field in ("orphaned_session_ttl_s", "keepalive_s"):
-            if not (math.isfinite(getattr(self, field)) and getattr(self, field) > 0):
-                raise InvalidRequest(f"must be a finite number of seconds > 0, got {getattr(self, field)}", field=field)
+        for name in ("orphaned_session_ttl_s", "keepalive_s"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise InvalidRequest(f"must be a finite number of seconds > 0, got {getattr(self, name)!r}", field=name)
 
 
 @dataclass(frozen=True)

@@ -234,6 +234,15 @@ def test_k_is_a_plain_int_whatever_integer_it_came_as_and_never_a_bool_or_a_frac
         with pytest.raises(InvalidRequest) as err:
             SpeculationConfig(**bad)
         assert err.value.field == next(iter(bad))
+    # a str looked like a number in the message ("got 4"), and adaptive="yes" was taken (a review of stop 60)
+    for bad, says in (({"num_speculative_tokens": "4"}, "must be an int, got '4'"),
+                      ({"max_speculative_tokens": "8"}, "got '8'"), ({"adaptive": "yes"}, "got 'yes'")):
+        with pytest.raises(InvalidRequest, match=re.escape(says)) as err:
+            SpeculationConfig(**bad)
+        assert err.value.field == next(iter(bad))
+    for bad in ({"top_k": "5"}, {"max_new_tokens": "5"}):
+        with pytest.raises(InvalidRequest, match="got '5'"):
+            SamplingParams(**bad)
 
 
 @pytest.mark.parametrize("prompt", ["hello", [1.5, 2], [[1, 2]], None])
