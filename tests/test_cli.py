@@ -135,6 +135,7 @@ from support import save_tiny_llama
     (["demo", "--rebuild", "--out", "draft.bin"], "--out"),  # --draft would read it as a model directory
     (["demo", "--rebuild", "--out", "/proc/no/draft.safetensors"], "--out"),  # before the hour of teacher data
     (["generate", "hi", "--local", "--device", "gpu0"], "--device"),
+    (["generate", "hi", "--local", "--device", "cpu:5"], "--device"),  # ran on the one CPU device there is
     (["serve", "--device", "tpu"], "--device"),  # refused before a Ray starts
     (["serve", "--in-process", "--drafters", "2"], "--drafters"),  # Ray's placement: ignored in process before
     (["serve", "--in-process", "--tp", "2"], "--tp"),

@@ -99,8 +99,11 @@ def parse_device(device: str) -> torch.device:
         dev = torch.device(device) if device != "auto" else torch.device("cpu")
     except (RuntimeError, TypeError):
         dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise InvalidRequest(f"device must be auto, cpu, cuda or cuda:N, got {device!r}", field="device")
+    if dev is None or dev.type not in ("cpu", "cuda") or (dev.type == "cpu" and dev.index not in (None, 0)):
+        # cpu:5 ran on the one CPU device torch has, as if it placed the model somewhere (a review)
+        raise InvalidRequest(f"device must be auto, cpu, cuda or cuda:N, got {device!r}" +
+                             ("; torch has one CPU device, cpu" if dev is not None and
+                              dev.type == "cpu" else ""), field="device")
     return dev
 
 
