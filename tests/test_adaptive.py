@@ -92,16 +92,27 @@ def test_adaptive_greedy_output_is_identical_to_target_only(tiny_target, tiny_dr
 @pytest.mark.parametrize("mirror", [False, True], ids=["serial", "mirror"])
 def test_adaptive_k_with_k_zero_is_target_only_past_the_probe_gap(tiny_target, tiny_draft, mirror):
     """K = 0 asks for no drafts; adaptive K used to crash at its first probe window (``probe_k``
-    over an empty range of K) once ``probe_every`` windows had passed."""
-    from mirrorspec.config import MirrorConfig
+    over an empty range of K) once ``probe_every`` windows had passed. ``generate`` refuses the
+    pair now, but a front door with adaptive K on runs a request that asks for K = 0 this way."""
+    from mirrorspec.config import MirrorConfig, SpeculationConfig
     from mirrorspec.drafting import DraftModelDrafter
+    from mirrorspec.engine import GenerationStats, TargetVerifier, decode_windows
+    from mirrorspec.mirror import MirrorPipeline
+    from mirrorspec.models import KVSession
 
     params = SamplingParams(max_new_tokens=AdaptiveKConfig().probe_every + 8)
     reference = generate(tiny_target, None, [0, 3, 5], params).token_ids
     drafter = CountingDrafter(DraftModelDrafter(tiny_draft))
-    result = generate(tiny_target, drafter, [0, 3, 5], params, num_speculative_tokens=0, adaptive=AdaptiveKConfig(),
-                      mirror=MirrorConfig(stop_at_verdict=False) if mirror else None)
-    assert result.token_ids == reference and result.stats.drafted == 0
+    stats, pipeline = GenerationStats(), MirrorPipeline(MirrorConfig(stop_at_verdict=False)) if mirror else None
+    try:
+        windows = decode_windows(drafter, TargetVerifier(KVSession(tiny_target)), [0, 3, 5], params,
+                                 SpeculationConfig(num_speculative_tokens=0, adaptive=AdaptiveKConfig()), 7, stats,
+                                 pipeline)
+        tokens = [t for window in windows for t in window.tokens]
+    finally:
+        if pipeline is not None:
+            pipeline.close()
+    assert tokens == reference and stats.drafted == 0 and stats.windows == len(reference)
 
 
 def test_a_useless_drafter_is_switched_off(tiny_target):
