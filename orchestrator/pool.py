@@ -35,6 +35,16 @@ class Replica:
     stub: object
     sessions: int = 0  # sessions this orchestrator holds on it
     retired: bool = False  # left the pool; its channel closes once its last session has moved
+    # its channel's state as gRPC last reported it: TRANSIENT_FAILURE from a failed connect until
+    # a reconnect (which gRPC retries by itself, every few seconds) succeeds
+    connectivity: grpc.ChannelConnectivity | None = None
+
+    def note_connectivity(self, state: grpc.ChannelConnectivity) -> None:
+        self.connectivity = state
+
+    @property
+    def unreachable(self) -> bool:
+        return self.connectivity is grpc.ChannelConnectivity.TRANSIENT_FAILURE
 
     def answers_serving(self, timeout_s: float) -> bool:
         """Whether its server answers the health check SERVING within ``timeout_s``. A stopped
@@ -96,6 +106,7 @@ class ReplicaPool:
                 if address not in self._members:
                     channel = grpc.insecure_channel(address, options=BACKEND_CHANNEL_OPTIONS)
                     self._members[address] = Replica(address, channel, self._make_stub(channel))
+                    channel.subscribe(self._members[address].note_connectivity, try_to_connect=False)
                     self._failed_at.pop(address, None)
                     self._slow_at.pop(address, None)
             self._changed.notify_all()
@@ -143,10 +154,19 @@ class ReplicaPool:
             return self._least_loaded({address}) is not None
 
     def unusable(self) -> str | None:
-        """Why no new session could go to this pool now (no member, or every one failed of late),
-        or None where one could."""
+        """Why no new session could go to this pool now (no member, every one failed of late, or
+        every one's connection fails), or None where one could. (Once a failure's cooldown ended,
+        this said None while every target was still down: a load balancer sent requests here
+        that could only fail, until the next failure; a review.)"""
         with self._changed:
-            return self._why_none(set()) if self._least_loaded(set()) is None else None
+            if self._least_loaded(set()) is None:
+                return self._why_none(set())
+            members = list(self._members.values())
+        if not all(r.unreachable for r in members):
+            return None
+        which = f"the only {self.name} replica" if len(members) == 1 else f"all {len(members)} {self.name} replicas"
+        return (f"{which} cannot be reached ({', '.join(r.address for r in members)}: connecting fails); gRPC "
+                f"reconnects by itself every few seconds, and a deployment replaces one that died")
 
     def _why_none(self, avoid: set[str]) -> str:
         if not self._members:

@@ -1022,6 +1022,43 @@ def test_a_front_door_with_no_target_it_can_use_answers_its_health_check_not_ser
         s.stop()
 
 
+@pytest.mark.slow
+def test_a_front_door_whose_only_target_is_down_stays_not_serving_past_the_cooldown(tiny_dir):
+    """Once the failure's cooldown ended it answered SERVING again while the target was still down,
+    and a load balancer sent it requests that could only fail (a review of stop 60). Now it says
+    NOT_SERVING while the target's connection fails, and SERVING once one answers at the address."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from mirrorspec.serving.server import BackgroundServer
+    from target_service.servicer import TargetConfig
+    from target_service.servicer import serve as serve_target
+
+    s = start_stack(tiny_dir["target16"], None, strategy=None, k=0, failure_cooldown_s=1.0)
+    check = health_pb2_grpc.HealthStub(grpc.insecure_channel(s.address)).Check
+    status = lambda: check(health_pb2.HealthCheckRequest(), timeout=5).status  # noqa: E731
+    back = None
+    try:
+        (address,) = s.front.servicer.targets.addresses
+        s.targets[0].stop()
+        with Client(s.address) as client, pytest.raises(grpc.RpcError) as err:
+            client.generate([0, 7, 3], max_tokens=4)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert wait_until(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=5)
+        time.sleep(3)  # three cooldowns
+        assert status() == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert "cannot be reached" in s.front.servicer.unready()
+        port = int(address.rsplit(":", 1)[1])
+        back = BackgroundServer(lambda: serve_target(TargetConfig(model=str(tiny_dir["target16"]), port=port)),
+                                "target").start()
+        assert wait_until(lambda: status() == health_pb2.HealthCheckResponse.SERVING, timeout=20)
+        with Client(s.address) as client:
+            assert len(client.generate([0, 7, 3], max_tokens=4).token_ids) == 4
+    finally:
+        s.stop()
+        if back is not None:
+            back.stop()
+
+
 def test_metrics_count_drafts_like_vllm(stack):
     with Client(stack.address) as client:
         client.generate([0, 5], max_tokens=10, k=3)
