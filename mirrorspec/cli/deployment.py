@@ -56,6 +56,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
                              f"scale down again, or serve with more --num-cpus or less --replica-cpus")
         print(f"mirrorspec scale: {serving} of {args.replicas} {args.pool} replicas serve{when}; {why}",
               file=sys.stderr)
+        return 1  # it exited 0, so a script could not tell its pool short (a review)
     return 0
 
 
