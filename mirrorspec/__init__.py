@@ -14,16 +14,21 @@ and the client of a running server (``mirrorspec serve``)::
         print(client.generate("Hello", max_tokens=32).text)
 """
 
-from mirrorspec.config import InvalidRequest, OutOfRange, SamplingParams, SpeculationConfig
+from mirrorspec.config import (AdaptiveKConfig, InvalidRequest, MirrorConfig, OutOfRange, SamplingParams,
+                               SpeculationConfig)
 from mirrorspec.engine import GenerationResult, GenerationStats, decode_windows, generate
+from mirrorspec.sampling import NonFiniteLogits
 
 __all__ = [
+    "AdaptiveKConfig",
     "AsyncClient",
     "Client",
     "ClientClosed",
     "GenerationResult",
     "GenerationStats",
     "InvalidRequest",
+    "MirrorConfig",
+    "NonFiniteLogits",
     "NotAFrontDoor",
     "OutOfRange",
     "RequestRefused",
