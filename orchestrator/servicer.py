@@ -659,6 +659,10 @@ async def _backend_info(pool: str, addresses: list[str], make_stub, wait_s: floa
         while True:
             answered = next((call for call in calls if call.done() and call.exception() is None), None)
             if answered is not None:
+                if silent := [a for a, call in zip(addresses, calls) if not call.done()]:  # said nothing (a review)
+                    log.warning("%s %s %s not answered yet (starting, or down); sessions go to the %s replicas that "
+                                "answer, and to these once they do", pool, ", ".join(silent),
+                                "has" if len(silent) == 1 else "have", pool)
                 return answered.result()
             if all(call.done() for call in calls):
                 break

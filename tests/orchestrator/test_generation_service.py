@@ -1201,10 +1201,11 @@ def test_a_front_door_whose_backend_does_not_answer_names_the_setting(stack, add
     assert err.value.field == "target"
 
 
-def test_a_front_door_starts_and_serves_where_the_first_replica_of_each_pool_is_down(stack, tiny_dir):
+def test_a_front_door_starts_and_serves_where_the_first_replica_of_each_pool_is_down(stack, tiny_dir, caplog):
     """Only the first replica of a pool was asked to describe it: a front door whose list named a
     lost replica first (as one restarted with a membership that still lists it) waited 60 s and
-    refused to start, the one that answers never asked (a failure-injection review)."""
+    refused to start, the one that answers never asked (a failure-injection review). It now logs
+    the replicas that had not answered (it said nothing of them: a review of stop 60)."""
     from mirrorspec.serving.server import BackgroundServer
     from orchestrator.servicer import serve
 
@@ -1214,6 +1215,8 @@ def test_a_front_door_starts_and_serves_where_the_first_replica_of_each_pool_is_
     with BackgroundServer(lambda: serve(front)) as door, Client(f"127.0.0.1:{door.port}", timeout_s=60) as client:
         served = client.generate([0, 7, 3], max_tokens=12)
     assert list(served.token_ids) == target_only(load(tiny_dir["target16"]), [0, 7, 3], 12)
+    for pool in ("target", "drafter"):
+        assert f"{pool} {down} has not answered yet (starting, or down)" in caplog.text
 
 
 @pytest.mark.parametrize("field, value", [("target", "127.0.0.1"), ("drafter", "http://127.0.0.1:50062"),
