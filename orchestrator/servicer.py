@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from mirrorspec.config import (DEFAULT_K, DEFAULT_MAX_CONCURRENT_REQUESTS, AdaptiveKConfig, InvalidRequest,
-                               MirrorConfig, SamplingParams, SpeculationConfig, check_address,
+                               MirrorConfig, OutOfRange, SamplingParams, SpeculationConfig, check_address,
                                check_max_concurrent_requests, check_port, check_shared_vocabulary, default_k)
 from mirrorspec.drafting import Drafter, Proposal
 from mirrorspec.engine import GenerationStats, decode_windows, first_window_k, validate_prompt
@@ -159,6 +159,11 @@ class OpenedDrafter:
 
 
 _DONE = object()
+# A text or chat prompt longer than this many characters per position of the context window is
+# refused before it is tokenized: a 20 MB prompt held a request thread for ~20 s of tokenizing
+# before the context window refused it (a review). Real text runs ~4 characters a token; a
+# prompt of stranger text fits as token_ids, which are not tokenized here.
+MAX_PROMPT_CHARS_PER_TOKEN = 64
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
@@ -333,8 +338,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
             if not messages or not any(m["content"] for m in messages):
                 raise InvalidRequest("chat has no non-empty message", field="chat")
+            self._refuse_past_any_context(kind, sum(len(m["content"]) for m in messages))
             return kind, encode_chat(self.tokenizer, messages)
+        self._refuse_past_any_context(kind, len(getattr(request, kind)))
         return kind, encode_prompt(self.tokenizer, getattr(request, kind), chat=kind == "text")
+
+    def _refuse_past_any_context(self, kind: str, chars: int) -> None:
+        limit = self.max_context * MAX_PROMPT_CHARS_PER_TOKEN
+        if chars > limit:
+            raise OutOfRange(f"{kind} holds {chars:,} characters, more than the context window of {self.max_context} "
+                             f"tokens is taken to hold ({limit:,}: {MAX_PROMPT_CHARS_PER_TOKEN} a token); shorten it, "
+                             "or send it as token_ids", field=kind)
 
     # ---- the loop -----------------------------------------------------------------------------
     async def _run(self, prepared: PreparedRequest, outcome: RequestOutcome, context) -> AsyncIterator[list[int]]:

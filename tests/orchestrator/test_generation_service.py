@@ -611,6 +611,32 @@ def test_bad_requests_get_clear_statuses_and_the_server_stays_up(stack, kwargs, 
         assert client.generate([0, 1], max_tokens=3).token_ids  # still serving
 
 
+def test_a_text_prompt_past_what_any_context_window_holds_is_refused_before_it_is_tokenized(padded_pair,
+                                                                                            monkeypatch):
+    """A 20 MB prompt held a request thread for ~20 s of tokenizing before the context window
+    refused it (a review of stop 60)."""
+    import orchestrator.servicer as servicer_module
+
+    s = start_stack(padded_pair["target"], padded_pair["draft"], k=3)
+    tokenized = []
+    monkeypatch.setattr(servicer_module, "encode_prompt", lambda *a, **kw: tokenized.append(a) or [1, 2])
+    try:
+        with Client(s.address) as client:
+            limit = 128 * servicer_module.MAX_PROMPT_CHARS_PER_TOKEN  # the tiny target's 128 positions
+            too_long = "w1 " * (limit // 3 + 1)
+            for prompt in (too_long, [{"role": "user", "content": too_long}]):
+                with pytest.raises(grpc.RpcError) as err:
+                    client.generate(prompt, max_tokens=3)
+                assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE
+                assert f"holds {len(too_long):,} characters, more than the context window of 128 tokens" in \
+                    err.value.details() and "send it as token_ids" in err.value.details()
+            assert not tokenized
+            assert client.generate("w1 " * (limit // 3), raw=True, max_tokens=3).token_ids  # at the limit: tokenized
+            assert len(tokenized) == 1
+    finally:
+        s.stop()
+
+
 def test_an_unset_max_tokens_is_the_default_cut_to_the_room_the_context_window_leaves(stack):
     """As vLLM does: a long prompt with no max_tokens was refused for the front door's own default
     (128), which the client never sent. One that is set is still refused where it does not fit."""
