@@ -449,7 +449,11 @@ def run_until_terminated(factory: Callable[[], Awaitable[RunningServer]], banner
     A setting refused while starting (a model that does not load, a port in use) is named by its
     flag (``refuse_setting``). SIGTERM, SIGHUP or Ctrl-C stops it gracefully: new calls are refused and
     those in flight get ``grace_s`` to finish (a service manager's stop used to kill them); a
-    second signal stops it at once."""
+    second signal stops it at once. transformers keeps to its errors: a service's log is what an
+    operator reads, and its loading bars filled it (the CLI's servers had them off already)."""
+    from mirrorspec.models.loading import quiet_transformers
+
+    quiet_transformers()
 
     async def main() -> None:
         running = await factory()
