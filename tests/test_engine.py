@@ -372,10 +372,17 @@ def test_flags_computed_with_numpy_or_torch_are_taken_as_the_bools_they_hold(tin
     computed = generate(tiny_target, tiny_draft, [1, 2], params, seed=3, mirror=np.bool_(True),
                         adaptive=torch.tensor(True), runner_up=np.array(True))
     def windows(result):
-        return [getattr(result.stats, name) for name in ("windows", "drafted", "accepted", "mirror_windows")]
+        return [getattr(result.stats, name) for name in ("windows", "drafted", "accepted")]
 
     assert computed.token_ids == plain.token_ids and windows(computed) == windows(plain)
     assert plain.stats.mirror_windows > 0
+    # how many windows branched depends on timing (the default policy stops at the verdict: 2 and 1
+    # under load in one run), so that the computed flags are the bools they hold is asked directly
+    from mirrorspec.engine import checked_generate_arguments
+
+    taken = checked_generate_arguments(tiny_target, params, torch.tensor(True), np.bool_(True), None, None,
+                                       np.array(True))
+    assert taken == (True, True, True) and all(type(flag) is bool for flag in taken)
     off = generate(tiny_target, tiny_draft, [1, 2], params, seed=3, mirror=np.bool_(False), runner_up=np.False_)
     assert off.stats.mirror_windows == 0
     assert generate(tiny_target, tiny_draft, [1, 2], params, seed=3, runner_up=None).token_ids == generate(
