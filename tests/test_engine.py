@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from mirrorspec import InvalidRequest, OutOfRange, SamplingParams, SpeculationConfig, generate
-from mirrorspec.config import MirrorConfig
+# what generate() takes and raises imports from the package, as a user writes it
+from mirrorspec import (InvalidRequest, MirrorConfig, NonFiniteLogits, OutOfRange, SamplingParams, SpeculationConfig,
+                        generate)
 from mirrorspec.models.lens import TunedLens
 from mirrorspec.drafting import DraftModelDrafter, NgramDrafter
 from mirrorspec.models import encode_prompt
-from mirrorspec.sampling import NonFiniteLogits
 from support import load, save_tiny_llama
 
 
