@@ -112,7 +112,8 @@ class PooledSession:
         self.replica: Replica | None = None
         self.session_id: str | None = None
         self.held: list[int] = []  # the context the remote session holds
-        self.moves = 0  # reopenings after the first open
+        self.moves = 0  # reopenings after the first open that opened (the stats' target/drafter_moves)
+        self.move_attempts = 0  # those begun: one whose open failed (no replica left) replayed nothing
         self.failed_on: set[str] = set()  # the replica whose compute raised on this session (one at most)
         # the session may hold tokens past ``held`` (a target running the windows sent it more than
         # it reported before its run broke off): the next call says how many to keep
@@ -190,7 +191,7 @@ class PooledSession:
         the full ones again: it had streamed tokens, and failed at once with RESOURCE_EXHAUSTED where
         the survivors were full for a moment (a failure-injection review). A request's first open
         still fails fast (admission control), and so does a drafter's: it goes on target-only."""
-        if not (self.moves and self.waits_for_room_to_move) or time.monotonic() >= deadline:
+        if not (self.move_attempts and self.waits_for_room_to_move) or time.monotonic() >= deadline:
             return False
         ended = self.ended or threading.Event()  # a request that cannot end: a plain sleep
         return not ended.wait(min(ROOM_POLL_S, max(deadline - time.monotonic(), 0.0)))
@@ -311,9 +312,10 @@ class PooledSession:
         # the session reopens at once: a replica left because it hangs answers no close either,
         # and waiting out the close's deadline cost the request 5 s more (review of stop 55)
         self.let_go(wait=False)
-        self.moves += 1
+        self.move_attempts += 1
         self.prefill_pending = self.may_hold_more = False  # a reopened session prefills in its open
         self.open(context)
+        self.moves += 1  # counted once it opened: a drafter that fell back said it had moved (a review)
 
     def let_go(self, wait: bool = True) -> None:
         """Close the session on its replica (without waiting for the answer, unless ``wait``) and

@@ -455,6 +455,7 @@ def test_drafter_failure_mid_request_falls_back_without_losing_it(tiny_dir, mirr
         tokens = list(first.token_ids) + [t for c in rest for t in c.token_ids]
         assert tokens == target_only(model, [0, 7, 3], 60)
         assert rest[-1].finish_reason == "length" and rest[-1].stats.drafter_fallback
+        assert rest[-1].stats.drafter_moves == 0  # with no drafter to move to, it never moved (a review)
     finally:
         s.drafters.clear()
         s.stop()
