@@ -35,6 +35,7 @@ from cluster.spec import CONTROLLER_NAMESPACE, POOLS, PoolResources, StackSpec, 
 from mirrorspec.config import InvalidRequest
 
 log = logging.getLogger(__name__)
+MAX_EVENTS = 1000  # replica events a controller keeps for `serve` to print
 
 SUPERVISE_EVERY_S = 0.5
 PING_TIMEOUT_S = 10.0
@@ -120,6 +121,10 @@ class Controller:
         self._stopped = threading.Event()
         self._stopping = False
         self._drained: list[str] = []  # replicas stopped by ``drain``, so a retried call succeeds
+        # what happened to replicas, for `serve` to print (``events_since``): its own log lines went
+        # to Ray's worker logs alone, and an operator watching `serve` saw none (a review)
+        self._events: list[str] = []
+        self._events_dropped = 0
         if ray.get_runtime_context().was_current_actor_reconstructed:
             self._restore()
         if not self._stopping:
@@ -324,7 +329,7 @@ class Controller:
         for record in self._replicas.values():
             if record.state == "draining":
                 threading.Thread(target=self._drain_and_stop, args=(record,), daemon=True).start()
-        log.warning("controller restarted: adopted %s", ", ".join(self._replicas) or "no replica")
+        self._event(logging.WARNING, "controller restarted: adopted %s", ", ".join(self._replicas) or "no replica")
 
     def _adopt(self, saved: dict) -> ReplicaRecord | None:
         actors = [self._named_actor(self._rank_name(saved["replica_id"], k)) for k in range(saved["ranks"])]
@@ -369,7 +374,7 @@ class Controller:
                 address = ray.get(record.ready)
                 node = ray.get(record.actor.node.remote(), timeout=PING_TIMEOUT_S)
             except Exception as err:  # noqa: BLE001 - a replica that cannot start is replaced
-                log.error("%s failed to start: %s", record.replica_id, err)
+                self._event(logging.ERROR, "%s failed to start: %s", record.replica_id, err)
                 self._forget(record)
                 with self._changed:
                     self._start_failures[record.pool].add(err)
@@ -378,8 +383,24 @@ class Controller:
             with self._changed:
                 if record.state == "starting":
                     record.address, record.node, record.state = address, node, "serving"
+                    self._event(logging.INFO, "%s serves at %s", record.replica_id, address)
                     self._start_failures[record.pool] = StartFailures()
                     self._bump()
+
+    def _event(self, level: int, message: str, *args) -> None:
+        log.log(level, message, *args)
+        with self._changed:
+            self._events.append(message % args)
+            if len(self._events) > MAX_EVENTS:  # the oldest go; the count goes on
+                self._events_dropped += len(self._events) - MAX_EVENTS
+                del self._events[:-MAX_EVENTS]
+
+    def events_since(self, seen: int) -> tuple[int, list[str]]:
+        """(events so far, those after the first ``seen``). A count below ``seen`` (a restarted
+        controller counts afresh) gives all it holds."""
+        with self._changed:
+            total = self._events_dropped + len(self._events)
+            return total, self._events[max(seen - self._events_dropped, 0):] if seen <= total else list(self._events)
 
     def _replace_dead(self) -> None:
         with self._changed:
@@ -388,8 +409,8 @@ class Controller:
             try:
                 ray.get([a.ping.remote() for a in record.actors], timeout=PING_TIMEOUT_S)
             except Exception as err:  # noqa: BLE001 - dead or wedged: either way it is replaced
-                log.warning("%s at %s is down (%s); replacing it", record.replica_id, record.address,
-                            type(err).__name__)
+                self._event(logging.WARNING, "%s at %s is down (%s); replacing it", record.replica_id,
+                            record.address, type(err).__name__)
                 self._forget(record)
 
     def _reconcile(self) -> None:

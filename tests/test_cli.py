@@ -687,6 +687,29 @@ def test_demo_runs_the_shipped_draft_beside_the_target():
     assert "held-out top-1 agreement" in out.stdout
 
 
+def test_serve_prints_what_its_controller_noted_of_the_replicas_since_it_started(capsys):
+    """A replica that died and was replaced showed in Ray's worker logs alone (a review of stop 60)."""
+    from mirrorspec.cli.lifecycle import ReplicaEvents
+
+    held = ["drafter-1 serves at 127.0.0.1:1", "target-2 serves at 127.0.0.1:2"]  # `serve` reported these
+
+    def events_since(seen):  # the controller's: all it holds where it counts afresh (restarted)
+        return len(held), held[seen:] if seen <= len(held) else list(held)
+
+    events = ReplicaEvents(events_since)
+    held += ["drafter-1 at 127.0.0.1:1 is down (ActorDiedError); replacing it", "drafter-3 serves at 127.0.0.1:3"]
+    events.print_new()
+    events.print_new()
+    assert capsys.readouterr().out == ("mirrorspec: drafter-1 at 127.0.0.1:1 is down (ActorDiedError); replacing it\n"
+                                       "mirrorspec: drafter-3 serves at 127.0.0.1:3\n")
+    held[:] = ["controller restarted: adopted drafter-3, target-2"]
+    events.print_new()
+    assert capsys.readouterr().out == "mirrorspec: controller restarted: adopted drafter-3, target-2\n"
+    events.fetch = lambda seen: 1 / 0  # the controller cannot answer just now: nothing, and no failure
+    events.print_new()
+    assert capsys.readouterr().out == ""
+
+
 def test_the_summary_line_names_runner_up_wins_windows_on_the_target_and_adaptive_off_where_there_were_any():
     """One summary for in-process stats and a server's RequestStats alike."""
     from mirrorspec.cli.generate import speculation_summary

@@ -39,17 +39,20 @@ def interrupted_by_termination():
             signal.signal(sig, handler)
 
 
-def wait_for_stop(gone: Callable[[], bool] = lambda: False, every_s: float = 2.0) -> bool:
+def wait_for_stop(gone: Callable[[], bool] = lambda: False, every_s: float = 2.0,
+                  each_tick: Callable[[], None] = lambda: None) -> bool:
     """Until Ctrl-C, SIGTERM or SIGHUP, each ending serving alike: the caller then tears the
     deployment down (a closed terminal used to kill the process before that, leaving it running).
     False where ``gone()`` said first that the deployment was stopped from elsewhere (``mirrorspec
-    stop``): nothing is left to tear down, and a ``serve`` left waiting would never end."""
+    stop``): nothing is left to tear down, and a ``serve`` left waiting would never end.
+    ``each_tick`` runs every ``every_s`` meanwhile (``ReplicaEvents.print_new``)."""
     import threading
 
     tick = threading.Event()
     try:
         with interrupted_by_termination():
             while not gone():
+                each_tick()
                 tick.wait(every_s)
     except KeyboardInterrupt:
         return True
@@ -80,3 +83,26 @@ def stopped_elsewhere(name: str) -> bool:
         return not deployed(name)
     except Exception:  # noqa: BLE001 - a GCS hiccup: ask again at the next tick
         return False
+
+
+class ReplicaEvents:
+    """What a deployment's controller noted of its replicas (down and being replaced, serving,
+    failed to start), printed by the `serve` that waits on it: those lines went to Ray's worker
+    logs alone, and an operator watching `serve` saw a replica die and come back without a word
+    (a review). ``fetch(seen)`` is the controller's ``events_since``; the events before this
+    object was made (the replicas' first start, which `serve` reported) are not printed."""
+
+    def __init__(self, fetch: Callable[[int], tuple[int, list[str]]]):
+        self.fetch = fetch
+        self.seen = self._fetched(0)[0]
+
+    def _fetched(self, seen: int) -> tuple[int, list[str]]:
+        try:
+            return self.fetch(seen)
+        except Exception:  # noqa: BLE001 - a controller restarting: asked again at the next tick
+            return seen, []
+
+    def print_new(self) -> None:
+        self.seen, new = self._fetched(self.seen)
+        for event in new:
+            print(f"mirrorspec: {event}", flush=True)

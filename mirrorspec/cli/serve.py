@@ -17,6 +17,7 @@ from mirrorspec.cli.flags import (
     resolve_draft,
 )
 from mirrorspec.cli.lifecycle import (
+    ReplicaEvents,
     drain_and_tear_down,
     finish_in_flight,
     interrupted_by_termination,
@@ -150,7 +151,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as announced:
         if args.address is None:  # status, scale and stop find this Ray by the deployment's name
             announced.enter_context(announced_local_ray(spec.name, ray.get_runtime_context().gcs_address))
-        if not wait_for_stop(lambda: stopped_elsewhere(spec.name)):
+        events = ReplicaEvents(lambda seen: ray.get(controller.events_since.remote(seen), timeout=5))
+        if not wait_for_stop(lambda: stopped_elsewhere(spec.name), each_tick=events.print_new):
             print(f"mirrorspec: deployment {spec.name!r} was stopped (`mirrorspec stop`)", flush=True)
             return 0
         drain_and_tear_down(spec.name, controller, args.shutdown_grace)

@@ -221,6 +221,10 @@ def test_killing_a_replica_actor_mid_request_loses_nothing_and_it_is_replaced(de
     moves = completion.stats.target_moves if pool == "target" else completion.stats.drafter_moves
     assert moves >= 1 or completion.stats.drafter_fallback
     assert wait_until(lambda: replaced(controller, pool, victim), timeout=120, every=0.25)
+    # what `serve` prints of it (``ReplicaEvents``): it was in Ray's worker logs alone before
+    _, events = ray.get(controller.events_since.remote(0))
+    down = next(i for i, e in enumerate(events) if e.startswith(f"{victim} at ") and "is down" in e)
+    assert any(e.startswith(f"{pool}-") and " serves at " in e for e in events[down + 1:])
 
 
 def test_a_replica_whose_server_stopped_while_its_actor_lives_is_replaced(deployment, reference):
