@@ -107,6 +107,14 @@ CASES = [
     # the runner-up never wins; on this one it wins ~3% of samples and branches hit in most.)
     Case("t1.0-k1-mirror-runner-up-dense", 1.0, 1, runner_up=True, bug="runner_up_kept_with_p",
          mirror=MirrorConfig(max_branches=8, alternatives=7, stop_at_verdict=False)),
+    # mirror with adaptive K and sparse q: branches are drafted for the K the policy will pick after
+    # the verdict, which is 1 or 2 here (4 windows or 3 for the first three tokens), and taken in
+    # two thirds of windows. First drafts are nearly always rejected on this prompt, so the residual
+    # decides: that is the bug planted (caught in the first 2,500 samples; a peeking branch needed
+    # far more samples than lying or residual bugs, at four times the cost of this case)
+    Case("t1.0-k3-mirror-adaptive-sparse", 1.0, 3, proposal_top_k=3, bug="residual_is_p", prompt=(0, 7, 3, 0),
+         adaptive=AdaptiveKConfig(draft_cost=0.3, pass_costs=(), pass_cost_per_token=0.2, decay=0.3, probe_every=1),
+         mirror=MirrorConfig(max_branches=8, alternatives=7, stop_at_verdict=False)),
 ]
 
 
@@ -206,14 +214,18 @@ def sample_first_tokens(target, drafter: Drafter, case: Case, samples: int = SAM
         results = (generate(target, drafter, case.prompt, params, num_speculative_tokens=case.k, seed=seed,
                             adaptive=case.adaptive, mirror=case.mirror, runner_up=case.runner_up)
                    for seed in range(first, first + count))
-        return [(tuple(r.token_ids[:DEPTH]), r.stats.runner_up_hits) for r in results]
+        return [(tuple(r.token_ids[:DEPTH]), r.stats.runner_up_hits, r.stats.branch_hits) for r in results]
 
     drawn = run_halves_in_two_processes(draw, first_seed, samples)
-    out, runner_up_hits = [tokens for tokens, _ in drawn], sum(hits for _, hits in drawn)
+    out = [tokens for tokens, _, _ in drawn]
+    runner_up_hits, branch_hits = sum(d[1] for d in drawn), sum(d[2] for d in drawn)
     if check_wins:
         # runner-ups really won: in 0.5% of samples at least (the near-draft16 case's win in ~1%: 94 of its
         # first 10,000, which a 1% floor failed when the samples went from 20,000 to 10,000)
         assert runner_up_hits > samples // 200 if case.runner_up else runner_up_hits == 0
+        # and a mirror case's branches fed later windows (in most samples: every branch is drafted),
+        # or its samples say nothing of branches
+        assert branch_hits > samples // 2 if case.mirror else branch_hits == 0
     return out
 
 
