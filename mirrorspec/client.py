@@ -306,11 +306,12 @@ class RequestRefused(InvalidRequest, grpc.RpcError):
 
 
 class ClientClosed(grpc.RpcError):
-    """The client was closed: an ``AsyncClient`` while this call ran, or a ``Client`` before it.
-    grpc.aio ends a call under way with a bare ``CancelledError``, which a ``TaskGroup`` takes for
-    a cancelled task and drops with no error: the work was lost in silence. A closed sync
-    channel raised a bare ``ValueError`` (both a review's finds). A sync call under way when its
-    client closes fails CANCELLED, as grpc has it."""
+    """The client was closed, before this call or while it ran. grpc.aio ends a call under way
+    with a bare ``CancelledError``, which a ``TaskGroup`` takes for a cancelled task and drops
+    with no error: the work was lost in silence. A closed sync channel raised a bare
+    ``ValueError`` (both a review's finds), and a sync call under way when its client closed a
+    bare CANCELLED "Channel closed!", which names neither the client nor what became of the
+    request (a soak review). Its code is CANCELLED, as grpc's own is."""
 
     def code(self) -> grpc.StatusCode:
         return grpc.StatusCode.CANCELLED
@@ -344,8 +345,23 @@ def _closing_is_an_error(address: str):
     except asyncio.CancelledError:
         task = asyncio.current_task()
         if task is not None and task.cancelling() == 0:
-            raise ClientClosed(f"the AsyncClient of {address} was closed while this call ran; its result is lost "
-                               f"(the front door freed its sessions): close the client after its calls end") from None
+            raise closed_under_the_call("AsyncClient", address) from None
+        raise
+
+
+def closed_under_the_call(kind: str, address: str) -> ClientClosed:
+    return ClientClosed(f"the {kind} of {address} was closed while this call ran; its result is lost (the front "
+                        f"door freed its sessions): close the client after its calls end")
+
+
+@contextmanager
+def _closing_is_an_error_sync(client: Client):
+    """A sync call that fails CANCELLED because its client closed under it: raised as ``ClientClosed``."""
+    try:
+        yield
+    except grpc.RpcError as err:
+        if client.closed and not isinstance(err, ClientClosed) and err.code() == grpc.StatusCode.CANCELLED:
+            raise closed_under_the_call("Client", client.address) from err
         raise
 
 
@@ -370,8 +386,8 @@ class _Stream:
     ``contextlib.closing``, ``with``), which cancels the call and frees its sessions: each raised
     AttributeError on grpc's call object (a review's find)."""
 
-    def __init__(self, call, address: str):
-        self._call, self._address = call, address
+    def __init__(self, call, client: Client):
+        self._call, self._client = call, client
         self._closed = False
 
     def __iter__(self) -> _Stream:
@@ -391,7 +407,7 @@ class _Stream:
         if self._closed:  # a loop that closed its stream ends, as a generator's does
             raise StopIteration
         try:
-            with _front_door_answers(self._address):
+            with _closing_is_an_error_sync(self._client), _front_door_answers(self._client.address):
                 return next(self._call)
         except grpc.RpcError:
             if self._closed:  # closed from another thread while this waited
@@ -428,16 +444,16 @@ class Client(_Deadlines):
     def generate(self, prompt=None, *, timeout_s=CLIENT_DEADLINE, **kwargs) -> Completion:
         """``kwargs``: ``build_request``'s; ``timeout_s``: this call's deadline, if not the client's."""
         request = _request("generate", prompt, kwargs)
-        with _front_door_answers(self.address):
+        with _closing_is_an_error_sync(self), _front_door_answers(self.address):
             return _completion(self._open().Generate(request, timeout=self._deadline(timeout_s)))
 
     def stream(self, prompt=None, *, timeout_s=CLIENT_DEADLINE,
                **kwargs) -> Iterator[generation_pb2.GenerateStreamResponse]:
         request = _request("stream", prompt, kwargs)
-        return _Stream(self._open().GenerateStream(request, timeout=self._deadline(timeout_s)), self.address)
+        return _Stream(self._open().GenerateStream(request, timeout=self._deadline(timeout_s)), self)
 
     def model_info(self, *, timeout_s=CLIENT_DEADLINE) -> generation_pb2.ModelInfoResponse:
-        with _front_door_answers(self.address):
+        with _closing_is_an_error_sync(self), _front_door_answers(self.address):
             return self._open().ModelInfo(generation_pb2.ModelInfoRequest(), timeout=self._deadline(timeout_s))
 
     def _open(self) -> generation_pb2_grpc.GenerationServiceStub:

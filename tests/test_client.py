@@ -446,6 +446,32 @@ def test_calls_under_way_when_an_async_client_closes_fail_with_client_closed(sta
     assert all(e.code() == grpc.StatusCode.CANCELLED for e in err.value.exceptions)
 
 
+def test_calls_under_way_when_a_sync_client_closes_fail_with_client_closed(stack):
+    """They failed with grpc's bare CANCELLED "Channel closed!", which names neither the client nor
+    what became of the request (a soak review). They are ``ClientClosed`` now, as an async
+    client's are, with the same CANCELLED code; a stream closed on its own still just ends."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mirrorspec.client import ClientClosed
+    from served_stack import targets_held
+    from support import wait_until
+
+    client = Client(stack.address)
+
+    def streamed():
+        return sum(len(chunk.token_ids) for chunk in client.stream([0, 1, 2], max_tokens=100))
+
+    with targets_held(stack), ThreadPoolExecutor(2) as pool:
+        calls = [pool.submit(streamed), pool.submit(lambda: client.generate([0, 1, 2], max_tokens=100))]
+        assert wait_until(lambda: stack.front.servicer.in_flight == 2)
+        client.close()
+        for call in calls:
+            with pytest.raises(ClientClosed, match="was closed while this call ran; its result is lost") as err:
+                call.result(30)
+            assert err.value.code() == grpc.StatusCode.CANCELLED
+    assert wait_until(lambda: stack.front.servicer.in_flight == 0)
+
+
 def test_a_sync_stream_closes_as_a_generator_does_and_frees_its_sessions(stack):
     """``stream.close()``, ``contextlib.closing(stream)`` and ``with stream:`` raised AttributeError
     on grpc's call object; only ``cancel()`` worked (a client review)."""
