@@ -31,7 +31,7 @@ from mirrorspec.models.loading import same_tokenizer, try_load_tokenizer
 from mirrorspec.models.detokenize import IncrementalDetokenizer, decode_text
 from mirrorspec.sampling import fresh_seed
 from mirrorspec.serving.convert import params_from_proto
-from mirrorspec.serving.errors import status_for
+from mirrorspec.serving.errors import StoppedBeforeDone, status_for
 from mirrorspec.serving.server import BACKEND_CHANNEL_OPTIONS, Service, start_grpc_server
 from mirrorspec.v1 import (
     common_pb2,
@@ -197,6 +197,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.eos_ids = tuple(sorted(t for t in eos if t < self.vocab_size))
         self.in_flight = 0  # requests running now (read by workers, changed on the event loop)
         self.draining = False  # stopping: new requests are refused, those in flight finish
+        # stopped with requests still in flight (the drain's grace ran out): why, for each of them
+        self.ended: str | None = None
+        self._answer_queues: set[asyncio.Queue] = set()  # of the requests in ``_run``, on the event loop
 
     def unready(self) -> str | None:
         """Why this front door cannot serve a request now, if it cannot (its health check then
@@ -211,6 +214,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     def busy(self) -> bool:
         return self.in_flight > 0
+
+    def end_in_flight(self, grace_s: float) -> None:
+        """The drain's grace ran out (``RunningServer._drain``): each request still in flight, queued
+        for a worker or running, ends now with a status that says why, rather than gRPC's
+        "Cancelling all calls" as the server stops (a soak review). Its worker stops as a cancelled
+        one does, closing its sessions. On the event loop."""
+        self.ended = (f"this front door stopped before the request finished: its shutdown grace ({grace_s:g} s) "
+                      f"ran out; send the request again, to another front door or once this one is back")
+        for queue in self._answer_queues:
+            queue.put_nowait(StoppedBeforeDone(self.ended))
 
     @contextmanager
     def _counted(self):
@@ -390,7 +403,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             self.metrics.observe(outcome)
             return answer
 
+        if self.ended is not None:  # admitted as the grace ran out
+            self.refused(grpc.StatusCode.UNAVAILABLE)
+            raise StoppedBeforeDone(self.ended)
         try:
+            self._answer_queues.add(queue)
             self.metrics.waiting.inc()
             loop.run_in_executor(self._workers, work)
             while True:
@@ -401,6 +418,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     raise item
                 yield item
         finally:
+            self._answer_queues.discard(queue)
             cancelled.set()  # client went away, deadline passed, or done: the worker stops and closes sessions
 
     def _drive(self, prepared: PreparedRequest, outcome: RequestOutcome, budget: RequestBudget,

@@ -54,6 +54,12 @@ class NoReplicaAvailable(RuntimeError):
     """No replica of a pool could take a session (none registered, all failed or full)."""
 
 
+class StoppedBeforeDone(RuntimeError):
+    """The server stopped before this call finished (its shutdown grace ran out): UNAVAILABLE, to
+    send again elsewhere. gRPC's own stop ended such calls with "Cancelling all calls", which says
+    neither that the server stopped nor what to do (a soak review)."""
+
+
 class ReplicaLost(RuntimeError):
     """This replica can serve no more (a tensor-parallel rank died mid-operation): UNAVAILABLE,
     which callers read as the replica gone, so its sessions move and their requests go on."""
@@ -72,7 +78,7 @@ def status_for(err: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.ALREADY_EXISTS
     if isinstance(err, ContextMismatch):
         return grpc.StatusCode.FAILED_PRECONDITION
-    if isinstance(err, (NoReplicaAvailable, ReplicaLost)):
+    if isinstance(err, (NoReplicaAvailable, ReplicaLost, StoppedBeforeDone)):
         return grpc.StatusCode.UNAVAILABLE
     if isinstance(err, grpc.RpcError) and hasattr(err, "code"):
         # a backend refused or failed: pass on what the caller can act on, else UNAVAILABLE

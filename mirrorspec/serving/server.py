@@ -65,7 +65,9 @@ class RunningServer:
     async def _drain(self, grace: float | None) -> float | None:
         """The grace left for gRPC's own stop. Once the draining servicers are idle, a moment
         (``FLUSH_S`` at most) for the answers their handlers just returned to go out: gRPC's stop
-        with none cancels every call whose status has not been sent yet."""
+        with none cancels every call whose status has not been sent yet. Calls still under way
+        when ``grace`` runs out are ended by their servicer (``end_in_flight``) with a status
+        that says so, and get the same moment for it to go out."""
         draining = [s for s in self.servicers if hasattr(s, "start_draining")]
         if not draining or not grace:
             return grace
@@ -77,6 +79,10 @@ class RunningServer:
         deadline = loop.time() + grace
         while any(s.busy() for s in draining) and loop.time() < deadline:
             await asyncio.sleep(0.05)
+        if any(s.busy() for s in draining):
+            for servicer in draining:
+                servicer.end_in_flight(grace)
+            return FLUSH_S
         return min(max(deadline - loop.time(), 0.0), FLUSH_S)
 
     async def stop(self, grace: float | None = None) -> None:

@@ -1878,8 +1878,10 @@ def test_a_front_door_process_exits_once_its_grace_has_passed_though_a_backend_c
             stream = client.stream([0, 7, 3], max_tokens=60, k=0)
             assert wait_until(lambda: len(stack.target.servicer.sessions) == opened + 1)
             front.send_signal(signal.SIGTERM)
-            with pytest.raises(grpc.RpcError):
+            with pytest.raises(grpc.RpcError) as ended:
                 list(stream)
+            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "its shutdown grace (1 s) ran out; send the request again" in ended.value.details()
         _, err = front.communicate(timeout=30)  # while the target still holds the call
         assert front.returncode == 0 and not release.is_set()
         assert "unreachable" not in err  # the calls the stop cancelled are not blamed on the target
@@ -1953,6 +1955,38 @@ def test_a_drain_that_ends_as_a_request_finishes_still_sends_its_answer(stack, t
         worker.join(timeout=60)
     assert "error" not in results, results["error"]
     assert results["tokens"] == target_only(load(tiny_dir["target16"]), [0, 7, 3], 8)
+
+
+def test_requests_still_in_flight_when_the_grace_runs_out_are_told_so(stack):
+    """Running or queued for a worker, they got gRPC's UNAVAILABLE "Cancelling all calls" as the
+    server stopped, which says neither that the front door stopped nor what to do (a soak review).
+    Here one request runs, held on the target, and one waits for the front door's only worker."""
+    from mirrorspec.serving.server import BackgroundServer
+    from orchestrator.servicer import serve
+
+    front = OrchestratorConfig(target=f"127.0.0.1:{stack.targets[0].port}", drafter=None, port=0,
+                               max_concurrent_requests=1)
+    errors = []
+    with targets_held(stack), BackgroundServer(lambda: serve(front)) as door:
+        client = Client(f"127.0.0.1:{door.port}", timeout_s=60)
+
+        def send(call):
+            try:
+                call()
+            except grpc.RpcError as err:
+                errors.append(err)
+        senders = [threading.Thread(target=send, args=(lambda: client.generate([0, 7, 3], max_tokens=8),)),
+                   threading.Thread(target=send, args=(lambda: list(client.stream([0, 7, 3], max_tokens=8)),))]
+        for sender in senders:
+            sender.start()
+        assert wait_until(lambda: door.servicer.in_flight == 2, timeout=30, every=0.01)
+        door.stop(grace=1)
+        for sender in senders:
+            sender.join(timeout=30)
+        client.close()
+    assert [e.code() for e in errors] == [grpc.StatusCode.UNAVAILABLE] * 2
+    assert all("this front door stopped before the request finished: its shutdown grace (1 s) ran out"
+               in e.details() for e in errors), [e.details() for e in errors]
 
 
 def test_a_client_pinging_every_second_keeps_a_call_that_sends_nothing_for_seconds(stack, tiny_dir):
