@@ -109,6 +109,17 @@ def attention_reach(config) -> int | None:
     return min(reaches, default=None)
 
 
+def runner_up_reach(model: torch.nn.Module) -> int | None:
+    """The longest sequence a runner-up can be scored in (None: any; 0: none). Scoring one hands
+    the model a 4D mask and the runner-up's ``position_ids``, which models with ALiBi biases
+    (Bloom, MPT, Falcon with ``alibi``) cannot take: they build the bias from a 2D mask, and take
+    no positions. Bloom raised a bare ValueError deep in transformers (a review's find); their
+    windows verify the chain alone, as windows past a sliding window do."""
+    if getattr(model.config, "alibi", False) or "position_ids" not in inspect.signature(model.forward).parameters:
+        return 0
+    return attention_reach(model.config)
+
+
 def runner_up_mask(cached: int, queries: int, first: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Additive attention mask for ``queries`` new tokens after ``cached`` ones: causal for all
     but the last, which sees keys before ``first`` and itself only.
@@ -146,7 +157,7 @@ class KVSession:
         self.tokens: list[int] = []
         self._cache = DynamicCache()
         self._head = None
-        self.reach = attention_reach(model.config)  # longest sequence a runner-up can be scored in (None: any)
+        self.reach = runner_up_reach(model)  # longest sequence a runner-up can be scored in (None: any)
         if output_rows is not None:
             self._head = sub_vocabulary_head(model, output_rows)  # [..., hidden] -> [..., m]
 
@@ -179,6 +190,9 @@ class KVSession:
         """
         if not 2 <= num_positions <= len(context):
             raise ValueError(f"num_positions must be in [2, {len(context)}], got {num_positions}")
+        if self.reach == 0:
+            raise ValueError(f"this model ({type(self.model).__name__}) cannot score a runner-up: it takes no 4D "
+                             f"attention mask with position ids (ALiBi); verify the chain alone")
         if not scores_runner_up(self, len(context)):
             raise ValueError(f"a runner-up in a {len(context)}-token sequence is past this model's attention reach "
                              f"({self.reach}): its mask would see too far back")

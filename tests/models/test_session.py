@@ -164,3 +164,41 @@ def test_a_runner_up_past_a_sliding_window_is_refused_rather_than_scored_wrong(t
     with pytest.raises(ValueError, match=r"a runner-up in a 9-token sequence is past this model's attention "
                                          r"reach \(8\)"):
         session.logits_with_runner_up([1, 2, 3, 4, 5, 6, 7, 1, 2], 3, 5)
+
+
+@pytest.mark.parametrize("kind", ["bloom", "falcon-alibi", "falcon"])
+def test_models_with_alibi_verify_the_chain_alone_rather_than_crash_on_a_runner_up(tmp_path, kind):
+    """A runner-up is scored under a 4D mask at its own position ids, which ALiBi models build
+    their bias without (Bloom: a bare ValueError from transformers' ``build_alibi_tensor`` on
+    every runner-up window, a review's find). They verify chains, and their output stays the
+    target's; Falcon without ALiBi (rotary) scores runner-ups as a Llama does."""
+    from transformers import AutoModelForCausalLM, BloomConfig, FalconConfig
+
+    from mirrorspec import SamplingParams, generate
+
+    # weights drawn wide enough that greedy output does not repeat one token
+    config = (BloomConfig(vocab_size=32, hidden_size=32, n_head=4, n_layer=2, initializer_range=0.3) if kind == "bloom"
+              else FalconConfig(vocab_size=32, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+                                initializer_range=0.3, alibi=kind == "falcon-alibi", new_decoder_architecture=False))
+    paths = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        paths.append(tmp_path / f"m{seed}")
+        AutoModelForCausalLM.from_config(config).save_pretrained(paths[-1])
+    target, draft = (AutoModelForCausalLM.from_pretrained(p) for p in paths)
+    session = KVSession(target)
+    assert session.reach == (None if kind == "falcon" else 0)
+    params = SamplingParams(max_new_tokens=24)
+    alone = generate(target, None, [1, 5, 9, 3], params)
+    # the draft is the target with noise, so its drafts are sometimes rejected and a runner-up offered
+    with torch.no_grad():
+        for name, weight in draft.named_parameters():
+            weight.copy_(dict(target.named_parameters())[name] + 0.1 * torch.randn_like(weight))
+    spec = generate(target, draft, [1, 5, 9, 3], params, num_speculative_tokens=4, runner_up=True)
+    assert spec.token_ids == alone.token_ids and spec.stats.rejected > 0 and len(set(alone.token_ids)) > 2
+    if kind != "falcon":
+        assert spec.stats.runner_up_hits == 0
+        with pytest.raises(ValueError, match="cannot score a runner-up: it takes no 4D attention mask"):
+            session.logits_with_runner_up([1, 5, 9, 3], 2, 7)
+    else:
+        assert session.logits_with_runner_up([1, 5, 9, 3], 2, 7).shape[0] == 3
