@@ -200,7 +200,7 @@ def load_causal_lm(source: str, *, dtype: str = "auto", device: str = "auto", to
     if tokenizer:
         with _not_loadable_as_invalid(source, "a tokenizer", "a model directory with its tokenizer files",
                                       cached=cached):
-            tok = AutoTokenizer.from_pretrained(location, **gguf)
+            tok = check_has_tokens(AutoTokenizer.from_pretrained(location, **gguf))
     loaded_from = location if not gguf else str(Path(location) / gguf["gguf_file"])
     return LoadedModel(model=model, tokenizer=tok, source=loaded_from)
 
@@ -334,9 +334,20 @@ def try_load_tokenizer(source: str | None) -> PreTrainedTokenizerBase | None:
 
     try:
         location, gguf = locate_model(source)
-        return AutoTokenizer.from_pretrained(location, **gguf)
+        return check_has_tokens(AutoTokenizer.from_pretrained(location, **gguf))
     except (OSError, ValueError, TypeError, InvalidRequest):
         return None
+
+
+def check_has_tokens(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """From a folder with no tokenizer files, transformers 5.x raises for some model types and for
+    others (GPT-2, Gemma) builds a tokenizer of its special tokens alone: text was then encoded to
+    nothing ("input_ids is empty", blaming the prompt) or to one unknown token, and output decoded
+    to "" (a review's find). Raised as ValueError, which loading reports as no tokenizer."""
+    if len(tokenizer) <= len(set(tokenizer.all_special_ids)):
+        raise ValueError(f"found no tokenizer files: transformers built a {type(tokenizer).__name__} that holds its "
+                         f"{len(tokenizer)} special tokens alone")
+    return tokenizer
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, *, chat: bool = True,

@@ -167,6 +167,27 @@ def test_a_model_without_a_tokenizer_is_named_when_one_is_asked_for(tmp_path):
     assert err.value.field == "model"
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "gemma2"])
+def test_a_model_without_a_tokenizer_is_named_where_transformers_builds_an_empty_one(tmp_path, kind):
+    """For a Llama folder with no tokenizer files transformers raises; for GPT-2 and Gemma it builds
+    a tokenizer of special tokens alone, and the CLI said "input_ids is empty" of a prompt, or ran
+    on "hello world" as one unknown token and printed "" (a review's find)."""
+    from transformers import AutoModelForCausalLM, Gemma2Config, GPT2Config
+
+    from mirrorspec.models.loading import try_load_tokenizer
+
+    config = (GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2) if kind == "gpt2" else
+              Gemma2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=8))
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / kind)
+    with pytest.raises(InvalidRequest, match="cannot load a tokenizer from .*found no tokenizer files: transformers "
+                                             "built a .*Tokenizer that holds its \\d+ special tokens alone .*pass a "
+                                             "model directory with its tokenizer files") as err:
+        load_causal_lm(str(tmp_path / kind), device="cpu")
+    assert err.value.field == "model"
+    assert try_load_tokenizer(str(tmp_path / kind)) is None  # as for a folder transformers refuses
+
+
 @pytest.fixture(scope="module")
 def demo_tokenizer():
     from mirrorspec.models.loading import try_load_tokenizer
