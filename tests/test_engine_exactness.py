@@ -46,6 +46,10 @@ CAUGHT_BELOW = 1e-6  # a planted bug must be rejected decisively
 BUG_LOOKS = (2_500, 5_000, SAMPLES)
 
 
+# adaptive K that switches window to window: fast decay, costly drafts
+JUMPY_K = AdaptiveKConfig(draft_cost=0.3, pass_costs=(), pass_cost_per_token=0.2, decay=0.3, probe_every=1)
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -85,8 +89,7 @@ CASES = [
     Case("t1.0-k3-hybrid-dense", 1.0, 3, drafter="hybrid", bug="misaligned_join", prompt=(0, 3, 5, 3, 5)),
     # K varies window to window (a jumpy policy: fast decay, costly drafts), so the first three
     # tokens come from windows of different lengths
-    Case("t1.0-k3-adaptive-sparse", 1.0, 3, proposal_top_k=3,
-         adaptive=AdaptiveKConfig(draft_cost=0.3, pass_costs=(), pass_cost_per_token=0.2, decay=0.3, probe_every=1)),
+    Case("t1.0-k3-adaptive-sparse", 1.0, 3, proposal_top_k=3, adaptive=JUMPY_K),
     # K = 1, so the second window (fed by a branch when the guess hits) lies inside the first three
     # tokens; every branch is drafted whatever the timing, so hits do not depend on the machine.
     # The prompt is one where the first draft is nearly always rejected and the drafter is unsure
@@ -113,7 +116,7 @@ CASES = [
     # decides: that is the bug planted (caught in the first 2,500 samples; a peeking branch needed
     # far more samples than lying or residual bugs, at four times the cost of this case)
     Case("t1.0-k3-mirror-adaptive-sparse", 1.0, 3, proposal_top_k=3, bug="residual_is_p", prompt=(0, 7, 3, 0),
-         adaptive=AdaptiveKConfig(draft_cost=0.3, pass_costs=(), pass_cost_per_token=0.2, decay=0.3, probe_every=1),
+         adaptive=JUMPY_K,
          mirror=MirrorConfig(max_branches=8, alternatives=7, stop_at_verdict=False)),
 ]
 
