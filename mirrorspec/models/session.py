@@ -157,7 +157,7 @@ class KVSession:
         self.tokens: list[int] = []
         self._cache = DynamicCache()
         self._head = None
-        self.reach = runner_up_reach(model)  # longest sequence a runner-up can be scored in (None: any)
+        self.reach = runner_up_reach(model)  # longest sequence a runner-up can be scored in (None: any; 0: none)
         if output_rows is not None:
             self._head = sub_vocabulary_head(model, output_rows)  # [..., hidden] -> [..., m]
 
