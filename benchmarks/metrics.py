@@ -88,8 +88,13 @@ def _draft_per_token(stats: list[dict]) -> float | None:
     return sum(s["draft_time_s"] for s in stats) / drafted if drafted else None
 
 
-def _spec_fields(stats: list[dict], k: int) -> dict:
-    """Acceptance, accepted length, cost ratio and bound from summed speculation statistics."""
+RUNNER_UP_MODE_MARK = "runner-up"  # in the names of the modes whose windows offer the draft's runner-up
+
+
+def _spec_fields(stats: list[dict], k: int, runner_up: bool = False) -> dict:
+    """Acceptance, accepted length, cost ratio and bound from summed speculation statistics.
+    ``runner_up``: the mode offers runner-ups, so a run none of whose runner-ups won shows a rate
+    of 0.0, not the null of modes that offer none (a benchmark review)."""
     drafted = sum(s["drafted"] for s in stats)
     accepted = sum(s["accepted"] for s in stats)
     windows = sum(s["windows"] for s in stats)
@@ -101,7 +106,7 @@ def _spec_fields(stats: list[dict], k: int) -> dict:
                  "verify_s_per_window": _verify_per_window(stats),
                  "branch_hit_rate": (sum(s.get("branch_hits", 0) for s in stats) / mirror_windows
                                      if mirror_windows else None)}
-    if runner_up_hits and windows:
+    if windows and (runner_up_hits or runner_up):
         out["runner_up_hit_rate"] = runner_up_hits / windows
     if k == 0 or drafted == 0:
         return out
@@ -173,7 +178,7 @@ def _summarize_group(key: tuple, group: list[RunRecord]) -> Summary:
     tokens = sum(r.new_tokens for r in group)
     wall = sum(r.wall_time_s for r in group)
     stats = [r.stats for r in group if r.stats is not None]
-    fields = _spec_fields(stats, k) if stats else {}
+    fields = _spec_fields(stats, k, runner_up=RUNNER_UP_MODE_MARK in mode) if stats else {}
     return Summary(dataset=dataset, mode=mode, temperature=temperature, k=k, prompts=len(group),
                    new_tokens=tokens, wall_time_s=wall, tokens_per_s=tokens / wall if wall else 0.0,
                    identical=_identity(group), same_as_in_process=_same_as_in_process(group), **fields)

@@ -79,6 +79,19 @@ def test_pass_cost_leaves_out_the_prefill_and_tokens_per_pass_count_committed_to
     assert rows["mirrorspec-draft"].cost_ratio == pytest.approx((0.08 / 8) / 0.06)
 
 
+def test_a_runner_up_mode_none_of_whose_runner_ups_won_shows_a_rate_of_zero_not_none():
+    """None is for modes that offer no runner-up; a runner-up mode that never won reads 0.0."""
+    records = []
+    for mode in ("mirrorspec-draft", "mirrorspec-hybrid-confident-runner-up"):
+        records.append(_record(mode, 0.0, [1] * 5))
+        records[-1].stats = _stats(windows=4, accepted=2, verify_time_s=0.5, first_verify_time_s=0.3, committed=5)
+    rows = {s.mode: s for s in summarize(records)}
+    assert rows["mirrorspec-draft"].runner_up_hit_rate is None
+    assert rows["mirrorspec-hybrid-confident-runner-up"].runner_up_hit_rate == 0.0
+    records[1].stats["runner_up_hits"] = 1
+    assert summarize(records)[1].runner_up_hit_rate == pytest.approx(1 / 4)
+
+
 def test_a_one_window_request_leaves_the_rest_of_its_mode_without_the_prefill():
     """A request whose answer fit one window (all accepted, or K >= max tokens - 1) sent its whole
     mode back to counting every first window, prefill and all, beside target-only's row without
